@@ -1,0 +1,176 @@
+"""Hugging Face safetensors <-> Flax parameter trees, through one declarative name table.
+
+Flax path <-> tensor name: ``layers_N`` <-> ``layers.N``; leaves per ``_LEAVES`` (Linear ``kernel`` is
+the transposed ``weight``); target names carry the ``model.`` prefix (except ``lm_head``), draft
+names none. Shards are memory-mapped and converted tensor by tensor, so a checkpoint is never held
+twice in memory; ``place`` decides where each tensor goes (one device, or its shards).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import traverse_util
+
+# flax leaf name -> (Hugging Face leaf name, stored transposed)
+_LEAVES = {"kernel": ("weight", True), "embedding": ("weight", False), "weight": ("weight", False),
+           "bias": ("bias", False)}
+# Tensors a checkpoint may carry that have no parameter here (rotary buffers).
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+          "fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+def resolve_dtype(dtype):
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    return jnp.dtype(dtype).type
+
+
+def hf_name(path: tuple[str, ...], prefix: str) -> tuple[str, bool]:
+    """Flax path -> (Hugging Face tensor name, transposed?)."""
+    leaf, transposed = _LEAVES[path[-1]]
+    parts = [re.sub(r"^layers_(\d+)$", r"layers.\1", p) for p in path[:-1]] + [leaf]
+    name = ".".join(parts)
+    return (name if name.startswith("lm_head.") else prefix + name), transposed
+
+
+def resolve_path(path_or_hub_id: str) -> str:
+    """A local directory as is; otherwise a Hugging Face hub id through the local cache or the network."""
+    path = os.fspath(path_or_hub_id)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path) or path.startswith((".", "/")) or path.count("/") != 1:
+        raise FileNotFoundError(f"{path!r} is not a directory (nor a Hugging Face hub id like 'org/name')")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:  # pragma: no cover - transformers depends on it
+        raise FileNotFoundError(f"{path!r} is not a local directory and huggingface_hub is missing") from e
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
+    try:
+        return snapshot_download(path, allow_patterns=patterns, local_files_only=True)
+    except Exception:
+        pass
+    try:
+        return snapshot_download(path, allow_patterns=patterns)
+    except Exception as e:
+        raise FileNotFoundError(
+            f"could not get {path!r} from the Hugging Face hub ({type(e).__name__}: {e}); it is not in the local "
+            "cache and the hub is unreachable (offline?). Download it where there is network "
+            f"(huggingface-cli download {path}) or pass a local directory.") from None
+
+
+def _read_header(filename: str) -> tuple[dict, int]:
+    with open(filename, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return header, 8 + n
+
+
+def iter_safetensors(filename: str) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (name, memory-mapped array) for every tensor of one file; bf16 through ml_dtypes."""
+    header, start = _read_header(filename)
+    raw = np.memmap(filename, dtype=np.uint8, mode="r")
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{filename}: tensor {name} has unsupported dtype {info['dtype']}")
+        lo, hi = info["data_offsets"]
+        yield name, raw[start + lo:start + hi].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def save_safetensors(filename: str, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> None:
+    """Write a safetensors file (any numpy dtype incl. bfloat16)."""
+    header, offset, arrays = {}, 0, []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        header[name] = {"dtype": _ST_NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        arrays.append(a)
+    header["__metadata__"] = {"format": "pt", **(metadata or {})}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(filename, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for a in arrays:
+            f.write(a.tobytes())
+
+
+def weight_files(directory: str) -> list[str]:
+    index = os.path.join(directory, "model.safetensors.index.json")
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(directory, s) for s in shards]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"shards listed in {index} are missing: {missing}")
+        return files
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {directory} "
+                            "(only safetensors checkpoints are supported)")
+
+
+def load_params(directory: str, shapes, *, prefix: str, dtype=jnp.float32,
+                place: Callable[[tuple, np.ndarray], jax.Array] | None = None, ignore: tuple[str, ...] = ()):
+    """Read the checkpoint in ``directory`` into a tree shaped like ``shapes`` (a pytree of ShapeDtypeStructs).
+
+    Every parameter must be present with the shape the config implies; ``place(path, array)`` puts
+    each converted tensor on its device(s) (default: ``jnp.asarray``); names in ``ignore`` are skipped.
+    """
+    dtype = resolve_dtype(dtype)
+    place = place or (lambda path, a: jnp.asarray(a))
+    expected = {}
+    for path, leaf in traverse_util.flatten_dict(shapes).items():
+        name, transposed = hf_name(path, prefix)
+        expected[name] = (path, transposed, tuple(leaf.shape))
+    found, unexpected = {}, []
+    for filename in weight_files(directory):
+        for name, array in iter_safetensors(filename):
+            if name not in expected:
+                if not _IGNORED.search(name) and name not in ignore:
+                    unexpected.append(name)
+                continue
+            path, transposed, shape = expected[name]
+            hf_shape = shape[::-1] if transposed else shape
+            if tuple(array.shape) != hf_shape:
+                raise ValueError(f"{filename}: tensor {name} has shape {list(array.shape)} but the config implies "
+                                 f"{list(hf_shape)}")
+            value = np.asarray(array.T if transposed else array).astype(dtype)
+            found[path] = place(path, value)
+    missing = sorted(n for n, (p, _, _) in expected.items() if p not in found)
+    if missing:
+        raise ValueError(f"checkpoint {directory} lacks {len(missing)} tensors the config needs, e.g. {missing[:5]}")
+    if unexpected:
+        raise ValueError(f"checkpoint {directory} has {len(unexpected)} tensors this model does not use, "
+                         f"e.g. {sorted(unexpected)[:5]} (wrong model_type or config?)")
+    return traverse_util.unflatten_dict(found)
+
+
+def export_params(params, *, prefix: str, dtype=None) -> dict[str, np.ndarray]:
+    """Parameter tree -> {Hugging Face name: [out, in] array}."""
+    out = {}
+    for path, value in traverse_util.flatten_dict(params).items():
+        name, transposed = hf_name(path, prefix)
+        a = np.asarray(jax.device_get(value))
+        if dtype is not None:
+            a = a.astype(resolve_dtype(dtype))
+        out[name] = np.ascontiguousarray(a.T if transposed else a)
+    return out

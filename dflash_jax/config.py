@@ -1,0 +1,289 @@
+"""Frozen model configs read from (and written back to) Hugging Face ``config.json``.
+
+``TargetConfig`` describes a Qwen3 / LLaMA-3.x decoder; ``DraftConfig`` a DFlash draft (a Qwen3
+layer stack plus the DFlash fields). Both accept the transformers-4.x rope format (``rope_theta`` +
+``rope_scaling``) and the 5.x one (``rope_parameters``). Configs are hashable: they are static
+arguments of jitted functions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from typing import Any, Mapping
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _read_json(path_or_dict) -> dict:
+    if isinstance(path_or_dict, Mapping):
+        return dict(path_or_dict)
+    path = os.fspath(path_or_dict)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json at {path}")
+    with open(path) as f:
+        return json.load(f)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding settings; ``params`` holds the type's extra keys as sorted (key, value) pairs."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, key, default=None):
+        return dict(self.params).get(key, default)
+
+    @classmethod
+    def from_hf(cls, d: Mapping, max_position_embeddings: int) -> "RopeConfig":
+        rp = d.get("rope_parameters")
+        if isinstance(rp, Mapping) and rp and all(isinstance(v, Mapping) for v in rp.values()):
+            # Per-layer-type rope (5.x nested form): all our layer types must agree.
+            kinds = {json.dumps(v, sort_keys=True) for v in rp.values() if v}
+            if len(kinds) > 1:
+                raise ValueError(f"different rope settings per layer type are not supported: {rp}")
+            rp = next(v for v in rp.values() if v)
+        scaling = dict(rp) if isinstance(rp, Mapping) and rp else dict(d.get("rope_scaling") or {})
+        theta = scaling.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
+        rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+        scaling.pop("type", None)
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        if rope_type in ("llama3", "yarn"):
+            scaling.setdefault("original_max_position_embeddings",
+                               d.get("original_max_position_embeddings") or max_position_embeddings)
+        if "partial_rotary_factor" in d and "partial_rotary_factor" not in scaling:
+            scaling["partial_rotary_factor"] = d["partial_rotary_factor"]
+        if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported")
+        scaling.pop("partial_rotary_factor", None)
+        required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+                    "yarn": ()}.get(rope_type, ())
+        missing = [k for k in required if scaling.get(k) is None]
+        if missing:
+            raise ValueError(f"rope type {rope_type!r} needs {missing} in rope_scaling / rope_parameters")
+        return cls(theta=float(theta), rope_type=rope_type, params=tuple(sorted(scaling.items())))
+
+    def to_hf(self) -> dict:
+        """Both formats: 4.x ``rope_theta`` + ``rope_scaling`` and 5.x ``rope_parameters``."""
+        extra = dict(self.params)
+        out: dict[str, Any] = {"rope_theta": self.theta,
+                               "rope_parameters": {"rope_type": self.rope_type, "rope_theta": self.theta, **extra}}
+        out["rope_scaling"] = None if self.rope_type == "default" else {"rope_type": self.rope_type, **extra}
+        return out
+
+
+def _layer_types(d: Mapping, n_layers: int) -> tuple[str, ...]:
+    types = d.get("layer_types")
+    if types is None:
+        if d.get("use_sliding_window") and d.get("sliding_window"):
+            start = d.get("max_window_layers", n_layers)
+            types = ["sliding_attention" if i >= start else "full_attention" for i in range(n_layers)]
+        else:
+            types = ["full_attention"] * n_layers
+    types = tuple(types)
+    if len(types) != n_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {n_layers} layers")
+    bad = sorted(set(types) - set(LAYER_TYPES))
+    if bad:
+        raise ValueError(f"unsupported layer_types {bad}; supported: {LAYER_TYPES}")
+    return types
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """A Qwen3 / LLaMA-3.x decoder (also the layer stack of a DFlash draft)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = True
+    rope: RopeConfig = RopeConfig()
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_hidden_layers)
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer i, or None for full attention."""
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    @classmethod
+    def from_hf(cls, path_or_dict) -> "TargetConfig":
+        d = _read_json(path_or_dict)
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        return cls._from_dict(d, model_type)
+
+    @classmethod
+    def _from_dict(cls, d: Mapping, model_type: str) -> "TargetConfig":
+        try:
+            hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+            n_layers = int(d["num_hidden_layers"])
+            vocab, inter = int(d["vocab_size"]), int(d["intermediate_size"])
+        except KeyError as e:
+            raise ValueError(f"config.json is missing {e.args[0]!r}") from None
+        max_pos = int(d.get("max_position_embeddings", 32768))
+        eos = d.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        layer_types = _layer_types(d, n_layers)
+        return cls(
+            model_type=model_type,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            rope=RopeConfig.from_hf(d, max_pos),
+            layer_types=layer_types,
+            sliding_window=(int(d["sliding_window"]) if d.get("sliding_window") and
+                            "sliding_attention" in layer_types else None),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+            pad_token_id=d.get("pad_token_id"),
+        )
+
+    def to_hf(self) -> dict:
+        arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[self.model_type]
+        eos = list(self.eos_token_id)
+        out = {
+            "architectures": [arch],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": "sliding_attention" in self.layer_types,
+            "max_window_layers": self.num_hidden_layers,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+            "pad_token_id": self.pad_token_id,
+            **self.rope.to_hf(),
+        }
+        if self.model_type == "llama":
+            out["mlp_bias"] = self.mlp_bias
+        return out
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> tuple[int, ...]:
+    """The released drafts' default: ``round(1 + i*(L-4)/(n-1))``, or ``[L//2]`` for one feature."""
+    if num_features == 1:
+        return (num_target_layers // 2,)
+    return tuple(int(round(1 + i * (num_target_layers - 4) / (num_features - 1))) for i in range(num_features))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """A DFlash draft: its own Qwen3 layer stack (``layers``) plus the block-diffusion settings."""
+
+    layers: TargetConfig
+    block_size: int
+    num_target_layers: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids is empty")
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_hf(cls, path_or_dict) -> "DraftConfig":
+        d = _read_json(path_or_dict)
+        dflash = dict(d.get("dflash_config") or {})
+        mask = dflash.get("mask_token_id", d.get("mask_token_id"))
+        if mask is None:
+            raise ValueError("draft config has no dflash_config.mask_token_id")
+        layers = TargetConfig._from_dict(d, "qwen3")
+        n_target = int(d.get("num_target_layers") or dflash.get("num_target_layers") or 0)
+        ids = dflash.get("target_layer_ids", d.get("target_layer_ids"))
+        if ids is None:
+            if not n_target:
+                raise ValueError("draft config has neither dflash_config.target_layer_ids nor num_target_layers")
+            ids = default_target_layer_ids(n_target, layers.num_hidden_layers)
+        return cls(
+            layers=layers,
+            block_size=int(d.get("block_size") or dflash.get("block_size") or 16),
+            num_target_layers=n_target,
+            mask_token_id=int(mask),
+            target_layer_ids=tuple(int(i) for i in ids),
+        )
+
+    def to_hf(self) -> dict:
+        out = self.layers.to_hf()
+        out["architectures"] = ["DFlashDraftModel"]
+        out["model_type"] = "qwen3"
+        out["block_size"] = self.block_size
+        out["num_target_layers"] = self.num_target_layers
+        out["dflash_config"] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        out["auto_map"] = {"AutoModel": "dflash.DFlashDraftModel"}
+        return out
+
+    def check_fits(self, target: TargetConfig) -> None:
+        """Raise (before any compute) when this draft cannot run on ``target``; name both sides."""
+        n = target.num_hidden_layers
+        bad = [i for i in self.target_layer_ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"draft target_layer_ids {list(self.target_layer_ids)} has ids {bad} outside the "
+                             f"target's {n} layers (valid 0..{n - 1})")
+        if self.num_target_layers and self.num_target_layers != n:
+            warnings.warn(f"draft was trained for num_target_layers={self.num_target_layers}, "
+                          f"target has {n} layers", stacklevel=2)
+        if self.layers.hidden_size != target.hidden_size:
+            raise ValueError(f"draft hidden_size {self.layers.hidden_size} != target hidden_size "
+                             f"{target.hidden_size} (the draft uses the target's embedding and lm_head)")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise ValueError(f"draft mask_token_id {self.mask_token_id} is outside the target vocabulary "
+                             f"(vocab_size {target.vocab_size})")

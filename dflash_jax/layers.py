@@ -1,0 +1,182 @@
+"""Building blocks shared by target and draft: Linear, Embed, RMSNorm, RoPE, gated MLP, attention projections.
+
+Parameter names mirror Hugging Face (``q_proj``, ``input_layernorm``, ...); Linear kernels are stored
+``[in, out]`` (the transpose of PyTorch). Every parameter carries logical axis names for sharding.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import RopeConfig, TargetConfig
+
+_init = nn.initializers.normal(0.02)
+
+
+class Linear(nn.Module):
+    """y = x @ kernel (+ bias); kernel [in, out] with logical axes ``axes``."""
+
+    features: int
+    use_bias: bool = False
+    axes: tuple[str, str] = ("embed", "mlp")
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.with_logical_partitioning(_init, self.axes), (x.shape[-1], self.features))
+        kernel = jnp.asarray(kernel, x.dtype)
+        y = jnp.einsum("...I,IO->...O", x, kernel)
+        if self.use_bias:
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:]),
+                              (self.features,))
+            y = y + jnp.asarray(bias, x.dtype)
+        return y
+
+
+class Embed(nn.Module):
+    """Token embedding [vocab, embed]; ``attend`` gives tied-head logits."""
+
+    vocab_size: int
+    features: int
+
+    def setup(self):
+        self.embedding = self.param("embedding", nn.with_logical_partitioning(_init, ("vocab", "embed")),
+                                    (self.vocab_size, self.features))
+
+    def __call__(self, ids):
+        return jnp.take(self.embedding, ids, axis=0)
+
+    def attend(self, x):
+        return jnp.einsum("...D,VD->...V", x, jnp.asarray(self.embedding, x.dtype),
+                          preferred_element_type=jnp.float32)
+
+
+class RMSNorm(nn.Module):
+    """weight * x / rms(x), statistics in float32 (as Qwen3RMSNorm / LlamaRMSNorm)."""
+
+    eps: float = 1e-6
+    axis_name: str = "embed"
+
+    @nn.compact
+    def __call__(self, x):
+        weight = self.param("weight", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+                            (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        x_hat = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return jnp.asarray(weight, x.dtype) * x_hat.astype(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [head_dim/2] (float32) and the cos/sin scale, for each supported rope type."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    inv = (1.0 / (np.float32(rope.theta) ** exponents)).astype(np.float32)
+    scale = 1.0
+    if rope.rope_type == "linear":
+        inv = inv / np.float32(rope.get("factor"))
+    elif rope.rope_type == "llama3":
+        factor, low, high = rope.get("factor"), rope.get("low_freq_factor"), rope.get("high_freq_factor")
+        old = rope.get("original_max_position_embeddings")
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    elif rope.rope_type == "yarn":
+        old = rope.get("original_max_position_embeddings")
+        factor = rope.get("factor")
+        if factor is None:
+            raise ValueError("yarn rope needs factor")
+        attention_factor, mscale, mscale_all = rope.get("attention_factor"), rope.get("mscale"), rope.get("mscale_all_dim")
+
+        def get_mscale(s, m=1.0):
+            return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+        if attention_factor is None:
+            attention_factor = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all)
+                                if mscale and mscale_all else get_mscale(factor))
+        beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+        def correction_dim(rotations):
+            return head_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+        lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+        if rope.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, head_dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - lo) / (hi - lo), 0, 1)
+        extrapolation = 1 - ramp
+        inv = (inv / factor * (1 - extrapolation) + inv * extrapolation).astype(np.float32)
+        scale = float(attention_factor)
+    return inv, scale
+
+
+def apply_rope(x, positions, rope: RopeConfig):
+    """Rotate x [B, T, N, H] (neox rotate_half layout) to absolute ``positions`` [B, T]."""
+    inv, scale = rope_frequencies(rope, x.shape[-1])
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv)  # [B, T, H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    cos, sin = (jnp.cos(angles) * scale).astype(x.dtype), (jnp.sin(angles) * scale).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    cfg: TargetConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        gate = Linear(c.intermediate_size, c.mlp_bias, ("embed", "mlp"), name="gate_proj")(x)
+        up = Linear(c.intermediate_size, c.mlp_bias, ("embed", "mlp"), name="up_proj")(x)
+        return Linear(c.hidden_size, c.mlp_bias, ("mlp", "embed"), name="down_proj")(nn.silu(gate) * up)
+
+
+class AttentionProjections(nn.Module):
+    """q/k/v/o projections with optional per-head q/k RMSNorm (Qwen3) and RoPE; no attention itself.
+
+    Target and draft layers both use it; they differ only in which keys the queries see.
+    """
+
+    cfg: TargetConfig
+
+    def setup(self):
+        c = self.cfg
+        self.q_proj = Linear(c.num_attention_heads * c.head_dim, c.attention_bias, ("embed", "heads"))
+        self.k_proj = Linear(c.num_key_value_heads * c.head_dim, c.attention_bias, ("embed", "kv_heads"))
+        self.v_proj = Linear(c.num_key_value_heads * c.head_dim, c.attention_bias, ("embed", "kv_heads"))
+        self.o_proj = Linear(c.hidden_size, c.attention_bias, ("heads", "embed"))
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.rms_norm_eps, axis_name="head_dim")
+            self.k_norm = RMSNorm(c.rms_norm_eps, axis_name="head_dim")
+
+    def queries(self, x, positions):
+        """[B, T, D] -> rotated queries [B, T, N, H]."""
+        c = self.cfg
+        q = self.q_proj(x).reshape(*x.shape[:-1], c.num_attention_heads, c.head_dim)
+        if c.qk_norm:
+            q = self.q_norm(q)
+        return apply_rope(q, positions, c.rope)
+
+    def keys_values(self, x, positions):
+        """[B, T, D] -> rotated keys and values, each [B, T, K, H]."""
+        c = self.cfg
+        k = self.k_proj(x).reshape(*x.shape[:-1], c.num_key_value_heads, c.head_dim)
+        v = self.v_proj(x).reshape(*x.shape[:-1], c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            k = self.k_norm(k)
+        return apply_rope(k, positions, c.rope), v
+
+    def output(self, o):
+        """[B, T, N, H] -> [B, T, D]."""
+        return self.o_proj(o.reshape(*o.shape[:-2], -1))
