@@ -48,6 +48,11 @@ def hf_name(path: tuple[str, ...], prefix: str) -> tuple[str, bool]:
     return (name if name.startswith("lm_head.") else prefix + name), transposed
 
 
+def _offline() -> bool:
+    flags = (os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TRANSFORMERS_OFFLINE"))
+    return any(str(f).strip().upper() in ("1", "ON", "YES", "TRUE") for f in flags if f is not None)
+
+
 def resolve_path(path_or_hub_id: str) -> str:
     """A local directory as is; otherwise a Hugging Face hub id through the local cache or the network."""
     path = os.fspath(path_or_hub_id)
@@ -62,8 +67,13 @@ def resolve_path(path_or_hub_id: str) -> str:
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
     try:
         return snapshot_download(path, allow_patterns=patterns, local_files_only=True)
-    except Exception:
-        pass
+    except Exception as e:
+        # huggingface_hub reads HF_HUB_OFFLINE once, at its import; honour it as set now.
+        if _offline():
+            raise FileNotFoundError(
+                f"{path!r} is not a local directory nor in the Hugging Face cache, and the hub is offline "
+                f"(HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE is set; {type(e).__name__}). Download it where there is "
+                f"network (huggingface-cli download {path}) or pass a local directory.") from None
     try:
         return snapshot_download(path, allow_patterns=patterns)
     except Exception as e:

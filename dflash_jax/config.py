@@ -65,7 +65,7 @@ class RopeConfig:
             raise ValueError("partial_rotary_factor != 1 is not supported")
         scaling.pop("partial_rotary_factor", None)
         required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-                    "yarn": ()}.get(rope_type, ())
+                    "yarn": ("factor",)}.get(rope_type, ())
         missing = [k for k in required if scaling.get(k) is None]
         if missing:
             raise ValueError(f"rope type {rope_type!r} needs {missing} in rope_scaling / rope_parameters")

@@ -1,0 +1,189 @@
+"""The DFlash draft: fused target features injected as K/V into every layer, one block per forward.
+
+Context: concatenated target layer outputs -> ``fc`` -> ``hidden_norm``; each layer projects it with its
+own k_proj (+k_norm, RoPE at the context positions) and v_proj, without ``input_layernorm``. A block
+of queries anchored at position a sees context positions < a and its own block bidirectionally
+(``attention.block_attention``); inference runs one block per row against the draft cache, training
+many blocks per sequence against the whole context. Embedding and lm_head are the target's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.attention import block_attention
+from dflash_jax.cache import KVCache
+from dflash_jax.config import DraftConfig
+from dflash_jax.layers import Linear, RMSNorm
+from dflash_jax.target import DecoderLayer, Target, Transformer, check_token_ids
+from dflash_jax.target import forward as target_forward
+
+
+class DraftLayer(DecoderLayer):
+    """A Qwen3 layer whose queries (the block) attend to injected context K/V plus the block itself."""
+
+    def context_kv(self, ctx, positions):
+        return self.self_attn.keys_values(ctx, positions)
+
+    def __call__(self, x, positions, anchors, k_ctx, v_ctx, impl: str = "auto"):
+        h = self.input_layernorm(x)
+        q = self.self_attn.queries(h, positions)
+        k, v = self.self_attn.keys_values(h, positions)
+        o = block_attention(q, k_ctx, v_ctx, k, v, anchors, block_size=x.shape[1] // anchors.shape[1],
+                            sliding_window=self.cfg.layer_window(self.index), impl=impl)
+        x = x + self.self_attn.output(o)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraft(nn.Module):
+    """Parameter names as in the released checkpoints: ``fc``, ``hidden_norm``, ``layers_N``, ``norm``."""
+
+    cfg: DraftConfig
+
+    def setup(self):
+        c = self.cfg.layers
+        self.fc = Linear(c.hidden_size, False, ("features", "embed"))
+        self.hidden_norm = RMSNorm(c.rms_norm_eps)
+        self.layers = [DraftLayer(c, i) for i in range(c.num_hidden_layers)]
+        self.norm = RMSNorm(c.rms_norm_eps)
+
+    def context_kv(self, features, positions):
+        """Target features [B, T, n*D] at ``positions`` [B, T] -> per-layer (k, v) tuples, each [B, T, K, H]."""
+        ctx = self.hidden_norm(self.fc(features))
+        kv = [layer.context_kv(ctx, positions) for layer in self.layers]
+        return tuple(k for k, _ in kv), tuple(v for _, v in kv)
+
+    def __call__(self, x, anchors, k_ctx, v_ctx, impl: str = "auto"):
+        """Block embeddings x [B, N*Bk, D] (block b anchored at anchors[:, b]) -> final-normed hidden.
+
+        k_ctx / v_ctx: per-layer [B, S, K, H] context K/V, slot s holding position s.
+        """
+        block = x.shape[1] // anchors.shape[1]
+        positions = (anchors[:, :, None] + jnp.arange(block, dtype=anchors.dtype)).reshape(x.shape[:2])
+        for layer, k, v in zip(self.layers, k_ctx, v_ctx):
+            x = layer(x, positions, anchors, k, v, impl)
+        return self.norm(x)
+
+    def initialize(self, features, x):
+        positions = jnp.broadcast_to(jnp.arange(features.shape[1]), features.shape[:2])
+        k, v = self.context_kv(features, positions)
+        return self(x, jnp.full((x.shape[0], 1), features.shape[1]), k, v)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Draft:
+    config: DraftConfig
+    params: Any
+    path: str | None = None
+
+    def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """Context-only K/V cache of every draft layer."""
+        c = self.config.layers
+        dtype = dtype or jax.tree_util.tree_leaves(self.params)[0].dtype
+        return KVCache.create(c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim, dtype)
+
+
+def init_draft_params(cfg: DraftConfig, seed: int = 0, dtype=jnp.float32):
+    d = cfg.layers.hidden_size
+    feats = jnp.zeros((1, 2, cfg.num_features * d), dtype)
+    variables = DFlashDraft(cfg).init(jax.random.PRNGKey(seed), feats, jnp.zeros((1, 2, d), dtype),
+                                      method=DFlashDraft.initialize)
+    return jax.tree_util.tree_map(lambda x: x.astype(dtype), nn.meta.unbox(variables["params"]))
+
+
+def draft_param_shapes(cfg: DraftConfig):
+    return jax.eval_shape(lambda: init_draft_params(cfg))
+
+
+def check_fits(target: Target, draft: Draft) -> None:
+    """Config checks plus the fused-feature width, before any compute; messages name both sides."""
+    draft.config.check_fits(target.config)
+    fc_in = draft.params["fc"]["kernel"].shape[0]
+    want = draft.config.num_features * target.config.hidden_size
+    if fc_in != want:
+        raise ValueError(f"draft fc takes {fc_in} input features but {draft.config.num_features} target layers x "
+                         f"target hidden_size {target.config.hidden_size} = {want}")
+
+
+# --- jitted pieces -----------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def context_kv(cfg: DraftConfig, params, features, positions):
+    return DFlashDraft(cfg).apply({"params": params}, features, positions, method=DFlashDraft.context_kv)
+
+
+def materialize(cfg: DraftConfig, params, cache: KVCache, features, positions) -> KVCache:
+    """Write the context K/V of ``features`` [B, T, n*D] at ``positions`` [B, T] into the draft cache."""
+    k, v = DFlashDraft(cfg).apply({"params": params}, features, positions, method=DFlashDraft.context_kv)
+    for i in range(cfg.layers.num_hidden_layers):
+        cache = cache.write(i, k[i], v[i], positions)
+    return cache
+
+
+def block_hidden(cfg: DraftConfig, params, x, anchors, k_ctx, v_ctx, impl: str = "auto"):
+    return DFlashDraft(cfg).apply({"params": params}, x, anchors, k_ctx, v_ctx, impl)
+
+
+def block_logits(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto"):
+    """Block token ids [B, N*Bk] -> draft logits (float32) through the target's embedding and lm_head."""
+    target = Transformer(tcfg)
+    x = target.apply({"params": tparams}, block_ids, method=Transformer.embed)
+    h = block_hidden(cfg, params, x, anchors, k_ctx, v_ctx, impl)
+    return target.apply({"params": tparams}, h, method=Transformer.head)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "cfg"))
+def _draft_block_logits(tcfg, tparams, cfg, params, context_ids, block_ids):
+    b, t = context_ids.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    _, features, _ = target_forward(tcfg, tparams, context_ids, positions, feature_layer_ids=cfg.target_layer_ids)
+    k, v = context_kv(cfg, params, features, positions)
+    anchors = jnp.full((b, 1), t, jnp.int32)
+    return block_logits(tcfg, tparams, cfg, params, block_ids, anchors, k, v)
+
+
+def draft_block_logits(target: Target, draft: Draft, context_ids, block_ids) -> np.ndarray:
+    """Target runs on ``context_ids`` [B, T] (positions 0..T-1); the draft predicts ``block_ids`` [B, L]
+    placed at T..T+L-1 and returns its logits [B, L, V] (float32) through the target's lm_head."""
+    check_fits(target, draft)
+    v = target.config.vocab_size
+    ctx = check_token_ids(context_ids, v, "context_ids")
+    blk = check_token_ids(block_ids, v, "block_ids")
+    if blk.shape[0] != ctx.shape[0]:
+        raise ValueError(f"context_ids has batch {ctx.shape[0]} but block_ids has batch {blk.shape[0]}")
+    return np.asarray(_draft_block_logits(target.config, target.params, draft.config, draft.params, ctx, blk))
+
+
+# --- Hugging Face layout ------------------------------------------------------------------------
+
+
+def load_draft(path_or_hub_id, dtype="float32", place=None) -> Draft:
+    """Load a released-format DFlash draft (config.json + model.safetensors, no ``model.`` prefix)."""
+    from dflash_jax.checkpoints import load_params, resolve_path
+
+    path = resolve_path(path_or_hub_id)
+    cfg = DraftConfig.from_hf(path)
+    params = load_params(path, draft_param_shapes(cfg), prefix="", dtype=dtype, place=place)
+    return Draft(cfg, params, path)
+
+
+def save_draft(draft: Draft, out_dir: str, dtype="bfloat16") -> str:
+    """Write ``draft`` in the released layout (loadable by ``load_draft`` and the PyTorch reference)."""
+    from dflash_jax.checkpoints import export_params, save_safetensors
+
+    os.makedirs(out_dir, exist_ok=True)
+    cfg = draft.config.to_hf()
+    cfg["torch_dtype"] = cfg["dtype"] = str(np.dtype(jnp.dtype(dtype)))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    save_safetensors(os.path.join(out_dir, "model.safetensors"), export_params(draft.params, prefix="", dtype=dtype))
+    return out_dir

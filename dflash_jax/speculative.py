@@ -1,0 +1,310 @@
+"""Speculative decoding with a DFlash draft: prefill, then the whole decode as one ``lax.while_loop``.
+
+Per step and per row: the draft predicts a block [x_n, d_1..d_{K-1}] from its context cache in one
+forward; the target verifies it in one forward; the longest prefix with d_k == p_{k-1} is accepted
+and p_a (the target's own next token) is the bonus. Committed: p_0..p_a at positions n+1..n+a+1, so
+n (the committed length of both caches) grows by a+1, and the verified tokens' features become new
+draft context. Rollback is the length pointer only. With no draft (or a block of 1) the same loop is
+plain autoregressive decoding, the baseline of every comparison.
+
+Counting: the first token comes from the prefill; each verify step's acceptance length is a+1
+(accepted drafts plus the bonus token, as in the paper), between 1 and the block size. Tokens
+generated = 1 + sum(acceptance lengths) - tokens cut by max_new_tokens / the first stop token.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Iterator, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import draft as draft_lib
+from dflash_jax.cache import KVCache
+from dflash_jax.config import DraftConfig, TargetConfig
+from dflash_jax.sampling import SamplingParams, accepted_length, choose
+from dflash_jax.target import Target, Transformer, check_token_ids
+
+FINISH_REASONS = ("running", "length", "stop")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """Everything static about a compiled decode loop."""
+
+    target: TargetConfig
+    draft: DraftConfig | None
+    block_size: int
+    greedy: bool
+
+    @property
+    def speculative(self) -> bool:
+        return self.draft is not None and self.block_size > 1
+
+    @property
+    def feature_layer_ids(self) -> tuple[int, ...]:
+        return self.draft.target_layer_ids if self.speculative else ()
+
+
+@flax.struct.dataclass
+class DecodeState:
+    tokens: jax.Array  # [B, S] tokens by position; tokens[b, n_b] is the pending (not yet cached) token
+    tcache: KVCache  # target K/V; lengths = n, the committed tokens whose K/V are cached
+    dcache: KVCache | None  # draft context K/V; lengths == tcache.lengths at every step
+    generated: jax.Array  # [B] tokens generated so far, the pending one included
+    budget: jax.Array  # [B] most tokens the row may generate
+    finish: jax.Array  # [B] int32 index into FINISH_REASONS
+    acceptance: jax.Array  # [B, S] acceptance length of each verify step
+    steps: jax.Array  # [B] verify steps taken
+    key: jax.Array
+
+    @property
+    def done(self):
+        return self.finish > 0
+
+
+def _prefill(spec: EngineSpec, tparams, dparams, prompts, lens, budget, stop_ids, sampling, key, cache_len: int):
+    b, p = prompts.shape
+    tc = spec.target
+    dtype = jax.tree_util.tree_leaves(tparams)[0].dtype
+    tcache = KVCache.create(tc.num_hidden_layers, b, cache_len, tc.num_key_value_heads, tc.head_dim, dtype)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    logits, features, tcache = Transformer(tc).apply({"params": tparams}, prompts, positions, tcache,
+                                                     spec.feature_layer_ids, lens - 1)
+    key, sub = jax.random.split(key)
+    first = choose(logits[:, 0], sub, *sampling, greedy=spec.greedy)
+    rows = jnp.arange(b)
+    tokens = jnp.zeros((b, cache_len), jnp.int32).at[:, :p].set(prompts).at[rows, lens].set(first)
+    dcache = None
+    if spec.speculative:
+        dc = spec.draft.layers
+        dcache = KVCache.create(dc.num_hidden_layers, b, cache_len, dc.num_key_value_heads, dc.head_dim, dtype)
+        dcache = draft_lib.materialize(spec.draft, dparams, dcache, features, positions).replace(lengths=lens)
+    stopped = jnp.isin(first, stop_ids)
+    finish = jnp.where(stopped, 2, jnp.where(budget <= 1, 1, 0)).astype(jnp.int32)
+    return DecodeState(tokens=tokens, tcache=tcache.replace(lengths=lens), dcache=dcache,
+                       generated=jnp.ones((b,), jnp.int32), budget=budget, finish=finish,
+                       acceptance=jnp.zeros((b, cache_len), jnp.int32), steps=jnp.zeros((b,), jnp.int32), key=key)
+
+
+def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, sampling, mask_token_id) -> DecodeState:
+    """One draft + verify + commit for every row that is not done (done rows do not change)."""
+    b, cache_len = state.tokens.shape
+    k = spec.block_size
+    rows = jnp.arange(b)
+    n = state.tcache.lengths
+    pending = state.tokens[rows, n]
+    if spec.speculative:
+        block = jnp.concatenate([pending[:, None], jnp.full((b, k - 1), mask_token_id, jnp.int32)], axis=1)
+        draft_logits = draft_lib.block_logits(spec.target, tparams, spec.draft, dparams, block, n[:, None],
+                                              state.dcache.k, state.dcache.v)
+        block = block.at[:, 1:].set(jnp.argmax(draft_logits[:, 1:], axis=-1).astype(jnp.int32))
+    else:
+        block = pending[:, None]
+    offsets = jnp.arange(k, dtype=jnp.int32)
+    positions = n[:, None] + offsets
+    logits, features, tcache = Transformer(spec.target).apply({"params": tparams}, block, positions, state.tcache,
+                                                              spec.feature_layer_ids)
+    key, sub = jax.random.split(state.key)
+    posterior = choose(logits, sub, *sampling, greedy=spec.greedy)  # p_0..p_{k-1}
+    a = accepted_length(block[:, 1:], posterior) if k > 1 else jnp.zeros((b,), jnp.int32)
+
+    # Commit p_0..p_a, cut at the budget and just after the first stop token.
+    limit = jnp.minimum(a + 1, state.budget - state.generated)
+    is_stop = jnp.isin(posterior, stop_ids) & (offsets[None] < limit[:, None])
+    hit_stop = is_stop.any(axis=1)
+    keep = jnp.where(hit_stop, jnp.argmax(is_stop, axis=1) + 1, limit)
+    active = ~state.done
+    write = active[:, None] & (offsets[None] < keep[:, None])
+    tokens = state.tokens.at[rows[:, None], jnp.where(write, positions + 1, cache_len)].set(posterior, mode="drop")
+    generated = state.generated + jnp.where(active, keep, 0)
+    finish = jnp.where(active & hit_stop, 2, jnp.where(active & (generated >= state.budget), 1, state.finish))
+    n_new = jnp.where(active, n + a + 1, n)
+    dcache = state.dcache
+    if spec.speculative:  # the verified tokens' features (slots past n+a are masked until overwritten)
+        ctx_positions = jnp.where(active[:, None], positions, cache_len)
+        dcache = draft_lib.materialize(spec.draft, dparams, dcache, features, ctx_positions).replace(lengths=n_new)
+    acceptance = state.acceptance.at[rows, jnp.where(active, state.steps, cache_len)].set(a + 1, mode="drop")
+    return DecodeState(tokens=tokens, tcache=tcache.replace(lengths=n_new), dcache=dcache, generated=generated,
+                       budget=state.budget, finish=finish.astype(jnp.int32), acceptance=acceptance,
+                       steps=state.steps + active.astype(jnp.int32), key=key)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "cache_len"))
+def _generate(spec, tparams, dparams, prompts, lens, budget, stop_ids, sampling, key, mask_token_id, *, cache_len):
+    state = _prefill(spec, tparams, dparams, prompts, lens, budget, stop_ids, sampling, key, cache_len)
+    body = functools.partial(_step, spec, tparams, dparams, stop_ids=stop_ids, sampling=sampling,
+                             mask_token_id=mask_token_id)
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+
+
+_prefill_jit = jax.jit(_prefill, static_argnames=("spec", "cache_len"))
+_step_jit = jax.jit(_step, static_argnames=("spec",), donate_argnames=("state",))
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """One row's output. ``output_ids`` = prompt + generated ids (after a stop token: nothing)."""
+
+    output_ids: list[int]
+    prompt_length: int
+    acceptance_lengths: list[int]
+    target_forwards: int  # prefill + verify steps
+    finish_reason: str
+    wall_time_s: float
+    tokens_per_second: float
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.output_ids[self.prompt_length:]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) - self.prompt_length
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
+
+    def to_json(self) -> dict:
+        return {"output_ids": self.output_ids, "prompt_length": self.prompt_length,
+                "generated_ids": self.generated_ids, "num_generated": self.num_generated,
+                "acceptance_lengths": self.acceptance_lengths, "tau": self.mean_acceptance_length,
+                "target_forwards": self.target_forwards, "finish_reason": self.finish_reason,
+                "wall_time_s": self.wall_time_s, "tokens_per_second": self.tokens_per_second}
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    spec: EngineSpec
+    args: tuple
+    cache_len: int
+    lens: np.ndarray
+
+
+def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, sampling: SamplingParams,
+             stop_token_ids, seed, max_length) -> _Request:
+    """Validate everything before any compute and build padded, bucketed inputs."""
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+        prompts = list(prompts)
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    if all(isinstance(t, (int, np.integer)) for t in prompts):
+        prompts = [prompts]  # a single prompt given as a flat list
+    vocab = target.config.vocab_size
+    rows = [check_token_ids(np.asarray(p).reshape(1, -1) if len(p) else np.zeros((1, 0), np.int32), vocab,
+                            f"prompt {i}")[0] for i, p in enumerate(prompts)]
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if draft is not None:
+        draft_lib.check_fits(target, draft)
+        trained = draft.config.block_size
+        block_size = trained if block_size is None else block_size
+        if not 1 <= block_size <= trained:
+            raise ValueError(f"block_size must be in [1, {trained}] (the draft was trained with block_size "
+                             f"{trained}), got {block_size}")
+    else:
+        if block_size not in (None, 1):
+            raise ValueError(f"block_size {block_size} needs a draft; plain decoding uses a block of 1")
+        block_size = 1
+    lens = np.array([len(r) for r in rows], np.int32)
+    limit = max_length or target.config.max_position_embeddings
+    too_long = [i for i, n in enumerate(lens) if n >= limit]
+    if too_long:
+        raise ValueError(f"prompt {too_long[0]} has {lens[too_long[0]]} tokens; the max length is {limit} "
+                         "(prompt + generated tokens), so nothing can be generated")
+    budget = np.minimum(max_new_tokens, limit - lens).astype(np.int32)
+    p_bucket = _round_up(int(lens.max()), 32)  # buckets bound the number of compilations
+    cache_len = _round_up(max(int((lens + budget).max()), p_bucket) + block_size + 1, 128)
+    padded = np.zeros((len(rows), p_bucket), np.int32)
+    for i, r in enumerate(rows):
+        padded[i, :len(r)] = r
+    stops = sorted({int(s) for s in (stop_token_ids or ())})
+    stop_arr = np.full((_round_up(max(len(stops), 1), 8),), -1, np.int32)
+    stop_arr[:len(stops)] = stops
+    spec = EngineSpec(target.config, draft.config if draft is not None else None, block_size, sampling.greedy)
+    mask_id = np.int32(draft.config.mask_token_id if draft is not None else 0)
+    samp = (np.float32(max(sampling.temperature, 1e-6)), np.int32(sampling.top_k), np.float32(sampling.top_p))
+    args = (target.params, draft.params if spec.speculative else None, padded, lens, budget, stop_arr, samp,
+            jax.random.PRNGKey(seed), mask_id)
+    return _Request(spec, args, cache_len, lens)
+
+
+def _results(state: DecodeState, req: _Request, wall: float) -> list[GenerationResult]:
+    tokens, generated, acc, steps, finish = jax.device_get(
+        (state.tokens, state.generated, state.acceptance, state.steps, state.finish))
+    out = []
+    for i, n in enumerate(req.lens):
+        total = int(n + generated[i])
+        out.append(GenerationResult(
+            output_ids=tokens[i, :total].tolist(), prompt_length=int(n),
+            acceptance_lengths=acc[i, :steps[i]].tolist(), target_forwards=int(steps[i]) + 1,
+            finish_reason=FINISH_REASONS[int(finish[i])], wall_time_s=wall,
+            tokens_per_second=float(generated[i]) / wall if wall > 0 else float("inf")))
+    return out
+
+
+_compiled: dict = {}
+
+
+def _executable(req: _Request):
+    """AOT-compile once per (spec, shapes) bucket so timings exclude compilation."""
+    shapes = jax.tree_util.tree_map(lambda x: (np.shape(x), str(getattr(x, "dtype", type(x)))), req.args)
+    key = (req.spec, req.cache_len, str(jax.tree_util.tree_structure(req.args)), str(shapes))
+    if key not in _compiled:
+        _compiled[key] = _generate.lower(req.spec, *req.args, cache_len=req.cache_len).compile()
+    return _compiled[key]
+
+
+def speculative_generate(target: Target, draft, prompts, *, max_new_tokens: int, block_size: int | None = None,
+                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                         stop_token_ids: Sequence[int] | None = None, seed: int = 0,
+                         max_length: int | None = None) -> list[GenerationResult]:
+    """Generate for a batch of prompts (lists of ids, ragged) in one device call.
+
+    ``draft=None`` (or ``block_size=1``) is plain autoregressive decoding with the same engine.
+    ``max_length`` caps prompt + generated tokens per row (default: the target's
+    max_position_embeddings). Returns one ``GenerationResult`` per prompt; wall time excludes compilation.
+    """
+    sampling = SamplingParams(temperature, top_k, top_p)
+    req = _prepare(target, draft, prompts, max_new_tokens, block_size, sampling, stop_token_ids, seed, max_length)
+    run = _executable(req)
+    start = time.perf_counter()
+    state = jax.block_until_ready(run(*req.args))
+    return _results(state, req, time.perf_counter() - start)
+
+
+def generate(target: Target, prompts, *, max_new_tokens: int, **kw) -> list[GenerationResult]:
+    """Plain autoregressive decoding (the baseline), same engine and options."""
+    return speculative_generate(target, None, prompts, max_new_tokens=max_new_tokens, **kw)
+
+
+def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int, block_size: int | None = None,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                    stop_token_ids: Sequence[int] | None = None, seed: int = 0,
+                    max_length: int | None = None) -> Iterator[list[list[int]] | list[GenerationResult]]:
+    """Host loop over the same jitted step: yields, after prefill and each step, the new token ids of
+    every row (a list per row), and finally the list of ``GenerationResult``."""
+    sampling = SamplingParams(temperature, top_k, top_p)
+    req = _prepare(target, draft, prompts, max_new_tokens, block_size, sampling, stop_token_ids, seed, max_length)
+    tparams, dparams, padded, lens, budget, stop_arr, samp, key, mask_id = req.args
+    start = time.perf_counter()
+    state = _prefill_jit(req.spec, tparams, dparams, padded, lens, budget, stop_arr, samp, key,
+                         cache_len=req.cache_len)
+    seen = np.zeros(len(lens), np.int64)
+    while True:
+        tokens, generated, done = jax.device_get((state.tokens, state.generated, state.done))
+        yield [tokens[i, n + seen[i]:n + generated[i]].tolist() for i, n in enumerate(lens)]
+        seen = generated.astype(np.int64)
+        if done.all():
+            break
+        state = _step_jit(req.spec, tparams, dparams, state, stop_arr, samp, mask_id)
+    yield _results(state, req, time.perf_counter() - start)

@@ -1,0 +1,1 @@
+"""Command-line inference: ``python -m infer.generate`` and ``python -m infer.benchmark``."""

@@ -1,0 +1,117 @@
+"""Options, model loading and prompt reading shared by ``infer.generate`` and ``infer.benchmark``."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dflash_jax", "demo")
+DEMO_TARGET = os.path.join(DEMO_DIR, "target")
+DEMO_DRAFT = os.path.join(DEMO_DIR, "draft")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--target", help="Hugging Face Qwen3/LLaMA target: directory or hub id (default: embedded demo)")
+    g.add_argument("--draft", help="DFlash draft: directory or hub id (default: embedded demo draft when the "
+                                   "target is the demo; none otherwise = plain decoding)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="parameter/compute dtype (default float32)")
+    d = p.add_argument_group("decoding")
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--max-length", type=int, default=None,
+                   help="cap on prompt + generated tokens per row (default: target max_position_embeddings)")
+    d.add_argument("--block-size", type=int, default=None, help="draft block size (default: the draft's trained one)")
+    d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    d.add_argument("--top-k", type=int, default=0, help="0 = off")
+    d.add_argument("--top-p", type=float, default=1.0)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--stop-token-ids", default=None,
+                   help="comma-separated stop ids (default: the target's eos_token_id)")
+    d.add_argument("--ignore-eos", action="store_true", help="no stop tokens: always generate max-new-tokens")
+
+
+def die(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def load_models(args):
+    """(target, draft or None, tokenizer or None) from the parsed options."""
+    import dflash_jax as dj
+
+    target_path = args.target or DEMO_TARGET
+    draft_path = args.draft
+    if args.target is None:
+        if not os.path.isfile(os.path.join(DEMO_TARGET, "config.json")):
+            die(f"the embedded demo pair is missing ({DEMO_DIR}); pass --target and --draft")
+        draft_path = draft_path or DEMO_DRAFT
+    try:
+        target = dj.load_target(target_path, dtype=args.dtype)
+        draft = dj.load_draft(draft_path, dtype=args.dtype) if draft_path else None
+        if draft is not None:
+            from dflash_jax.draft import check_fits
+            check_fits(target, draft)
+    except (FileNotFoundError, ValueError) as e:
+        die(str(e))
+    return target, draft, load_tokenizer(target.path)
+
+
+def load_tokenizer(path):
+    if path is None or not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")):
+        return None
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def stop_ids(args, target) -> list[int]:
+    if args.ignore_eos:
+        return []
+    if args.stop_token_ids:
+        return [int(x) for x in args.stop_token_ids.split(",") if x.strip()]
+    return list(target.config.eos_token_id)
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """JSONL with a "prompt" field per line, or plain text with one prompt per line."""
+    if not os.path.isfile(path):
+        die(f"prompts file {path} does not exist")
+    prompts = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    die(f"{path}:{i}: bad JSON ({e})")
+                if not isinstance(row.get("prompt"), str):
+                    die(f"{path}:{i}: JSONL rows need a string 'prompt' field")
+                prompts.append(row["prompt"])
+            else:
+                prompts.append(line.rstrip("\n").replace("\\n", "\n"))
+    if not prompts:
+        die(f"prompts file {path} has no prompts")
+    return prompts
+
+
+def encode(tokenizer, texts: list[str], chat: bool = False) -> list[list[int]]:
+    if tokenizer is None:
+        die("text prompts need a tokenizer in the target directory; use --prompt-ids instead")
+    out = []
+    for t in texts:
+        if chat:
+            if not getattr(tokenizer, "chat_template", None):
+                die("--chat: the tokenizer has no chat template")
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = tokenizer(t, add_special_tokens=False)["input_ids"]
+        if not ids:
+            die(f"prompt {t!r} encodes to no tokens")
+        out.append(list(ids))
+    return out

@@ -1,0 +1,108 @@
+"""Generate with DFlash speculative decoding: ``python -m infer.generate [--target T --draft D] ...``.
+
+With no arguments it runs the embedded demo pair (a small stdlib code model and its draft) offline.
+``--json`` prints one object per prompt per line: output_ids (prompt + generated), acceptance_lengths
+(one per verify step, each counting the bonus token), tokens_per_second, and more.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from infer.common import add_model_args, die, encode, load_models, read_prompts_file, stop_ids
+
+DEMO_PROMPT = 'import os\n\n\ndef read_lines(path):\n    """Return the lines of the text file at path."""\n'
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    g = p.add_argument_group("prompts (default: a demo code prompt)")
+    g.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
+    g.add_argument("--prompts-file", help="one prompt per line, or JSONL with a 'prompt' field")
+    g.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    o.add_argument("--stream", action="store_true", help="print tokens as each step accepts them (batch of 1 "
+                                                         "prompt at a time; host loop over the same jitted step)")
+    o.add_argument("--baseline", action="store_true", help="also run plain decoding and report the speedup")
+    return p.parse_args(argv)
+
+
+def prompt_ids(args, tokenizer) -> list[list[int]]:
+    ids = []
+    for s in args.prompt_ids:
+        try:
+            row = [int(x) for x in s.split(",") if x.strip()]
+        except ValueError:
+            die(f"--prompt-ids {s!r}: expected comma-separated integers")
+        if not row:
+            die("--prompt-ids: empty prompt")
+        ids.append(row)
+    texts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+    if texts:
+        ids += encode(tokenizer, texts, args.chat)
+    if not ids:
+        ids = encode(tokenizer, [DEMO_PROMPT])
+    return ids
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from dflash_jax.speculative import generate, speculative_generate, stream_generate
+
+    target, draft, tokenizer = load_models(args)
+    prompts = prompt_ids(args, tokenizer)
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              stop_token_ids=stop_ids(args, target), seed=args.seed, max_length=args.max_length)
+    try:
+        if args.stream:
+            results = []
+            for p in prompts:
+                if tokenizer is not None and not args.json:
+                    sys.stdout.write(tokenizer.decode(p))
+                for event in stream_generate(target, draft, [p], block_size=args.block_size, **kw):
+                    if event and isinstance(event[0], list):
+                        if not args.json:
+                            new = event[0]
+                            sys.stdout.write(tokenizer.decode(new) if tokenizer is not None else
+                                             "".join(f" {t}" for t in new))
+                            sys.stdout.flush()
+                    else:
+                        results += event
+                if not args.json:
+                    sys.stdout.write("\n")
+        else:
+            results = speculative_generate(target, draft, prompts, block_size=args.block_size, **kw)
+        baseline = generate(target, prompts, **kw) if args.baseline else None
+    except ValueError as e:
+        die(str(e))
+    for i, r in enumerate(results):
+        row = r.to_json()
+        if tokenizer is not None:
+            row["text"] = tokenizer.decode(r.generated_ids)
+        if baseline is not None:
+            b = baseline[i]
+            row["baseline_tokens_per_second"] = b.tokens_per_second
+            row["speedup"] = r.tokens_per_second / b.tokens_per_second
+            row["identical_to_baseline"] = b.output_ids == r.output_ids
+        if args.json:
+            print(json.dumps(row))
+            continue
+        if not args.stream:
+            body = tokenizer.decode(r.output_ids) if tokenizer is not None else " ".join(map(str, r.output_ids))
+            print(body)
+        print(f"--- {r.num_generated} tokens, tau {r.mean_acceptance_length:.2f} over {len(r.acceptance_lengths)} "
+              f"steps, {r.tokens_per_second:.1f} tokens/s ({'DFlash' if draft is not None else 'plain'}), "
+              f"finish: {r.finish_reason}")
+        if baseline is not None:
+            print(f"--- plain decoding {row['baseline_tokens_per_second']:.1f} tokens/s, speedup "
+                  f"{row['speedup']:.2f}x, identical output: {row['identical_to_baseline']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,617 @@
+"""DFlash block attention: dense reference, Pallas kernel (TPU Mosaic / GPU Triton / CPU interpret), wrapper.
+
+The draft's training attention. Per sequence the queries are N blocks of Bk tokens laid out
+contiguously (block b = query rows b*Bk .. b*Bk+Bk-1); block b is anchored at the runtime position
+``anchors[batch, b]`` and its token i sits at position a_b + i. Keys are [context 0..S-1 | all blocks].
+
+  * block b sees context key p iff p < a_b (offset-causal), and with a sliding window W also
+    (a_b + i) - p < W;
+  * block b sees its own Bk block keys bidirectionally (with a window also |i - j| < W), never
+    another block's;
+  * a negative anchor marks a padding block: it sees nothing, outputs 0 and gets zero gradients;
+    anchor 0 sees only its own block.
+
+Shapes (T = N * Bk):
+  q            [batch, T, Hq, D]        queries (Hq a multiple of Hkv: GQA, K/V never repeated)
+  k_ctx, v_ctx [batch, S, Hkv, D]       context keys / values (positions 0..S-1)
+  k_blk, v_blk [batch, T, Hkv, D]       block keys / values (same row layout as q)
+  anchors      [batch, N] int32         runtime anchor of each block (< 0: padding block)
+  returns      [batch, T, Hq, D]        in q.dtype
+
+Kernel layout: the wrapper moves heads in front ([batch, H, rows, D]) and pads the rows to whole
+query tiles (padding blocks, anchor -1) and the context to whole key tiles (keys p >= S masked).
+A query tile holds ``q_tile // Bk`` whole blocks; its own-block keys are exactly the same rows of
+k_blk, so one diagonal (block-masked) key tile finishes it. For each (batch, query tile) the wrapper
+computes from the anchors the range [lo, hi) of context key tiles any of its rows can see; tiles
+outside it are skipped:
+
+  * TPU (Mosaic): grid (batch, Hq, q tiles, context tiles + 1), online softmax in VMEM scratch.
+    lo/hi are scalar-prefetched (SMEM); a skipped step's index map re-points at a tile already in
+    VMEM (no DMA) and its compute is guarded by ``pl.when``. The last step is the own-block tile.
+  * GPU (Triton): grid (batch, Hq, q tiles); a ``fori_loop`` over [lo, hi) (computed in-kernel
+    from the anchors, which are passed as an ordinary input), then the own-block tile.
+  * ``interpret=True`` runs either formulation on CPU (that is how the tests run it).
+
+Backward (``jax.custom_vjp``): FlashAttention-2 style Pallas kernels recomputing the probabilities
+from the saved logsumexp: one kernel per query tile for dq (plus the own-block dk/dv, per query
+head, summed over the GQA group by the wrapper) and one per context key tile for the context dk/dv,
+which visits only the query tiles that see that key tile (compacted list, scalar-prefetched on TPU).
+Logits, softmax and all accumulators are float32; p and ds are cast to the input dtype for the
+matmuls (as the reference casts p to v.dtype).
+
+On TPU the per-row statistics are lane-broadcast to 128 lanes ([.., rows, 128] float32), the layout
+Mosaic handles natively; on GPU they are [.., rows, 1].
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from dflash_jax.attention import attend, position_mask
+
+_MASK = -1e30  # finite: exp(_MASK - m) underflows to 0 without inf - inf
+_BIG = 1 << 30
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def block_mask(anchors, ctx_len: int, *, block_size: int, sliding_window: int | None = None):
+    """Visibility [batch, N*Bk, S + N*Bk] of keys [context | blocks] for the block queries."""
+    batch, n = anchors.shape
+    a = jnp.repeat(anchors.astype(jnp.int32), block_size, axis=1)  # [B, T] anchor of each row
+    qpos = a + jnp.tile(jnp.arange(block_size, dtype=jnp.int32), n)  # [B, T] position of each row
+    p = jnp.arange(ctx_len, dtype=jnp.int32)
+    ctx = position_mask(qpos, p, causal=True, sliding_window=sliding_window,
+                        k_valid=p[None, None, :] < a[:, :, None])
+    blk_id = jnp.arange(n * block_size) // block_size
+    same = (blk_id[:, None] == blk_id[None, :])[None] & (a >= 0)[:, :, None]
+    blk = position_mask(qpos, qpos, causal=False, sliding_window=sliding_window, k_valid=same)
+    return jnp.concatenate([ctx, blk], axis=-1)
+
+
+def block_attention_reference(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
+                              sliding_window: int | None = None, scale: float | None = None):
+    """Dense [T, S+T] mask + the project's one attention reference (``dflash_jax.attention.attend``)."""
+    _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size)
+    mask = block_mask(anchors, k_ctx.shape[1], block_size=block_size, sliding_window=sliding_window)
+    k = jnp.concatenate([k_ctx, k_blk], axis=1)
+    v = jnp.concatenate([v_ctx, v_blk], axis=1)
+    return attend(q, k, v, mask, scale=scale)
+
+
+def _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, anchors, bk):
+    b, t, hq, d = q.shape
+    s, hkv = k_ctx.shape[1], k_ctx.shape[2]
+    n = anchors.shape[1]
+    if (anchors.shape != (b, n) or t != n * bk or k_ctx.shape != (b, s, hkv, d)
+            or v_ctx.shape != k_ctx.shape or k_blk.shape != (b, t, hkv, d) or v_blk.shape != k_blk.shape):
+        raise ValueError(f"shapes q {q.shape} k_ctx {k_ctx.shape} v_ctx {v_ctx.shape} k_blk {k_blk.shape} "
+                         f"v_blk {v_blk.shape} anchors {anchors.shape} block_size {bk} do not fit")
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads is not a multiple of {hkv} key/value heads")
+
+
+# ----------------------------------------------------------------------------- tiles and masks
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    bk: int            # block size
+    window: int | None
+    scale: float
+    tq: int            # query rows per tile (a multiple of bk)
+    tk: int            # context keys per tile
+    ctx_len: int       # S (keys >= S are padding)
+    backend: str       # "tpu" | "gpu": which kernel formulation
+    interpret: bool
+
+    @property
+    def lanes(self):
+        return 128 if self.backend == "tpu" else 1
+
+
+def _next_pow2(x):
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _round_up(x, m):
+    return -(-x // m) * m
+
+
+def _pick_tiles(n_blocks, bk, ctx_len, q_tile, k_tile, backend, interpret):
+    """(tq, tk). GPU (Triton) needs powers of two >= 16; compiled TPU needs bf16-sublane multiples."""
+    nbt = max(1, q_tile // bk)
+    if backend == "gpu":
+        nbt = max(min(_next_pow2(nbt), _next_pow2(n_blocks)), -(-16 // bk))
+        tk = max(min(_next_pow2(k_tile), _next_pow2(max(ctx_len, 1))), 16)
+    else:
+        if not interpret:
+            nbt = _round_up(nbt, 16 // math.gcd(bk, 16))
+        nbt = min(nbt, n_blocks)  # one tile covering every row is always a legal block
+        tk = min(k_tile, _round_up(max(ctx_len, 1), 8))
+    return nbt * bk, tk
+
+
+def _ctx_tile_range(a, ctx_len, tk, window, axis=None):
+    """[lo, hi) of context key tiles visible to the rows with anchors ``a`` (reduced over ``axis``).
+
+    Rows see context p in [max(0, a - W + 1), min(a, S)); padding rows (a < 0) see none. An empty
+    range is returned as (0, 0) so the skipped index map points at tile 0.
+    """
+    valid = a >= 0
+    hi_pos = jnp.minimum(jnp.max(jnp.where(valid, a, 0), axis=axis), ctx_len)
+    hi = lax.div(hi_pos + (tk - 1), tk)
+    if window is None:
+        lo = jnp.zeros_like(hi)
+    else:
+        lo_pos = jnp.maximum(jnp.min(jnp.where(valid, a, _BIG), axis=axis) - (window - 1), 0)
+        lo = lax.div(lo_pos, tk)
+    nonempty = lo < hi
+    return jnp.where(nonempty, lo, 0), jnp.where(nonempty, hi, 0)
+
+
+def _divmod(x, d):
+    """x // d, x % d for non-negative int32 vectors without a vector integer divide."""
+    if d & (d - 1) == 0:
+        sh = d.bit_length() - 1
+        return lax.shift_right_logical(x, jnp.int32(sh)), x & (d - 1)
+    qt = jnp.floor((x.astype(jnp.float32) + 0.5) * (1.0 / d)).astype(jnp.int32)  # exact for x < 2**20
+    return qt, x - qt * d
+
+
+def _ctx_vis(a, j, c: _Cfg, shape):
+    """Rows (anchors a [tq, 1]) x context key tile j -> bool [tq, tk]."""
+    r = lax.broadcasted_iota(jnp.int32, shape, 0)
+    p = j * c.tk + lax.broadcasted_iota(jnp.int32, shape, 1)
+    vis = (p < a) & (p < c.ctx_len)
+    if c.window is not None:
+        vis &= (a + _divmod(r, c.bk)[1] - p) < c.window
+    return vis
+
+
+def _blk_vis(a, c: _Cfg):
+    """Rows x their own tile of block keys (block-diagonal, bidirectional) -> bool [tq, tq]."""
+    r = lax.broadcasted_iota(jnp.int32, (c.tq, c.tq), 0)
+    k = lax.broadcasted_iota(jnp.int32, (c.tq, c.tq), 1)
+    vis = (_divmod(r, c.bk)[0] == _divmod(k, c.bk)[0]) & (a >= 0)
+    if c.window is not None:
+        vis &= (r - k < c.window) & (k - r < c.window)
+    return vis
+
+
+# ----------------------------------------------------------------------------- tile math (shared)
+
+
+def _fwd_step(q, k, v, vis, carry, scale):
+    m, l, acc = carry
+    s = jnp.where(vis, lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale, _MASK)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(vis, jnp.exp(s - m_new), 0.0)
+    l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+    acc = alpha * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_new, l, acc
+
+
+def _fwd_finish(carry):
+    m, l, acc = carry
+    seen = l > 0.0  # False only for padding rows
+    safe_l = jnp.where(seen, l, 1.0)
+    return acc / safe_l, jnp.where(seen, m + jnp.log(safe_l), 0.0)
+
+
+def _bwd_step(q, k, v, do, lse, delta, vis, scale):
+    """p [tq, tk] and ds = dL/d(q.k) [tq, tk] (the softmax scale folded in), both float32."""
+    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale
+    p = jnp.exp(jnp.where(vis, s - lse, _MASK))
+    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+    return p, p * (dp - delta) * scale
+
+
+def _acc_dq(dq, ds, k):
+    return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+
+def _acc_dkv(dk, dv, p, ds, q, do):
+    dk = dk + jnp.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+    dv = dv + jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    return dk, dv
+
+
+def _rows(ref):
+    """Per-row values ([tq, lanes] on TPU, [tq] / [tq, 1] on GPU) -> [tq, 1]."""
+    x = ref[...]
+    return x[:, None] if x.ndim == 1 else x[:, :1]
+
+
+# ----------------------------------------------------------------------------- TPU kernels
+
+
+def _tpu_fwd_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, o_ref, lse_ref,
+                    m_sc, l_sc, acc_sc, *, c: _Cfg, nq, nk):
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    t = b * nq + i
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, _MASK, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    def step(k_ref, v_ref, vis):
+        carry = _fwd_step(q_ref[...], k_ref[...], v_ref[...], vis,
+                          (m_sc[...][:, :1], l_sc[...][:, :1], acc_sc[...]), c.scale)
+        m_sc[...] = jnp.broadcast_to(carry[0], m_sc.shape)
+        l_sc[...] = jnp.broadcast_to(carry[1], l_sc.shape)
+        acc_sc[...] = carry[2]
+        return carry
+
+    @pl.when((j >= lo_ref[t]) & (j < hi_ref[t]))
+    def _ctx():
+        step(kc_ref, vc_ref, _ctx_vis(_rows(ra_ref), j, c, (c.tq, c.tk)))
+
+    @pl.when(j == nk)
+    def _own_block():
+        out, lse = _fwd_finish(step(kb_ref, vb_ref, _blk_vis(_rows(ra_ref), c)))
+        o_ref[...] = out.astype(o_ref.dtype)
+        lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+
+
+def _tpu_dq_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, do_ref, lse_ref,
+                   dl_ref, dq_ref, dkb_ref, dvb_ref, dq_sc, *, c: _Cfg, nq, nk):
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    t = b * nq + i
+
+    @pl.when(j == 0)
+    def _init():
+        dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+    def grads(k_ref, v_ref, vis):
+        return _bwd_step(q_ref[...], k_ref[...], v_ref[...], do_ref[...], _rows(lse_ref),
+                         _rows(dl_ref), vis, c.scale)
+
+    @pl.when((j >= lo_ref[t]) & (j < hi_ref[t]))
+    def _ctx():
+        _, ds = grads(kc_ref, vc_ref, _ctx_vis(_rows(ra_ref), j, c, (c.tq, c.tk)))
+        dq_sc[...] = _acc_dq(dq_sc[...], ds, kc_ref[...])
+
+    @pl.when(j == nk)
+    def _own_block():
+        p, ds = grads(kb_ref, vb_ref, _blk_vis(_rows(ra_ref), c))
+        dq_ref[...] = _acc_dq(dq_sc[...], ds, kb_ref[...]).astype(dq_ref.dtype)
+        zero = jnp.zeros(dkb_ref.shape, jnp.float32)
+        dk, dv = _acc_dkv(zero, zero, p, ds, q_ref[...], do_ref[...])
+        dkb_ref[...] = dk
+        dvb_ref[...] = dv
+
+
+def _tpu_dkv_kernel(ql_ref, qn_ref, q_ref, kc_ref, vc_ref, ra_ref, do_ref, lse_ref, dl_ref,
+                    dk_ref, dv_ref, dk_sc, dv_sc, *, c: _Cfg, nq, nk):
+    b, kj, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+
+    @pl.when(s == 0)
+    def _init():
+        dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+        dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+    @pl.when(lax.rem(s, nq) < qn_ref[b * nk + kj])
+    def _acc():
+        vis = _ctx_vis(_rows(ra_ref), kj, c, (c.tq, c.tk))
+        q, do = q_ref[...], do_ref[...]
+        p, ds = _bwd_step(q, kc_ref[...], vc_ref[...], do, _rows(lse_ref), _rows(dl_ref), vis, c.scale)
+        dk_sc[...], dv_sc[...] = _acc_dkv(dk_sc[...], dv_sc[...], p, ds, q, do)
+
+    @pl.when(s == pl.num_programs(3) - 1)
+    def _write():
+        dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _tpu_call(kernel, grid, num_prefetch, in_specs, out_specs, out_shape, scratch, c):
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, interpret=c.interpret,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=num_prefetch, grid=grid, in_specs=in_specs, out_specs=out_specs,
+            scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch]),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")))
+
+
+# ----------------------------------------------------------------------------- GPU kernels
+
+
+def _gpu_fwd_kernel(q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, o_ref, lse_ref, *, c: _Cfg):
+    q, a = q_ref[...], _rows(ra_ref)
+    lo, hi = _ctx_tile_range(a, c.ctx_len, c.tk, c.window)
+
+    def body(j, carry):
+        kv = pl.ds(pl.multiple_of(j * c.tk, c.tk), c.tk)
+        return _fwd_step(q, kc_ref[kv, :], vc_ref[kv, :], _ctx_vis(a, j, c, (c.tq, c.tk)), carry, c.scale)
+
+    carry = (jnp.full((c.tq, 1), _MASK, jnp.float32), jnp.zeros((c.tq, 1), jnp.float32),
+             jnp.zeros(q.shape, jnp.float32))
+    carry = lax.fori_loop(lo, hi, body, carry)
+    out, lse = _fwd_finish(_fwd_step(q, kb_ref[...], vb_ref[...], _blk_vis(a, c), carry, c.scale))
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
+
+
+def _gpu_dq_kernel(q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, do_ref, lse_ref, dl_ref,
+                   dq_ref, dkb_ref, dvb_ref, *, c: _Cfg):
+    q, do, lse, delta, a = q_ref[...], do_ref[...], lse_ref[...], dl_ref[...], _rows(ra_ref)
+    lo, hi = _ctx_tile_range(a, c.ctx_len, c.tk, c.window)
+
+    def body(j, dq):
+        kv = pl.ds(pl.multiple_of(j * c.tk, c.tk), c.tk)
+        k = kc_ref[kv, :]
+        _, ds = _bwd_step(q, k, vc_ref[kv, :], do, lse, delta, _ctx_vis(a, j, c, (c.tq, c.tk)), c.scale)
+        return _acc_dq(dq, ds, k)
+
+    dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
+    kb = kb_ref[...]
+    p, ds = _bwd_step(q, kb, vb_ref[...], do, lse, delta, _blk_vis(a, c), c.scale)
+    dq_ref[...] = _acc_dq(dq, ds, kb).astype(dq_ref.dtype)
+    zero = jnp.zeros(kb.shape, jnp.float32)
+    dkb_ref[...], dvb_ref[...] = _acc_dkv(zero, zero, p, ds, q, do)
+
+
+def _gpu_dkv_kernel(q_ref, kc_ref, vc_ref, ra_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref, *,
+                    c: _Cfg, nq, groups):
+    kj = pl.program_id(2)
+    k, v = kc_ref[...], vc_ref[...]
+
+    def visit(qi, carry):
+        rows = pl.ds(pl.multiple_of(qi * c.tq, c.tq), c.tq)
+        a = ra_ref[rows][:, None]
+        vis = _ctx_vis(a, kj, c, (c.tq, c.tk))
+        for g in range(groups):  # the query heads sharing this K/V head
+            q, do = q_ref[g, rows, :], do_ref[g, rows, :]
+            p, ds = _bwd_step(q, k, v, do, lse_ref[g, rows, :], dl_ref[g, rows, :], vis, c.scale)
+            carry = _acc_dkv(*carry, p, ds, q, do)
+        return carry
+
+    def body(qi, carry):
+        lo, hi = _ctx_tile_range(ra_ref[pl.ds(pl.multiple_of(qi * c.tq, c.tq), c.tq)], c.ctx_len,
+                                 c.tk, c.window)
+        return lax.cond((kj >= lo) & (kj < hi), visit, lambda _, cr: cr, qi, carry)
+
+    zero = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, nq, body, (zero, zero))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _gpu_call(kernel, grid, in_specs, out_specs, out_shape, c):
+    from jax.experimental.pallas import triton as pltr
+
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                          interpret=c.interpret, compiler_params=pltr.CompilerParams(num_warps=4, num_stages=2))
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def _prepare(q, k_ctx, v_ctx, k_blk, v_blk, anchors, c: _Cfg):
+    """Head-major, padded operands and the per-tile context ranges."""
+    batch, t = q.shape[:2]
+    nbt = c.tq // c.bk
+    n_pad = _round_up(anchors.shape[1], nbt)
+    t_pad, s_pad = n_pad * c.bk, _round_up(max(c.ctx_len, 1), c.tk)
+
+    def heads(x, rows):
+        return jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, rows - x.shape[1]), (0, 0)))
+
+    anc = jnp.pad(anchors.astype(jnp.int32), ((0, 0), (0, n_pad - anchors.shape[1])), constant_values=-1)
+    lo, hi = _ctx_tile_range(anc.reshape(batch, n_pad // nbt, nbt), c.ctx_len, c.tk, c.window, axis=-1)
+    ra = jnp.repeat(anc, c.bk, axis=1)  # [B, t_pad] anchor of every row
+    if c.backend == "tpu":
+        ra = jnp.broadcast_to(ra[:, :, None], (*ra.shape, c.lanes))
+    return dict(q=heads(q, t_pad), kc=heads(k_ctx, s_pad), vc=heads(v_ctx, s_pad), kb=heads(k_blk, t_pad),
+                vb=heads(v_blk, t_pad), ra=ra, lo=lo, hi=hi, t=t)
+
+
+def _lanes(x, c):  # [B, H, rows] float32 -> the kernels' per-row layout
+    return jnp.broadcast_to(x[..., None], (*x.shape, c.lanes))
+
+
+def _forward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, c: _Cfg):
+    x = _prepare(q, k_ctx, v_ctx, k_blk, v_blk, anchors, c)
+    batch, hq, t_pad, d = x["q"].shape
+    groups, (nq, nk) = hq // x["kc"].shape[1], (t_pad // c.tq, x["kc"].shape[2] // c.tk)
+    out_shape = (jax.ShapeDtypeStruct((batch, hq, t_pad, d), q.dtype),
+                 jax.ShapeDtypeStruct((batch, hq, t_pad, c.lanes), jnp.float32))
+    tile_q, tile_k = (None, None, c.tq, d), (None, None, c.tk, d)
+    if c.backend == "tpu":
+        def ctx_map(b, h, i, j, lo, hi):  # skipped steps re-point at a tile that is already in VMEM
+            first, last = lo[b * nq + i], hi[b * nq + i] - 1
+            return b, lax.div(h, groups), jnp.minimum(jnp.maximum(j, first), jnp.maximum(last, first)), 0
+
+        in_specs = [pl.BlockSpec(tile_q, lambda b, h, i, j, lo, hi: (b, h, i, 0)),
+                    pl.BlockSpec(tile_k, ctx_map), pl.BlockSpec(tile_k, ctx_map),
+                    pl.BlockSpec(tile_q, lambda b, h, i, j, lo, hi: (b, lax.div(h, groups), i, 0)),
+                    pl.BlockSpec(tile_q, lambda b, h, i, j, lo, hi: (b, lax.div(h, groups), i, 0)),
+                    pl.BlockSpec((None, c.tq, c.lanes), lambda b, h, i, j, lo, hi: (b, i, 0))]
+        out_specs = [pl.BlockSpec(tile_q, lambda b, h, i, j, lo, hi: (b, h, i, 0)),
+                     pl.BlockSpec((None, None, c.tq, c.lanes), lambda b, h, i, j, lo, hi: (b, h, i, 0))]
+        o, lse = _tpu_call(functools.partial(_tpu_fwd_kernel, c=c, nq=nq, nk=nk), (batch, hq, nq, nk + 1), 2,
+                           in_specs, out_specs, out_shape, [(c.tq, c.lanes), (c.tq, c.lanes), (c.tq, d)], c)(
+            x["lo"].reshape(-1), x["hi"].reshape(-1), x["q"], x["kc"], x["vc"], x["kb"], x["vb"], x["ra"])
+    else:
+        full_k = (None, None, x["kc"].shape[2], d)
+        in_specs = [pl.BlockSpec(tile_q, lambda b, h, i: (b, h, i, 0)),
+                    pl.BlockSpec(full_k, lambda b, h, i: (b, lax.div(h, groups), 0, 0)),
+                    pl.BlockSpec(full_k, lambda b, h, i: (b, lax.div(h, groups), 0, 0)),
+                    pl.BlockSpec(tile_q, lambda b, h, i: (b, lax.div(h, groups), i, 0)),
+                    pl.BlockSpec(tile_q, lambda b, h, i: (b, lax.div(h, groups), i, 0)),
+                    pl.BlockSpec((None, c.tq), lambda b, h, i: (b, i))]
+        out_specs = [pl.BlockSpec(tile_q, lambda b, h, i: (b, h, i, 0)),
+                     pl.BlockSpec((None, None, c.tq, 1), lambda b, h, i: (b, h, i, 0))]
+        o, lse = _gpu_call(functools.partial(_gpu_fwd_kernel, c=c), (batch, hq, nq), in_specs, out_specs,
+                           out_shape, c)(x["q"], x["kc"], x["vc"], x["kb"], x["vb"], x["ra"])
+    return o, lse[..., 0]
+
+
+def _backward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, o, lse, do, c: _Cfg):
+    x = _prepare(q, k_ctx, v_ctx, k_blk, v_blk, anchors, c)
+    batch, hq, t_pad, d = x["q"].shape
+    hkv, s_pad = x["kc"].shape[1:3]
+    groups, nq, nk = hq // hkv, t_pad // c.tq, s_pad // c.tk
+    do_h = jnp.pad(jnp.swapaxes(do, 1, 2), ((0, 0), (0, 0), (0, t_pad - do.shape[1]), (0, 0)))
+    delta = jnp.sum(do_h.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    lse_l, dl_l = _lanes(lse, c), _lanes(delta, c)
+    f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+    dq_shape = (jax.ShapeDtypeStruct(x["q"].shape, q.dtype), f32(x["q"].shape), f32(x["q"].shape))
+    dkv_shape = (jax.ShapeDtypeStruct(x["kc"].shape, k_ctx.dtype), jax.ShapeDtypeStruct(x["vc"].shape, v_ctx.dtype))
+    tile_q, tile_k, row = (None, None, c.tq, d), (None, None, c.tk, d), (None, None, c.tq, c.lanes)
+
+    # Query tiles that see each context key tile, compacted per (batch, key tile); the tail repeats
+    # the last entry so the dk/dv index map stays on a tile already in VMEM.
+    kj = jnp.arange(nk)
+    needed = (x["lo"][:, None, :] <= kj[None, :, None]) & (kj[None, :, None] < x["hi"][:, None, :])  # [B,nk,nq]
+    qcount = needed.sum(-1).astype(jnp.int32)
+    qlist = jnp.argsort(~needed, axis=-1, stable=True).astype(jnp.int32)
+    last = jnp.take_along_axis(qlist, jnp.maximum(qcount - 1, 0)[..., None], axis=-1)
+    qlist = jnp.where(jnp.arange(nq) < qcount[..., None], qlist, last)
+
+    if c.backend == "tpu":
+        def ctx_map(b, h, i, j, lo, hi):
+            first, last_ = lo[b * nq + i], hi[b * nq + i] - 1
+            return b, lax.div(h, groups), jnp.minimum(jnp.maximum(j, first), jnp.maximum(last_, first)), 0
+
+        q_map = lambda b, h, i, j, lo, hi: (b, h, i, 0)
+        blk_map = lambda b, h, i, j, lo, hi: (b, lax.div(h, groups), i, 0)
+        in_specs = [pl.BlockSpec(tile_q, q_map), pl.BlockSpec(tile_k, ctx_map), pl.BlockSpec(tile_k, ctx_map),
+                    pl.BlockSpec(tile_q, blk_map), pl.BlockSpec(tile_q, blk_map),
+                    pl.BlockSpec((None, c.tq, c.lanes), lambda b, h, i, j, lo, hi: (b, i, 0)),
+                    pl.BlockSpec(tile_q, q_map), pl.BlockSpec(row, q_map), pl.BlockSpec(row, q_map)]
+        dq, dkb, dvb = _tpu_call(functools.partial(_tpu_dq_kernel, c=c, nq=nq, nk=nk), (batch, hq, nq, nk + 1), 2,
+                                 in_specs, [pl.BlockSpec(tile_q, q_map)] * 3, dq_shape, [(c.tq, d)], c)(
+            x["lo"].reshape(-1), x["hi"].reshape(-1), x["q"], x["kc"], x["vc"], x["kb"], x["vb"], x["ra"],
+            do_h, lse_l, dl_l)
+
+        def qsel(b, kj_, s, ql, qn):
+            return ql[(b * nk + kj_) * nq + jnp.minimum(lax.rem(s, nq), jnp.maximum(qn[b * nk + kj_] - 1, 0))]
+
+        qh_map = lambda b, h, kj_, s, ql, qn: (b, h * groups + lax.div(s, nq), qsel(b, kj_, s, ql, qn), 0)
+        k_map = lambda b, h, kj_, s, ql, qn: (b, h, kj_, 0)
+        in_specs = [pl.BlockSpec(tile_q, qh_map), pl.BlockSpec(tile_k, k_map), pl.BlockSpec(tile_k, k_map),
+                    pl.BlockSpec((None, c.tq, c.lanes), lambda b, h, kj_, s, ql, qn: (b, qsel(b, kj_, s, ql, qn), 0)),
+                    pl.BlockSpec(tile_q, qh_map), pl.BlockSpec(row, qh_map), pl.BlockSpec(row, qh_map)]
+        dkc, dvc = _tpu_call(functools.partial(_tpu_dkv_kernel, c=c, nq=nq, nk=nk), (batch, hkv, nk, groups * nq), 2,
+                             in_specs, [pl.BlockSpec(tile_k, k_map)] * 2, dkv_shape, [(c.tk, d), (c.tk, d)], c)(
+            qlist.reshape(-1), qcount.reshape(-1), x["q"], x["kc"], x["vc"], x["ra"], do_h, lse_l, dl_l)
+    else:
+        full_k = (None, None, s_pad, d)
+        q_map = lambda b, h, i: (b, h, i, 0)
+        blk_map = lambda b, h, i: (b, lax.div(h, groups), i, 0)
+        in_specs = [pl.BlockSpec(tile_q, q_map), pl.BlockSpec(full_k, lambda b, h, i: (b, lax.div(h, groups), 0, 0)),
+                    pl.BlockSpec(full_k, lambda b, h, i: (b, lax.div(h, groups), 0, 0)), pl.BlockSpec(tile_q, blk_map),
+                    pl.BlockSpec(tile_q, blk_map), pl.BlockSpec((None, c.tq), lambda b, h, i: (b, i)),
+                    pl.BlockSpec(tile_q, q_map), pl.BlockSpec(row, q_map), pl.BlockSpec(row, q_map)]
+        dq, dkb, dvb = _gpu_call(functools.partial(_gpu_dq_kernel, c=c), (batch, hq, nq), in_specs,
+                                 [pl.BlockSpec(tile_q, q_map)] * 3, dq_shape, c)(
+            x["q"], x["kc"], x["vc"], x["kb"], x["vb"], x["ra"], do_h, lse_l, dl_l)
+        group_q = (None, groups, t_pad, d)
+        group_map = lambda b, h, kj_: (b, h, 0, 0)
+        k_map = lambda b, h, kj_: (b, h, kj_, 0)
+        in_specs = [pl.BlockSpec(group_q, group_map), pl.BlockSpec(tile_k, k_map), pl.BlockSpec(tile_k, k_map),
+                    pl.BlockSpec((None, t_pad), lambda b, h, kj_: (b, 0)), pl.BlockSpec(group_q, group_map),
+                    pl.BlockSpec((None, groups, t_pad, 1), group_map), pl.BlockSpec((None, groups, t_pad, 1), group_map)]
+        dkc, dvc = _gpu_call(functools.partial(_gpu_dkv_kernel, c=c, nq=nq, groups=groups), (batch, hkv, nk),
+                             in_specs, [pl.BlockSpec(tile_k, k_map)] * 2, dkv_shape, c)(
+            x["q"], x["kc"], x["vc"], x["ra"], do_h, lse_l, dl_l)
+
+    t, s = x["t"], c.ctx_len
+    rows = lambda g, n: jnp.swapaxes(g[:, :, :n], 1, 2)  # [B, H, rows, D] -> [B, n, H, D]
+    per_kv = lambda g: g.reshape(batch, hkv, groups, t_pad, d).sum(2)  # sum the GQA group
+    return (rows(dq, t), rows(dkc, s), rows(dvc, s),
+            rows(per_kv(dkb), t).astype(k_blk.dtype), rows(per_kv(dvb), t).astype(v_blk.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, c):
+    return _block_attention_fwd(q, k_ctx, v_ctx, k_blk, v_blk, anchors, c)[0]
+
+
+def _block_attention_fwd(q, k_ctx, v_ctx, k_blk, v_blk, anchors, c):
+    o, lse = _forward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, c)
+    out = jnp.swapaxes(o[:, :, :q.shape[1]], 1, 2)
+    return out, (q, k_ctx, v_ctx, k_blk, v_blk, anchors, o, lse)
+
+
+def _block_attention_bwd(c, res, do):
+    q, k_ctx, v_ctx, k_blk, v_blk, anchors, o, lse = res
+    return (*_backward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, o, lse, do, c), None)
+
+
+_block_attention.defvjp(_block_attention_fwd, _block_attention_bwd)
+
+
+def _platform():
+    p = jax.default_backend()
+    return "gpu" if p in ("gpu", "cuda", "rocm") else p
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "sliding_window", "scale", "interpret", "q_tile",
+                                             "k_tile", "backend"))
+def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int, sliding_window: int | None = None,
+                    scale: float | None = None, interpret: bool | None = None, q_tile: int = 128,
+                    k_tile: int = 128, backend: str | None = None):
+    """Pallas block attention (shapes in the module docstring); differentiable in q, k_*, v_*.
+
+    ``backend``: "tpu" (Mosaic formulation) or "gpu" (Triton); default: the platform of the default
+    backend, and the TPU formulation on CPU. ``interpret``: default True on CPU. ``q_tile`` is rounded
+    to whole blocks (and to what the backend needs); ``k_tile`` context keys per tile.
+    """
+    _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size)
+    platform = _platform()
+    backend = backend or ("gpu" if platform == "gpu" else "tpu")
+    interpret = platform == "cpu" if interpret is None else bool(interpret)
+    tq, tk = _pick_tiles(anchors.shape[1], block_size, k_ctx.shape[1], q_tile, k_tile, backend, interpret)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    c = _Cfg(block_size, sliding_window, scale, tq, tk, k_ctx.shape[1], backend, interpret)
+    return _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors.astype(jnp.int32), c)
+
+
+def kernel_supported(*, block_size: int, head_dim: int) -> bool:
+    """Whether the compiled kernel is expected to run on the default backend."""
+    platform = _platform()
+    if platform == "tpu":
+        return True
+    if platform != "gpu":
+        return False
+    try:
+        cc = float(getattr(jax.devices()[0], "compute_capability", "0"))
+    except ValueError:  # e.g. ROCm gfx names
+        return False
+    pow2 = lambda x: x & (x - 1) == 0
+    return cc >= 8.0 and pow2(block_size) and pow2(head_dim) and head_dim >= 16
+
+
+def skipped_fraction(anchors, ctx_len: int, *, block_size: int, sliding_window: int | None = None,
+                     q_tile: int = 128, k_tile: int = 128, backend: str = "tpu") -> dict:
+    """Score entries the kernel computes vs the dense [T, S+T] reference, from the anchors alone (numpy)."""
+    anchors = np.asarray(anchors, np.int64)
+    batch, n = anchors.shape
+    tq, tk = _pick_tiles(n, block_size, ctx_len, q_tile, k_tile, backend, False)
+    nbt = tq // block_size
+    anc = np.pad(anchors, ((0, 0), (0, _round_up(n, nbt) - n)), constant_values=-1).reshape(batch, -1, nbt)
+    lo, hi = (np.asarray(x) for x in _ctx_tile_range(jnp.asarray(anc, jnp.int32), ctx_len, tk, sliding_window, -1))
+    t = n * block_size
+    computed = ((hi - lo) * tq * tk).sum() + anc.shape[1] * tq * tq * batch
+    mask = np.asarray(block_mask(jnp.asarray(anchors, jnp.int32), ctx_len, block_size=block_size,
+                                 sliding_window=sliding_window)) if t * (ctx_len + t) * batch <= 2**27 else None
+    dense = batch * t * (ctx_len + t)
+    return {"dense": int(dense), "computed": int(computed), "skipped": 1.0 - computed / dense,
+            "visible": None if mask is None else float(mask.mean()), "q_tile": tq, "k_tile": tk}

@@ -1,0 +1,38 @@
+"""Test-session setup shared by every test module.
+
+Runs before any test module imports jax or huggingface_hub:
+- 8 fake CPU devices (DESIGN.md: sharded == unsharded tests need a mesh), unless XLA_FLAGS already
+  chooses a device count; single-device code still runs on device 0.
+- The Hugging Face hub is offline: no test may touch the network (CI has none).
+"""
+from __future__ import annotations
+
+import os
+
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """Factory: ``tiny_hf(name, model_type, **config_overrides) -> (dir, torch model)``.
+
+    Saves a random tiny Hugging Face model once per session per ``name`` (see ``hf_models.save_tiny``),
+    so test modules can share checkpoints instead of re-creating them.
+    """
+    from hf_models import save_tiny
+
+    saved = {}
+
+    def make(name: str, model_type: str = "qwen3", **overrides):
+        if name not in saved:
+            path = tmp_path_factory.mktemp(f"hf_{name}")
+            saved[name] = (str(path), save_tiny(path, model_type, **overrides))
+        return saved[name]
+
+    return make

@@ -1,0 +1,175 @@
+"""The decode engine: lossless against plain decoding, stop/length edges, statistics, sampling, bad input."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_jax import speculative as S
+from dflash_jax.sampling import choose
+from pairs import random_pair
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def pair():
+    # A small vocabulary makes a random draft right now and then, so partial acceptance is exercised.
+    return random_pair(vocab=8, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.RandomState(0)
+    return [rng.randint(2, 7, n).tolist() for n in (3, 9, 1, 17)]
+
+
+@pytest.fixture(scope="module")
+def plain(pair, prompts):
+    return S.generate(pair[0], prompts, max_new_tokens=MAX_NEW, stop_token_ids=[])
+
+
+def check_stats(results, block, max_new):
+    for r in results:
+        assert all(1 <= a <= block for a in r.acceptance_lengths)
+        produced = 1 + sum(r.acceptance_lengths)  # first token from prefill + every step's a+1
+        assert produced - block < r.num_generated <= produced  # only the last step can be cut
+        assert r.num_generated <= max_new
+        assert r.target_forwards == len(r.acceptance_lengths) + 1
+
+
+@pytest.mark.parametrize("block", [2, 4, 8, 16])
+def test_lossless_batched_ragged(pair, prompts, plain, block):
+    target, draft = pair
+    spec = S.speculative_generate(target, draft, prompts, max_new_tokens=MAX_NEW, block_size=block, stop_token_ids=[])
+    for s, p, prompt in zip(spec, plain, prompts):
+        assert s.output_ids == p.output_ids
+        assert s.output_ids[:len(prompt)] == prompt and s.num_generated == MAX_NEW
+        assert s.finish_reason == "length"
+    check_stats(spec, block, MAX_NEW)
+
+
+def test_batch_of_one_equals_batched_row(pair, prompts, plain):
+    target, draft = pair
+    for i in (1, 3):
+        (one,) = S.speculative_generate(target, draft, [prompts[i]], max_new_tokens=MAX_NEW, block_size=8,
+                                        stop_token_ids=[])
+        assert one.output_ids == plain[i].output_ids
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 13])
+def test_max_new_tokens_mid_block(pair, prompts, plain, max_new):
+    target, draft = pair
+    spec = S.speculative_generate(target, draft, prompts, max_new_tokens=max_new, block_size=16, stop_token_ids=[])
+    for s, p, prompt in zip(spec, plain, prompts):
+        assert s.output_ids == p.output_ids[:len(prompt) + max_new]
+        assert s.finish_reason == "length"
+    check_stats(spec, 16, max_new)
+
+
+def test_stop_token_mid_block(pair, prompts, plain):
+    target, draft = pair
+    # Pick, per row, a token first generated a few tokens in, so the stop lands inside a block.
+    row = plain[1].generated_ids
+    stop = next(t for i, t in enumerate(row) if i >= 3 and t not in row[:i])
+    spec = S.speculative_generate(target, draft, prompts, max_new_tokens=MAX_NEW, block_size=16, stop_token_ids=[stop])
+    ref = S.generate(target, prompts, max_new_tokens=MAX_NEW, stop_token_ids=[stop])
+    for s, r, p in zip(spec, ref, plain):
+        assert s.output_ids == r.output_ids
+        gen = p.generated_ids
+        if stop in gen:
+            cut = gen.index(stop) + 1
+            assert s.generated_ids == gen[:cut] and s.finish_reason == "stop"  # nothing after the first stop
+        else:
+            assert s.generated_ids == gen and s.finish_reason == "length"
+    assert spec[1].finish_reason == "stop"
+    check_stats(spec, 16, MAX_NEW)
+
+
+def test_cache_full_stops_rows_at_max_length(pair, prompts, plain):
+    target, draft = pair
+    max_length = 20  # prompts of 3..17 tokens: every row runs into it at a different point
+    spec = S.speculative_generate(target, draft, prompts, max_new_tokens=MAX_NEW, block_size=8,
+                                  stop_token_ids=[], max_length=max_length)
+    for s, p in zip(spec, plain):
+        assert len(s.output_ids) == max_length
+        assert s.output_ids == p.output_ids[:max_length]
+
+
+def test_stream_matches_one_call(pair, prompts, plain):
+    target, draft = pair
+    chunks, final = [], None
+    for event in S.stream_generate(target, draft, [prompts[0]], max_new_tokens=MAX_NEW, block_size=4,
+                                   stop_token_ids=[]):
+        if event and isinstance(event[0], list):
+            chunks += event[0]
+        else:
+            final = event
+    assert chunks == plain[0].generated_ids == final[0].generated_ids
+
+
+def test_sampling_distribution_matches_target():
+    """First three sampled tokens: speculative and plain sampling both match the exact target marginals."""
+    target, draft = random_pair(vocab=6, block_size=4, seed=3)
+    prompt, n = [2, 3, 4], 768
+    from dflash_jax.target import target_logits
+
+    # Exact marginals of tokens 1..3 by enumerating every prefix (6 + 36 sequences).
+    def probs(seqs):
+        logits = target_logits(target, np.array(seqs))[:, -1]
+        e = np.exp(logits - logits.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    p1 = probs([prompt])[0]
+    p2_given = probs([prompt + [a] for a in range(6)])
+    p3_given = probs([prompt + [a, b] for a in range(6) for b in range(6)]).reshape(6, 6, 6)
+    joint12 = p1[:, None] * p2_given
+    exact = [p1, joint12.sum(0), (joint12[:, :, None] * p3_given).sum((0, 1))]
+
+    def marginals(results):
+        toks = np.array([r.generated_ids[:3] for r in results])
+        return [np.bincount(toks[:, i], minlength=6) / len(toks) for i in range(3)]
+
+    spec = S.speculative_generate(target, draft, [prompt] * n, max_new_tokens=3, temperature=1.0, seed=11,
+                                  stop_token_ids=[])
+    plain = S.generate(target, [prompt] * n, max_new_tokens=3, temperature=1.0, seed=12, stop_token_ids=[])
+    assert any(a > 1 for r in spec for a in r.acceptance_lengths)  # drafts were accepted, not just bonus tokens
+    # 768 samples over 6 outcomes: the expected total-variation error is ~0.03; 0.08 leaves room for chance.
+    for got_s, got_p, want in zip(marginals(spec), marginals(plain), exact):
+        assert 0.5 * np.abs(got_s - want).sum() < 0.08
+        assert 0.5 * np.abs(got_p - want).sum() < 0.08
+
+
+def test_top_k_top_p_restrict_support():
+    import jax
+
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32)).repeat(4000, 0)
+    key = jax.random.PRNGKey(0)
+    k2 = np.asarray(choose(logits, key, 1.0, 2, 1.0, greedy=False))
+    assert set(k2.tolist()) == {0, 1}
+    p = np.asarray(choose(logits, key, 1.0, 0, 0.7, greedy=False))  # 0.5 + 0.3 reaches 0.7
+    assert set(p.tolist()) == {0, 1}
+    assert abs((p == 0).mean() - 0.5 / 0.8) < 0.03
+    full = np.asarray(choose(logits, key, 1.0, 0, 1.0, greedy=False))
+    assert set(full.tolist()) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(prompts=[]), "non-empty"),
+    (dict(prompts=[[]]), "prompt 0"),
+    (dict(prompts=[[3, 4, 99]]), "outside the vocabulary"),
+    (dict(prompts=[[-1]]), "outside the vocabulary"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(block_size=0), "block_size"),
+    (dict(block_size=17), "block_size"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(prompts=[[3] * 30], max_length=30), "max length"),
+])
+def test_bad_input(pair, kwargs, match):
+    target, draft = pair
+    args = dict(prompts=[[3, 4]], max_new_tokens=4)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        S.speculative_generate(target, draft, args.pop("prompts"), **args)

@@ -1,0 +1,221 @@
+"""All training hyperparameters as one frozen dataclass, settable from the command line.
+
+``TrainConfig`` is printed at start, written to ``<out>/config.json`` and stored in every
+checkpoint; ``parse_args`` builds the argparse parser from the fields (``--field-name``), so a new
+field is a new flag with no extra code.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+
+# Loss-weight decay gamma of the paper per block size (w_k = exp(-(k-1)/gamma)).
+PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """gamma for ``block_size``: the paper's 7/5/4 for 16/10/8; otherwise the piecewise-linear
+    interpolation through those three points, extrapolated with the nearest segment's slope
+    (1/2 per token below 8, 1/3 per token above 16) and never below 1. E.g. 4 -> 2, 12 -> 5.67, 32 -> 12.33."""
+    if block_size in PAPER_GAMMA:
+        return PAPER_GAMMA[block_size]
+    pts = sorted(PAPER_GAMMA.items())
+    b = float(block_size)
+    if b < pts[0][0]:
+        g = pts[0][1] + (b - pts[0][0]) * (pts[1][1] - pts[0][1]) / (pts[1][0] - pts[0][0])
+    elif b > pts[-1][0]:
+        g = pts[-1][1] + (b - pts[-1][0]) * (pts[-1][1] - pts[-2][1]) / (pts[-1][0] - pts[-2][0])
+    else:
+        (x0, y0), (x1, y1) = next(((p, q) for p, q in zip(pts, pts[1:]) if p[0] <= b <= q[0]))
+        g = y0 + (b - x0) * (y1 - y0) / (x1 - x0)
+    return max(1.0, g)
+
+
+def shallow_target_layer_ids(num_target_layers: int, num_features: int) -> tuple[int, ...]:
+    """Evenly spaced layer ids from 1 to L-1 (both included), at most L-1 distinct ids.
+
+    The released formula ``round(1 + i*(L-4)/(n-1))`` was designed for deep targets (e.g. 1..33 of
+    36 layers): it skips the last three layers, whose outputs are already close to the logits. On a
+    shallow target (< 12 layers) it collapses (L=4 gives layer 1 five times) and misses the layers
+    that carry most of the next-token information, so there we span the whole depth instead.
+    """
+    L, n = num_target_layers, num_features
+    if L < 2:
+        return (0,)
+    n = max(1, min(n, L - 1))
+    if n == 1:
+        return (L - 1,)
+    ids = []
+    for i in range(n):
+        v = int(1 + (i * (L - 2) + (n - 1) // 2) // (n - 1))  # round half up, exact in integers
+        if v not in ids:
+            ids.append(v)
+    return tuple(ids)
+
+
+def choose_target_layer_ids(num_target_layers: int, num_features: int) -> tuple[int, ...]:
+    """The released default for targets with >= 12 layers, ``shallow_target_layer_ids`` below."""
+    from dflash_jax.config import default_target_layer_ids
+
+    if num_target_layers < 12:
+        return shallow_target_layer_ids(num_target_layers, num_features)
+    return default_target_layer_ids(num_target_layers, num_features)
+
+
+def _help(text: str, **kw):
+    return dataclasses.field(metadata={"help": text}, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    # what to train on
+    target: str = _help("target checkpoint directory (Hugging Face Qwen3 / LLaMA-3.x) or hub id", default="")
+    data: str = _help("data directory written by `python -m train.make_data` (manifest.json + shards)", default="")
+    out: str = _help("output directory: checkpoints/, config.json, metrics.jsonl", default="")
+    # the draft
+    init_draft: str = _help("start from an existing draft directory (its config fixes the architecture)",
+                            default="")
+    draft_layers: int = _help("number of draft decoder layers", default=5)
+    block_size: int = _help("block size B (tokens per draft block, anchor included)", default=16)
+    num_target_features: int = _help("number of target layers whose outputs are fused (n)", default=5)
+    target_layer_ids: str = _help("comma-separated target layer ids; default: the released formula "
+                                  "round(1+i*(L-4)/(n-1)), or for targets with < 12 layers ids evenly "
+                                  "spaced over 1..L-1 (the formula collapses on shallow targets)", default="")
+    mask_token_id: int = _help("mask token id; -1: first unused embedding row (len(tokenizer) < vocab), "
+                               "else the pad token, else vocab_size-1", default=-1)
+    # the objective
+    num_anchors: int = _help("anchors (blocks) per sequence, re-drawn every epoch", default=512)
+    gamma: float = _help("loss weight decay gamma, w_k = exp(-(k-1)/gamma); 0: 7/5/4 for B=16/10/8, "
+                         "interpolated otherwise", default=0.0)
+    seq_len: int = _help("sequence length (longer sequences are truncated, shorter padded)", default=2048)
+    loss_chunk: int = _help("tokens per chunk of the lm_head + cross-entropy (bounds the logits memory)",
+                            default=1024)
+    # optimisation
+    lr: float = _help("peak learning rate (AdamW)", default=6e-4)
+    warmup_frac: float = _help("fraction of the steps spent in linear warmup", default=0.04)
+    min_lr_frac: float = _help("final learning rate of the cosine decay, as a fraction of --lr", default=0.0)
+    clip: float = _help("global gradient-norm clipping (0: off)", default=1.0)
+    weight_decay: float = _help("AdamW weight decay (matrices only, not norm weights)", default=0.0)
+    beta1: float = _help("AdamW beta1", default=0.9)
+    beta2: float = _help("AdamW beta2", default=0.95)
+    batch_size: int = _help("sequences per micro-batch", default=1)
+    grad_accum: int = _help("micro-batches per optimizer step", default=1)
+    steps: int = _help("optimizer steps (0: --epochs passes over the data)", default=0)
+    epochs: float = _help("passes over the data when --steps is 0", default=1.0)
+    seed: int = _help("seed of the draft init, the data order and the anchors", default=0)
+    # precision
+    dtype: str = _help("compute dtype (draft forward, target forward, features)", default="bfloat16")
+    param_dtype: str = _help("master dtype of the trainable draft parameters and the optimizer", default="float32")
+    impl: str = _help("block attention implementation: auto | reference | pallas", default="auto")
+    # features
+    cache_features: bool = _help("compute the target features once, store them on disk (bf16), train from them",
+                                 default=False)
+    feature_dir: str = _help("where --cache-features writes / reads the features (default <out>/features)",
+                             default="")
+    feature_dtype: str = _help("dtype of the cached features", default="bfloat16")
+    # checkpoints, logging, evaluation
+    save_every: int = _help("save a checkpoint every N steps (and always at the end)", default=500)
+    keep_checkpoints: int = _help("how many recent checkpoints to keep", default=3)
+    resume: bool = _help("resume from the latest checkpoint in --out (default: automatic when one exists; "
+                         "--no-resume starts over and refuses an out dir that has checkpoints)", default=True)
+    log_every: int = _help("append metrics to metrics.jsonl every N steps", default=10)
+    eval_every: int = _help("measure the real acceptance length every N steps (0: only at the end)", default=0)
+    eval_prompts: str = _help("held-out prompts (text lines or JSONL with prompt / prompt_ids); default: the "
+                              "prompts of the first training sequences", default="")
+    eval_num_prompts: int = _help("at most this many evaluation prompts", default=8)
+    eval_max_new_tokens: int = _help("tokens generated per evaluation prompt", default=64)
+    progress: bool = _help("tqdm progress bar", default=True)
+
+    def __post_init__(self):
+        errors = []
+        for name in ("draft_layers", "num_target_features", "num_anchors", "seq_len", "loss_chunk",
+                     "batch_size", "grad_accum", "save_every", "log_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                errors.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 2:
+            errors.append(f"--block-size must be >= 2 (an anchor plus at least one predicted token), "
+                          f"got {self.block_size}")
+        if self.steps < 0 or self.epochs <= 0:
+            errors.append("--steps must be >= 0 and --epochs > 0")
+        if not 0 <= self.warmup_frac < 1:
+            errors.append(f"--warmup-frac must be in [0, 1), got {self.warmup_frac}")
+        if self.lr <= 0:
+            errors.append(f"--lr must be > 0, got {self.lr}")
+        if self.gamma < 0:
+            errors.append(f"--gamma must be >= 0 (0: default), got {self.gamma}")
+        if self.impl not in ("auto", "reference", "pallas"):
+            errors.append(f"--impl must be auto, reference or pallas, got {self.impl!r}")
+        for name in ("dtype", "param_dtype", "feature_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+                errors.append(f"--{name.replace('_', '-')} must be float32, bfloat16 or float16")
+        if self.target_layer_ids:
+            try:
+                self.layer_ids()
+            except ValueError:
+                errors.append(f"--target-layer-ids must be comma-separated integers, got {self.target_layer_ids!r}")
+        if errors:
+            raise ValueError("invalid training config:\n  " + "\n  ".join(errors))
+
+    @property
+    def gamma_value(self) -> float:
+        return self.gamma if self.gamma > 0 else default_gamma(self.block_size)
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.grad_accum
+
+    def layer_ids(self) -> tuple[int, ...] | None:
+        if not self.target_layer_ids:
+            return None
+        return tuple(int(s) for s in self.target_layer_ids.replace(" ", "").split(",") if s)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def replace(self, **kw) -> "TrainConfig":
+        return dataclasses.replace(self, **kw)
+
+    def pretty(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+
+def _field_type(f: dataclasses.Field):
+    t = f.type
+    if isinstance(t, str):
+        t = {"str": str, "int": int, "float": float, "bool": bool}.get(t, t)
+    if isinstance(t, (types.UnionType,)) or typing.get_origin(t) is typing.Union:
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    return t
+
+
+def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Train a DFlash draft for a target model.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        t = _field_type(f)
+        if t is bool:
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=f.metadata.get("help", ""))
+        else:
+            p.add_argument(flag, dest=f.name, type=t, default=f.default, help=f.metadata.get("help", ""))
+    return p
+
+
+def parse_args(argv=None) -> TrainConfig:
+    args = build_parser().parse_args(argv)
+    missing = [n for n in ("target", "data", "out") if not getattr(args, n)]
+    if missing:
+        build_parser().error("the following arguments are required: " + ", ".join("--" + m for m in missing))
+    try:
+        return TrainConfig(**vars(args))
+    except ValueError as e:
+        build_parser().error(str(e))

@@ -1,0 +1,302 @@
+"""Training data on disk: sharded token ids + loss masks with a manifest; prompt files; batching.
+
+Layout of a data directory (written by ``python -m train.make_data``)::
+
+    manifest.json        {"format": "dflash-jax-train-data", "version": 1, "vocab_size": V,
+                          "shards": [{"file": "shard_00000.npz", "num_sequences": n, "num_tokens": t,
+                                      "num_supervised": s, "source": [first, end]}, ...], ...}
+    shard_00000.npz      input_ids int32 [t] (all sequences concatenated), loss_mask uint8 [t]
+                         (1 = supervised: the response), offsets int64 [n + 1]
+
+A sequence is prompt + response; only the response is supervised. ``TrainData`` loads a directory,
+truncates to ``seq_len``, drops sequences that cannot train (with a count), and serves padded
+batches in a per-epoch order that depends only on (seed, epoch), so a resumed run sees exactly the
+batches the interrupted one would have.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+FORMAT = "dflash-jax-train-data"
+MANIFEST = "manifest.json"
+
+
+class DataError(ValueError):
+    """Bad training data: missing, empty or malformed files, unusable sequences."""
+
+
+# --- writing ------------------------------------------------------------------------------------
+
+
+def shard_name(i: int) -> str:
+    return f"shard_{i:05d}.npz"
+
+
+def write_shard(path: str, sequences: list[tuple[np.ndarray, np.ndarray]]) -> dict:
+    """Write (ids, loss_mask) pairs to one .npz atomically (tmp + rename); return its manifest entry."""
+    lens = [len(ids) for ids, _ in sequences]
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    ids = np.concatenate([np.asarray(i, np.int32) for i, _ in sequences]) if sequences else np.zeros(0, np.int32)
+    mask = np.concatenate([np.asarray(m, np.uint8) for _, m in sequences]) if sequences else np.zeros(0, np.uint8)
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, input_ids=ids, loss_mask=mask, offsets=offsets)
+    os.replace(tmp, path)
+    return {"file": os.path.basename(path), "num_sequences": len(sequences), "num_tokens": int(offsets[-1]),
+            "num_supervised": int(mask.sum())}
+
+
+def write_manifest(data_dir: str, manifest: dict) -> None:
+    tmp = os.path.join(data_dir, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=2)
+    os.replace(tmp, os.path.join(data_dir, MANIFEST))
+
+
+def read_manifest(data_dir: str) -> dict:
+    path = os.path.join(data_dir, MANIFEST)
+    if not os.path.isdir(data_dir):
+        raise DataError(f"data directory {data_dir!r} does not exist (write one with `python -m train.make_data`)")
+    if not os.path.isfile(path):
+        raise DataError(f"{path} is missing: {data_dir!r} is not a data directory written by "
+                        "`python -m train.make_data`")
+    with open(path) as f:
+        text = f.read()
+    if not text.strip():
+        raise DataError(f"{path} is empty")
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(
+            manifest.get("shards"), list):
+        raise DataError(f"{path} is not a {FORMAT} manifest (needs \"format\": \"{FORMAT}\" and a \"shards\" list)")
+    return manifest
+
+
+def read_shard(path: str, vocab_size: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One shard -> list of (ids int32, loss_mask uint8), validated."""
+    if not os.path.isfile(path):
+        raise DataError(f"shard {path} listed in the manifest is missing")
+    if os.path.getsize(path) == 0:
+        raise DataError(f"shard {path} is empty (0 bytes)")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in ("input_ids", "loss_mask", "offsets")}
+    except KeyError as e:
+        raise DataError(f"shard {path} lacks the array {e.args[0]} (needs input_ids, loss_mask, offsets)") from None
+    except Exception as e:  # zipfile / format errors
+        raise DataError(f"shard {path} is not a readable .npz file ({type(e).__name__}: {e})") from None
+    ids, mask, off = arrays["input_ids"], arrays["loss_mask"], arrays["offsets"]
+    if ids.ndim != 1 or mask.shape != ids.shape or off.ndim != 1 or len(off) < 1:
+        raise DataError(f"shard {path}: input_ids {ids.shape} / loss_mask {mask.shape} / offsets {off.shape} "
+                        "must be 1-D with equal lengths")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise DataError(f"shard {path}: input_ids must be integers, got {ids.dtype}")
+    if off[0] != 0 or off[-1] != len(ids) or np.any(np.diff(off) < 0):
+        raise DataError(f"shard {path}: offsets must rise from 0 to len(input_ids)={len(ids)}")
+    if len(ids) and (ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size)):
+        raise DataError(f"shard {path}: token ids outside the target vocabulary [0, {vocab_size}): "
+                        f"min {ids.min()}, max {ids.max()} (data made for another target?)")
+    if len(mask) and not np.isin(np.unique(mask), (0, 1)).all():
+        raise DataError(f"shard {path}: loss_mask must be 0/1")
+    ids, mask = ids.astype(np.int32), mask.astype(np.uint8)
+    return [(ids[a:b], mask[a:b]) for a, b in zip(off[:-1], off[1:])]
+
+
+# --- prompts ------------------------------------------------------------------------------------
+
+
+def read_records(path: str) -> list[dict]:
+    """A prompt / text file -> list of records.
+
+    JSONL (``.jsonl`` / ``.json`` or lines starting with ``{``): one object per line with ``prompt``
+    (text) or ``prompt_ids`` (token ids), optionally ``response`` / ``response_ids``. Otherwise one
+    prompt per non-empty line ({"prompt": line}).
+    """
+    if not os.path.isfile(path):
+        raise DataError(f"prompt file {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        lines = [ln.rstrip("\n") for ln in f]
+    lines = [ln for ln in lines if ln.strip()]
+    if not lines:
+        raise DataError(f"prompt file {path} is empty")
+    jsonl = path.endswith((".jsonl", ".json")) or lines[0].lstrip().startswith("{")
+    if not jsonl:
+        return [{"prompt": ln} for ln in lines]
+    records = []
+    for n, ln in enumerate(lines, 1):
+        try:
+            r = json.loads(ln)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {n} is not valid JSON ({e}); expected one object per line with a "
+                            "\"prompt\" (or \"prompt_ids\") field") from None
+        if not isinstance(r, dict) or not ({"prompt", "prompt_ids"} & r.keys()):
+            raise DataError(f"{path} line {n}: expected an object with a \"prompt\" or \"prompt_ids\" field, "
+                            f"got {ln[:80]!r}")
+        for key in ("prompt_ids", "response_ids"):
+            if key in r and not (isinstance(r[key], list) and all(isinstance(t, int) for t in r[key])):
+                raise DataError(f"{path} line {n}: {key} must be a list of integers")
+        records.append(r)
+    return records
+
+
+def load_tokenizer(path: str | None):
+    """The target's tokenizer, or None when the checkpoint has none."""
+    if not path:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    except Exception:
+        return None
+
+
+def _ids(x) -> list[int]:
+    if hasattr(x, "keys") and "input_ids" in x:
+        x = x["input_ids"]
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    if x and isinstance(x[0], list):
+        x = x[0]
+    return [int(t) for t in x]
+
+
+def encode_prompt(record: dict, tokenizer, chat: bool, chat_kwargs: dict | None = None) -> list[int]:
+    if "prompt_ids" in record:
+        return list(record["prompt_ids"])
+    if tokenizer is None:
+        raise DataError("text prompts need the target's tokenizer, and the target directory has none; "
+                        "give token ids instead (JSONL with a \"prompt_ids\" field)")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError("--chat given but the target's tokenizer has no chat template")
+        return _ids(tokenizer.apply_chat_template([{"role": "user", "content": record["prompt"]}],
+                                                  add_generation_prompt=True, tokenize=True, **(chat_kwargs or {})))
+    return _ids(tokenizer(record["prompt"])["input_ids"])
+
+
+def encode_pair(record: dict, tokenizer, chat: bool, chat_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
+    """A record with a ready response -> (prompt ids, response ids)."""
+    prompt = encode_prompt(record, tokenizer, chat, chat_kwargs)
+    if "response_ids" in record:
+        return prompt, list(record["response_ids"])
+    if "response" not in record:
+        raise DataError("a record has no \"response\" / \"response_ids\"; use --generate (the default when the "
+                        "file has no responses) to have the target answer the prompts")
+    if tokenizer is None:
+        raise DataError("text responses need the target's tokenizer, and the target directory has none")
+    if chat and "prompt" in record:
+        full = _ids(tokenizer.apply_chat_template(
+            [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}],
+            tokenize=True, **(chat_kwargs or {})))
+        if full[:len(prompt)] == prompt and len(full) > len(prompt):
+            return prompt, full[len(prompt):]
+    resp = _ids(tokenizer(record["response"], add_special_tokens=False)["input_ids"])
+    eos = tokenizer.eos_token_id
+    return prompt, resp + ([eos] if eos is not None else [])
+
+
+# --- loading for training -------------------------------------------------------------------------
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The permutation of the n sequences used in ``epoch`` (depends only on seed and epoch)."""
+    return np.random.default_rng([int(seed), int(epoch), 0x5EED]).permutation(n)
+
+
+def num_anchor_positions(mask: np.ndarray) -> int:
+    """Positions a with mask[a] and mask[a+1] (the anchor and its next token supervised)."""
+    return int(np.sum(mask[:-1].astype(bool) & mask[1:].astype(bool))) if len(mask) > 1 else 0
+
+
+@dataclass
+class TrainData:
+    """All training sequences (truncated to seq_len, unusable ones dropped) and the batch order."""
+
+    ids: list  # per sequence int32 [len <= seq_len]
+    masks: list  # per sequence uint8
+    source: list  # (shard index, index in shard) of each kept sequence
+    seq_len: int
+    manifest: dict
+
+    @classmethod
+    def load(cls, data_dir: str, *, seq_len: int, block_size: int, vocab_size: int | None = None,
+             verbose: bool = True) -> "TrainData":
+        manifest = read_manifest(data_dir)
+        if not manifest["shards"]:
+            raise DataError(f"{data_dir}/manifest.json lists no shards (no data was written?)")
+        if vocab_size is not None and manifest.get("vocab_size") not in (None, vocab_size):
+            raise DataError(f"data in {data_dir} was made for a vocabulary of {manifest['vocab_size']} tokens, "
+                            f"the target has {vocab_size} (data from another target?)")
+        ids, masks, source = [], [], []
+        total = short = unsupervised = truncated = 0
+        for si, entry in enumerate(manifest["shards"]):
+            if not isinstance(entry, dict) or "file" not in entry:
+                raise DataError(f"{data_dir}/manifest.json: shard entry {si} has no \"file\"")
+            for j, (x, m) in enumerate(read_shard(os.path.join(data_dir, entry["file"]), vocab_size)):
+                total += 1
+                if len(x) > seq_len:
+                    truncated += 1
+                    x, m = x[:seq_len], m[:seq_len]
+                if len(x) < block_size:
+                    short += 1
+                    continue
+                if num_anchor_positions(m) == 0:
+                    unsupervised += 1
+                    continue
+                ids.append(x)
+                masks.append(m)
+                source.append((si, j))
+        if total == 0:
+            raise DataError(f"data in {data_dir} has no sequences")
+        dropped = short + unsupervised
+        msg = (f"{short} of {total} sequences are shorter than a block ({block_size} tokens) and "
+               f"{unsupervised} have no two consecutive supervised tokens within --seq-len {seq_len}")
+        if not ids:
+            raise DataError(f"no usable training sequence in {data_dir}: {msg}")
+        if dropped and verbose:
+            warnings.warn(f"dropped {dropped} sequences: {msg}", stacklevel=2)
+        if truncated and verbose:
+            warnings.warn(f"{truncated} of {total} sequences are longer than --seq-len {seq_len} and were truncated",
+                          stacklevel=2)
+        return cls(ids, masks, source, seq_len, manifest)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(len(x) for x in self.ids))
+
+    def steps_per_epoch(self, global_batch: int) -> int:
+        n = len(self) // global_batch
+        if n == 0:
+            raise DataError(f"the data has {len(self)} usable sequences, fewer than one optimizer step's "
+                            f"batch_size x grad_accum = {global_batch}")
+        return n
+
+    def step_indices(self, step: int, *, seed: int, grad_accum: int, batch_size: int) -> tuple[int, np.ndarray]:
+        """(epoch, example indices [grad_accum, batch_size]) of optimizer step ``step`` (0-based)."""
+        g = grad_accum * batch_size
+        spe = self.steps_per_epoch(g)
+        epoch, pos = divmod(step, spe)
+        order = epoch_order(seed, epoch, len(self))
+        return epoch, order[pos * g:(pos + 1) * g].reshape(grad_accum, batch_size)
+
+    def batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Padded (ids int32, loss_mask int32) of shape indices.shape + [seq_len]; padding is 0 / unsupervised."""
+        flat = np.asarray(indices).reshape(-1)
+        ids = np.zeros((len(flat), self.seq_len), np.int32)
+        mask = np.zeros((len(flat), self.seq_len), np.int32)
+        for r, i in enumerate(flat):
+            n = len(self.ids[i])
+            ids[r, :n] = self.ids[i]
+            mask[r, :n] = self.masks[i]
+        shape = tuple(np.shape(indices)) + (self.seq_len,)
+        return ids.reshape(shape), mask.reshape(shape)

@@ -1,0 +1,214 @@
+"""The DFlash training objective: random anchors, masked blocks, weighted block cross-entropy.
+
+For a sequence x[0:S) with loss mask m (1 on the response):
+
+* anchors: N positions a with m[a] = m[a+1] = 1, drawn without replacement from a PRNG key derived
+  from (seed, epoch, example index) -- re-drawn every epoch, reproducible on resume. Fewer valid
+  positions than N: the rest are padding blocks (anchor -1, every label masked).
+* block b = [x[a_b], MASK * (B-1)] at positions a_b .. a_b+B-1, embedded with the target's frozen
+  embedding. The draft sees the context K/V of the target features F[0:S) (``context_kv`` at
+  positions 0..S-1) through ``block_attention``: block b sees context positions < a_b only (never
+  the anchor's own feature, never anything later; that is what makes the task the inference task)
+  and its own block bidirectionally, never another block (blocks may overlap in position).
+* labels: block position k (1..B-1) predicts x[a_b + k] -- same position, no shift. A label is
+  masked when a_b + k >= S or m[a_b + k] = 0 (blocks may run past the response end).
+* loss = sum_k w_k CE_k / sum of the weights of the unmasked labels, w_k = exp(-(k-1)/gamma):
+  early block positions matter most (a miss at k ends the accepted prefix).
+
+Logits go through the target's frozen lm_head (or tied embedding) in chunks of ``chunk`` tokens
+under ``jax.checkpoint``, so the [tokens, vocab] logits never exist whole (N*B*vocab floats per
+sequence would be 5 GB for Qwen3 with N=512, B=16).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import DraftConfig, TargetConfig
+from dflash_jax.draft import DFlashDraft
+from dflash_jax.target import Transformer
+
+
+# --- anchors, blocks, labels ------------------------------------------------------------------------
+
+
+def anchor_key(seed: int, epoch, example_index):
+    """The PRNG key of one example's anchors in one epoch (traceable in epoch / example_index)."""
+    key = jax.random.PRNGKey(seed)
+    return jax.random.fold_in(jax.random.fold_in(key, epoch), example_index)
+
+
+def valid_anchor_positions(loss_mask):
+    """[..., S] -> bool [..., S]: m[a] and m[a+1] (the last position never qualifies)."""
+    m = loss_mask.astype(bool)
+    nxt = jnp.concatenate([m[..., 1:], jnp.zeros_like(m[..., :1])], axis=-1)
+    return m & nxt
+
+
+def sample_anchors(key, loss_mask, num_anchors: int):
+    """One sequence: loss_mask [S] -> anchors [N] int32, sorted, distinct, valid ones first, -1 padding."""
+    s = loss_mask.shape[-1]
+    valid = valid_anchor_positions(loss_mask)
+    score = jnp.where(valid, jax.random.uniform(key, (s,)), -1.0)
+    k = min(num_anchors, s)
+    top, idx = jax.lax.top_k(score, k)
+    anchors = jnp.where(top >= 0, idx, s)  # invalid -> s, sorts last
+    anchors = jnp.sort(anchors)
+    anchors = jnp.where(anchors >= s, -1, anchors).astype(jnp.int32)
+    if num_anchors > k:
+        anchors = jnp.concatenate([anchors, jnp.full((num_anchors - k,), -1, jnp.int32)])
+    return anchors
+
+
+def sample_batch_anchors(seed: int, epoch, example_indices, loss_mask, num_anchors: int):
+    """[B] example indices, [B, S] loss masks -> anchors [B, N] (keys from (seed, epoch, index))."""
+    keys = jax.vmap(lambda i: anchor_key(seed, epoch, i))(example_indices)
+    return jax.vmap(lambda k, m: sample_anchors(k, m, num_anchors))(keys, loss_mask)
+
+
+def make_blocks(input_ids, loss_mask, anchors, block_size: int, mask_token_id: int):
+    """-> block_ids [B, N*Bk] ([x[a], MASK...] per block), labels [B, N, Bk], label_mask [B, N, Bk] (bool).
+
+    labels[b, n, k] = x[a_n + k]; the mask is off at k = 0 (the anchor is given), for padding
+    blocks, past the sequence end and where the loss mask is 0.
+    """
+    b, s = input_ids.shape
+    k = jnp.arange(block_size, dtype=jnp.int32)
+    pos = anchors[..., None] + k  # [B, N, Bk]
+    inside = (anchors[..., None] >= 0) & (pos < s)
+    safe = jnp.clip(pos, 0, s - 1)
+    rows = jnp.arange(b)[:, None, None]
+    tokens = input_ids[rows, safe]
+    labels = jnp.where(inside, tokens, 0)
+    label_mask = inside & (loss_mask[rows, safe] > 0) & (k >= 1)
+    first = jnp.where(anchors >= 0, tokens[..., 0], mask_token_id)
+    block = jnp.where(k == 0, first[..., None], jnp.int32(mask_token_id)).astype(jnp.int32)
+    return block.reshape(b, -1), labels, label_mask
+
+
+def position_weights(block_size: int, gamma: float) -> np.ndarray:
+    """[Bk] float32: 0 for the anchor (k = 0), exp(-(k-1)/gamma) for k >= 1."""
+    w = [0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block_size)]
+    return np.asarray(w, np.float32)
+
+
+# --- forward pieces -------------------------------------------------------------------------------------
+
+
+def target_features(tcfg: TargetConfig, tparams, input_ids, layer_ids: tuple[int, ...]):
+    """Frozen target forward: [B, S] ids -> features [B, S, n*D] (outputs of ``layer_ids``), no gradient.
+
+    Logits are taken at one position only (the features are all we need)."""
+    b, s = input_ids.shape
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    _, feats, _ = Transformer(tcfg).apply({"params": tparams}, input_ids, positions, None, tuple(layer_ids),
+                                          jnp.zeros((b,), jnp.int32))
+    return jax.lax.stop_gradient(feats)
+
+
+def cast_tree(tree, dtype):
+    if dtype is None:
+        return tree
+    return jax.tree_util.tree_map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def draft_hidden(tcfg: TargetConfig, tparams, dcfg: DraftConfig, dparams, block_ids, anchors, features, *,
+                 impl: str = "auto", dtype=None):
+    """Final-normed draft hidden states [B, N*Bk, D] of the blocks, context K/V from ``features`` [B, S, n*D]."""
+    dtype = dtype or features.dtype
+    dparams = cast_tree(dparams, dtype)
+    features = features.astype(dtype)
+    b, s = features.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    draft = DFlashDraft(dcfg)
+    k_ctx, v_ctx = draft.apply({"params": dparams}, features, positions, method=DFlashDraft.context_kv)
+    x = Transformer(tcfg).apply({"params": tparams}, block_ids, method=Transformer.embed).astype(dtype)
+    return draft.apply({"params": dparams}, x, anchors, k_ctx, v_ctx, impl)
+
+
+def draft_logits(tcfg, tparams, dcfg, dparams, input_ids, anchors, features, *, impl="auto", dtype=None):
+    """Full logits [B, N, Bk, V] (float32) of every block; for tests and small vocabularies."""
+    block_ids, _, _ = make_blocks(input_ids, jnp.ones_like(input_ids), anchors, dcfg.block_size, dcfg.mask_token_id)
+    h = draft_hidden(tcfg, tparams, dcfg, dparams, block_ids, anchors, features, impl=impl, dtype=dtype)
+    logits = Transformer(tcfg).apply({"params": tparams}, h, method=Transformer.head)
+    return logits.reshape(*anchors.shape, dcfg.block_size, -1)
+
+
+def chunked_cross_entropy(tcfg: TargetConfig, tparams, hidden, labels, chunk: int):
+    """hidden [M, D], labels [M] -> (CE [M] float32, correct [M] bool) through the target head,
+    ``chunk`` rows at a time; the chunk's logits are recomputed in the backward pass."""
+    m, d = hidden.shape
+    c = max(1, min(chunk, m))
+    pad = -m % c
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, c, d)
+    y = jnp.pad(labels, (0, pad)).reshape(-1, c)
+    head = Transformer(tcfg)
+
+    @jax.checkpoint
+    def one(hc, yc):
+        logits = head.apply({"params": tparams}, hc, method=Transformer.head).astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, yc[:, None], axis=-1)[:, 0]
+        return lse - picked, jnp.argmax(logits, axis=-1) == yc
+
+    _, (ce, correct) = jax.lax.scan(lambda carry, xs: (carry, one(*xs)), None, (h, y))
+    return ce.reshape(-1)[:m], correct.reshape(-1)[:m]
+
+
+# --- the loss ------------------------------------------------------------------------------------------
+
+
+def loss_sums(tcfg: TargetConfig, tparams, dcfg: DraftConfig, dparams, input_ids, loss_mask, anchors, features,
+              *, weights, impl: str = "auto", chunk: int = 1024, dtype=None) -> dict:
+    """Unnormalised sums of one micro-batch (so micro-batches add up exactly):
+
+    ``wce`` sum of w_k CE over unmasked labels, ``weight`` sum of their w_k, ``ce``/``tokens`` plain
+    CE sum and label count, ``correct_k``/``count_k`` [Bk] per-position hits and labels,
+    ``accepted``/``blocks``: leading correct predictions summed over blocks whose k=1 label exists
+    (a training-time proxy of the acceptance length: tau ~ 1 + accepted / blocks).
+    """
+    bk = dcfg.block_size
+    block_ids, labels, label_mask = make_blocks(input_ids, loss_mask, anchors, bk, dcfg.mask_token_id)
+    h = draft_hidden(tcfg, tparams, dcfg, dparams, block_ids, anchors, features, impl=impl, dtype=dtype)
+    ce, correct = chunked_cross_entropy(tcfg, tparams, h.reshape(-1, h.shape[-1]), labels.reshape(-1), chunk)
+    ce = ce.reshape(labels.shape)
+    correct = correct.reshape(labels.shape) & label_mask
+    maskf = label_mask.astype(jnp.float32)
+    w = jnp.asarray(weights, jnp.float32) * maskf
+    run = jnp.cumprod(correct[..., 1:].astype(jnp.int32), axis=-1)  # leading hits from k = 1
+    has_block = label_mask[..., 1]
+    return {
+        "wce": jnp.sum(w * ce),
+        "weight": jnp.sum(w),
+        "ce": jnp.sum(maskf * ce),
+        "tokens": jnp.sum(maskf),
+        "correct_k": jnp.sum(correct.astype(jnp.float32), axis=(0, 1)),
+        "count_k": jnp.sum(maskf, axis=(0, 1)),
+        "accepted": jnp.sum(jnp.where(has_block[..., None], run, 0).astype(jnp.float32)),
+        "blocks": jnp.sum(has_block.astype(jnp.float32)),
+    }
+
+
+def summarize(sums: dict) -> dict:
+    """Sums (possibly added over micro-batches) -> loss and readable metrics (host floats)."""
+    s = jax.device_get(sums)
+    weight = max(float(s["weight"]), 1e-12)
+    count = np.maximum(np.asarray(s["count_k"]), 1)
+    acc = (np.asarray(s["correct_k"]) / count)[1:]
+    blocks = max(float(s["blocks"]), 1.0)
+    return {"loss": float(s["wce"]) / weight, "ce": float(s["ce"]) / max(float(s["tokens"]), 1.0),
+            "acc": float(np.asarray(s["correct_k"])[1:].sum() / max(float(s["tokens"]), 1.0)),
+            "acc_k": [round(float(a), 4) for a in acc],
+            "tau_proxy": 1.0 + float(s["accepted"]) / blocks,
+            "label_tokens": int(s["tokens"])}
+
+
+def draft_loss(tcfg, tparams, dcfg, dparams, input_ids, loss_mask, anchors, features, *, weights, impl="auto",
+               chunk=1024, dtype=None):
+    """Weighted loss normalised by the total weight, and the sums it came from."""
+    sums = loss_sums(tcfg, tparams, dcfg, dparams, input_ids, loss_mask, anchors, features, weights=weights,
+                     impl=impl, chunk=chunk, dtype=dtype)
+    return sums["wce"] / jnp.maximum(sums["weight"], 1e-12), sums
