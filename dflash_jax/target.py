@@ -74,16 +74,20 @@ class Transformer(nn.Module):
                  logits_index=None):
         """input_ids, positions [B, T] -> (logits [B, T or 1, V] float32, features [B, T, n*D] or None, cache).
 
-        Features are the outputs of the layers in ``feature_layer_ids`` (Hugging Face
-        ``hidden_states[id + 1]``), concatenated in that order. ``logits_index`` [B] keeps only the
-        logits at one position per row (prefill needs just the last prompt token's).
+        Features are Hugging Face ``hidden_states[id + 1]`` for each id in ``feature_layer_ids``,
+        concatenated in that order: the output of layer ``id``, except that for the LAST layer Hugging
+        Face (and so every released draft) sees it after the final norm. ``logits_index`` [B] keeps
+        only the logits at one position per row (prefill needs just the last prompt token's).
         """
         x = self.embed(input_ids)
-        outputs = []
+        hidden = []
         for layer in self.layers:
             x, cache = layer(x, positions, cache)
-            outputs.append(x)
-        features = jnp.concatenate([outputs[i] for i in feature_layer_ids], axis=-1) if feature_layer_ids else None
+            hidden.append(x)
+        last = self.cfg.num_hidden_layers - 1
+        if last in feature_layer_ids:
+            hidden[last] = self.norm(x)
+        features = jnp.concatenate([hidden[i] for i in feature_layer_ids], axis=-1) if feature_layer_ids else None
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
         return self.head(self.norm(x)), features, cache
