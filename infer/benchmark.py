@@ -1,0 +1,178 @@
+"""Plain vs DFlash decoding side by side: ``python -m infer.benchmark [--target T --draft D] ...``.
+
+Both run in this process on the same prompts (batch 1, as in the paper) with the same
+max_new_tokens, compiled before timing. Reports mean acceptance length tau, its histogram, the
+acceptance rate per block position, tokens/s of both, the speedup, whether every output was
+identical, how repetitive the outputs are (distinct 4-grams), and the time of one draft and one
+verify forward. ``--json`` prints one row per prompt, then one summary object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from infer.common import DEMO_TARGET, add_model_args, die, encode, load_models, read_prompts_file, stop_ids
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m infer.benchmark", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--prompts-file", help="JSONL with a 'prompt' field per line, or plain text one per line "
+                                          "(default: code prompts cut from the demo's held-out stdlib modules)")
+    p.add_argument("--num-prompts", type=int, default=16, help="number of default prompts (default 16)")
+    p.add_argument("--json", action="store_true", help="per-prompt rows, then one summary object")
+    p.add_argument("--plot", help="write a PNG: acceptance-length histogram and tau per prompt (needs matplotlib)")
+    p.add_argument("--no-timing-split", action="store_true", help="skip timing single draft / verify forwards")
+    p.set_defaults(max_new_tokens=128)
+    return p.parse_args(argv)
+
+
+def default_prompts(n: int) -> list[str]:
+    from train.corpus import code_prompts, heldout_files
+
+    return code_prompts(heldout_files(), n, seed=1234)
+
+
+def distinct_4grams(ids: list[int]) -> float:
+    grams = [tuple(ids[i:i + 4]) for i in range(len(ids) - 3)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def time_forwards(target, draft, block_sizes=(4, 8, 16), context: int = 256, repeats: int = 20) -> dict:
+    """Seconds per draft forward (block 4/8/16) and per target verify forward at ``context`` tokens of cache."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax import draft as draft_lib
+    from dflash_jax.target import Transformer
+
+    out = {}
+    tcfg = target.config
+
+    def timed(fn, *args):
+        fn = jax.jit(fn)
+        jax.block_until_ready(fn(*args))
+        start = time.perf_counter()
+        for _ in range(repeats):
+            jax.block_until_ready(fn(*args))
+        return (time.perf_counter() - start) / repeats
+
+    tcache = target.new_cache(1, context + 32)
+    for k in block_sizes:
+        if draft is not None and k <= draft.config.block_size:
+            dcache = draft.new_cache(1, context + 32)
+
+            def draft_fwd(tp, dp, ids, dk, dv):
+                return draft_lib.block_logits(tcfg, tp, draft.config, dp, ids, jnp.full((1, 1), context), dk, dv)
+
+            out[f"draft_forward_s_block{k}"] = timed(draft_fwd, target.params, draft.params,
+                                                      jnp.zeros((1, k), jnp.int32), dcache.k, dcache.v)
+
+        def verify(tp, ids, cache):
+            pos = context + jnp.arange(ids.shape[1])[None]
+            return Transformer(tcfg).apply({"params": tp}, ids, pos, cache, ())[0]
+
+        out[f"verify_forward_s_block{k}"] = timed(verify, target.params, jnp.zeros((1, k), jnp.int32), tcache)
+    out["verify_forward_s_block1"] = timed(verify, target.params, jnp.zeros((1, 1), jnp.int32), tcache)
+    return out
+
+
+def plot(path: str, hist: np.ndarray, taus: list[float]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        die("--plot needs matplotlib: pip install 'dflash_jax[plot]'")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    a.bar(np.arange(1, len(hist) + 1), hist)
+    a.set_xlabel("acceptance length")
+    a.set_ylabel("verify steps")
+    b.bar(np.arange(len(taus)), taus)
+    b.set_xlabel("prompt")
+    b.set_ylabel("tau")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from dflash_jax.speculative import generate, speculative_generate
+
+    target, draft, tokenizer = load_models(args)
+    if draft is None:
+        die("the benchmark compares plain and DFlash decoding: pass --draft")
+    if args.prompts_file:
+        texts = read_prompts_file(args.prompts_file)
+    elif args.target is None or args.target == DEMO_TARGET:
+        texts = default_prompts(args.num_prompts)
+    else:
+        die("pass --prompts-file (the default prompts are stdlib code for the demo target)")
+    prompts = encode(tokenizer, texts)
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+              top_p=args.top_p, stop_token_ids=stop_ids(args, target), seed=args.seed, max_length=args.max_length)
+    block = args.block_size or draft.config.block_size
+    try:
+        generate(target, prompts[:1], **kw)  # warm-up (compilation is excluded from timings anyway)
+        speculative_generate(target, draft, prompts[:1], block_size=block, **kw)
+        rows, plain_time, spec_time, plain_tokens, spec_tokens, all_acc = [], 0.0, 0.0, 0, 0, []
+        for i, p in enumerate(prompts):
+            (base,) = generate(target, [p], **kw)
+            (spec,) = speculative_generate(target, draft, [p], block_size=block, **kw)
+            plain_time += base.wall_time_s
+            spec_time += spec.wall_time_s
+            plain_tokens += base.num_generated
+            spec_tokens += spec.num_generated
+            all_acc += spec.acceptance_lengths
+            rows.append({"prompt": i, "prompt_tokens": len(p), "tau": spec.mean_acceptance_length,
+                         "num_generated": spec.num_generated, "plain_tokens_per_s": base.tokens_per_second,
+                         "dflash_tokens_per_s": spec.tokens_per_second,
+                         "speedup": spec.tokens_per_second / base.tokens_per_second,
+                         "identical": spec.output_ids == base.output_ids,
+                         "distinct_4grams": distinct_4grams(spec.generated_ids),
+                         "acceptance_lengths": spec.acceptance_lengths})
+    except ValueError as e:
+        die(str(e))
+    acc = np.array(all_acc)
+    hist = np.bincount(acc, minlength=block + 1)[1:block + 1]
+    per_position = [float((acc > k).mean()) for k in range(1, block)]  # draft token k accepted
+    plain_tps, spec_tps = plain_tokens / plain_time, spec_tokens / spec_time
+    tau = float(acc.mean())
+    summary = {"summary": True, "target": target.path, "draft": draft.path, "block_size": block,
+               "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+               "tau": tau, "acceptance_histogram": hist.tolist(), "acceptance_rate_per_position": per_position,
+               "plain_tokens_per_s": plain_tps, "dflash_tokens_per_s": spec_tps, "speedup": spec_tps / plain_tps,
+               "engine_efficiency": spec_tps / plain_tps / tau,
+               "identical": all(r["identical"] for r in rows),
+               "distinct_4grams": float(np.mean([r["distinct_4grams"] for r in rows]))}
+    if not args.no_timing_split:
+        summary.update(time_forwards(target, draft, block_sizes=sorted({4, 8, 16, block})))
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        print(json.dumps(summary))
+    else:
+        print(f"{'prompt':>6} {'tokens':>6} {'tau':>6} {'plain t/s':>10} {'DFlash t/s':>10} {'speedup':>8} same")
+        for r in rows:
+            print(f"{r['prompt']:>6} {r['num_generated']:>6} {r['tau']:>6.2f} {r['plain_tokens_per_s']:>10.1f} "
+                  f"{r['dflash_tokens_per_s']:>10.1f} {r['speedup']:>7.2f}x {r['identical']}")
+        print(f"\ntau {tau:.2f} (block {block}), plain {plain_tps:.1f} tokens/s, DFlash {spec_tps:.1f} tokens/s, "
+              f"speedup {summary['speedup']:.2f}x, engine efficiency (speedup/tau) {summary['engine_efficiency']:.2f}, "
+              f"identical outputs: {summary['identical']}, distinct 4-grams {summary['distinct_4grams']:.2f}")
+        print("acceptance-length histogram:", " ".join(f"{k + 1}:{c}" for k, c in enumerate(hist)))
+        print("acceptance rate per block position:", " ".join(f"{r:.2f}" for r in per_position))
+        for key in sorted(k for k in summary if "_forward_s_" in k):
+            print(f"{key}: {summary[key] * 1e3:.2f} ms")
+    if args.plot:
+        plot(args.plot, hist, [r["tau"] for r in rows])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

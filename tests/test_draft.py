@@ -1,0 +1,242 @@
+"""The DFlash draft: independent NumPy re-statement, cache chunking, sliding windows, HF layout, fit checks."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+
+import dflash_jax as dj
+from dflash_jax import draft as D
+from dflash_jax.config import DraftConfig
+from hf_models import save_tiny, torch_forward
+
+LAYER_IDS = (0, 2, 3)
+
+
+def make_draft(tcfg, *, layers=2, block=8, sliding=None, seed=1, ids=LAYER_IDS):
+    kw = dict(num_hidden_layers=layers, layer_types=())
+    if sliding:
+        kw.update(layer_types=("sliding_attention", "full_attention")[:layers], sliding_window=sliding)
+    dcfg = DraftConfig(layers=dataclasses.replace(tcfg, **kw), block_size=block,
+                       num_target_layers=tcfg.num_hidden_layers, mask_token_id=tcfg.vocab_size - 1,
+                       target_layer_ids=ids)
+    params = D.init_draft_params(dcfg, seed)
+    # Norm weights start at 1: perturb them so a misplaced norm cannot hide.
+    rng = np.random.RandomState(seed)
+    params = _map_norms(params, lambda w: w + 0.1 * rng.randn(*w.shape).astype(np.float32))
+    return D.Draft(dcfg, params)
+
+
+def _map_norms(tree, fn, name=""):
+    if isinstance(tree, dict):
+        return {k: _map_norms(v, fn, k if k.endswith("norm") or k.endswith("layernorm") else name)
+                for k, v in tree.items()}
+    return jnp.asarray(fn(np.asarray(tree))) if name else tree
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("target"))
+    model = save_tiny(d, "qwen3")
+    return d, model
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return dj.load_target(target_dir[0])
+
+
+# --- an independent NumPy statement of the draft forward, from REFERENCE.md -------------------------
+
+
+def _rms(x, w, eps=1e-6):
+    return w * x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+
+
+def _rope(x, pos, theta):
+    h = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, h, 2) / h)
+    ang = pos[:, None] * inv[None]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+    rot = np.concatenate([-x[..., h // 2:], x[..., : h // 2]], -1)
+    return x * cos[:, None] + rot * sin[:, None]
+
+
+def numpy_draft_logits(w, cfg, features, emb, lm_head, ctx_len, window_of_layer):
+    """features [T, n*D] (target hidden_states[id+1]), emb [L, D] block embeddings -> logits [L, V]."""
+    c = cfg.layers
+    nh, kv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    ctx = _rms(features @ w["fc.weight"].T, w["hidden_norm.weight"])
+    x = emb.astype(np.float64)
+    L = x.shape[0]
+    q_pos = ctx_len + np.arange(L)
+    k_pos = np.concatenate([np.arange(ctx_len), q_pos])
+    for i in range(c.num_hidden_layers):
+        p = lambda n: w[f"layers.{i}.{n}"]  # noqa: E731
+        h = _rms(x, p("input_layernorm.weight"))
+        q = _rms((h @ p("self_attn.q_proj.weight").T).reshape(L, nh, hd), p("self_attn.q_norm.weight"))
+        both = np.concatenate([ctx, h])  # the context skips input_layernorm
+        k = _rms((both @ p("self_attn.k_proj.weight").T).reshape(-1, kv, hd), p("self_attn.k_norm.weight"))
+        v = (both @ p("self_attn.v_proj.weight").T).reshape(-1, kv, hd)
+        q, k = _rope(q, q_pos, c.rope.theta), _rope(k, k_pos, c.rope.theta)
+        k, v = np.repeat(k, nh // kv, axis=1), np.repeat(v, nh // kv, axis=1)
+        s = np.einsum("qnh,knh->nqk", q, k) / np.sqrt(hd)
+        window = window_of_layer(i)
+        if window is not None:
+            s = np.where(np.abs(q_pos[:, None] - k_pos[None, :]) < window, s, -np.inf)
+        a = np.exp(s - s.max(-1, keepdims=True))
+        a /= a.sum(-1, keepdims=True)
+        o = np.einsum("nqk,knh->qnh", a, v).reshape(L, nh * hd)
+        x = x + o @ p("self_attn.o_proj.weight").T
+        h = _rms(x, p("post_attention_layernorm.weight"))
+        g, u = h @ p("mlp.gate_proj.weight").T, h @ p("mlp.up_proj.weight").T
+        x = x + (g / (1 + np.exp(-g)) * u) @ p("mlp.down_proj.weight").T
+    return _rms(x, w["norm.weight"]) @ lm_head.T
+
+
+@pytest.mark.parametrize("sliding", [None, 5])
+def test_matches_numpy_reference(target_dir, target, tmp_path, sliding):
+    path, torch_model = target_dir
+    draft = make_draft(target.config, sliding=sliding)
+    D.save_draft(draft, str(tmp_path), dtype="float32")
+    w = {k: v.astype(np.float64) for k, v in safetensors.numpy.load_file(str(tmp_path / "model.safetensors")).items()}
+    ctx = np.random.RandomState(0).randint(0, 90, (1, 11))
+    block = np.array([[7] + [draft.config.mask_token_id] * 7])
+    got = D.draft_block_logits(target, draft, ctx, block)[0]
+    _, feats = torch_forward(torch_model, ctx, LAYER_IDS)
+    sd = {k: v.detach().double().numpy() for k, v in torch_model.state_dict().items()}
+    emb = sd["model.embed_tokens.weight"][block[0]]
+    want = numpy_draft_logits(w, draft.config, feats[0].astype(np.float64), emb, sd["lm_head.weight"], 11,
+                              draft.config.layers.layer_window)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_sliding_window_sees_only_last_positions(target):
+    window, ctx_len = 4, 12
+    draft = make_draft(target.config, layers=1, sliding=window)
+    rng = np.random.RandomState(1)
+    ctx = rng.randint(0, 90, (1, ctx_len))
+    block = np.array([[5] + [draft.config.mask_token_id] * 3])
+    base = D.draft_block_logits(target, draft, ctx, block)
+    # The target is causal, so changing an early context token changes features at and after it; the
+    # only features the window (query positions 12..15, keys > 12-4) can see are positions 9..11.
+    far = ctx.copy()
+    far[0, 11] = (far[0, 11] + 1) % 90  # inside the window: must matter
+    assert np.abs(D.draft_block_logits(target, draft, far, block) - base).max() > 1e-4
+    # Direct check on the attention mask: context K/V outside the window are never read.
+    tcfg, dcfg = target.config, draft.config
+    from dflash_jax.target import forward
+    pos = np.arange(ctx_len)[None]
+    _, feats, _ = forward(tcfg, target.params, ctx, pos, feature_layer_ids=dcfg.target_layer_ids)
+    k, v = D.context_kv(dcfg, draft.params, feats, pos)
+    garbage = tuple(x.at[:, : ctx_len - window + 1].set(1e3) for x in k)  # positions <= 8 are outside
+    anchors = jnp.full((1, 1), ctx_len)
+    ref = D.block_logits(tcfg, target.params, dcfg, draft.params, block, anchors, k, v)
+    out = D.block_logits(tcfg, target.params, dcfg, draft.params, block, anchors, garbage, v)
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    inside = tuple(x.at[:, ctx_len - 2].set(1e3) for x in k)
+    assert np.abs(D.block_logits(tcfg, target.params, dcfg, draft.params, block, anchors, inside, v) - ref).max() > 1e-3
+
+
+def test_cached_chunks_equal_one_pass(target):
+    """Materialising the context in chunks into the draft cache, then predicting, equals one pass."""
+    from dflash_jax.target import forward
+
+    draft = make_draft(target.config)
+    tcfg, dcfg = target.config, draft.config
+    rng = np.random.RandomState(2)
+    ctx = rng.randint(0, 90, (2, 13))
+    block = np.concatenate([rng.randint(0, 90, (2, 1)), np.full((2, 7), dcfg.mask_token_id)], 1)
+    want = D.draft_block_logits(target, draft, ctx, block)
+    _, feats, _ = forward(tcfg, target.params, ctx, np.broadcast_to(np.arange(13), (2, 13)),
+                          feature_layer_ids=dcfg.target_layer_ids)
+    cache = draft.new_cache(2, 32)
+    for lo, hi in [(0, 5), (5, 6), (6, 13)]:
+        pos = np.broadcast_to(np.arange(lo, hi), (2, hi - lo))
+        cache = D.materialize(dcfg, draft.params, cache, feats[:, lo:hi], pos)
+    got = D.block_logits(tcfg, target.params, dcfg, draft.params, block, jnp.full((2, 1), 13), cache.k, cache.v)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+
+def test_hf_layout_round_trip(target, tmp_path):
+    draft = make_draft(target.config, sliding=6)
+    D.save_draft(draft, str(tmp_path), dtype="float32")
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["dflash_config"] == {"mask_token_id": 95, "target_layer_ids": list(LAYER_IDS)}
+    names = set(safetensors.numpy.load_file(str(tmp_path / "model.safetensors")))
+    assert "fc.weight" in names and "layers.0.self_attn.q_proj.weight" in names
+    assert not any(n.startswith("model.") or "embed" in n or "lm_head" in n for n in names)
+    fc = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))["fc.weight"]
+    assert fc.shape == (32, 3 * 32)  # PyTorch [out, in]
+    again = dj.load_draft(str(tmp_path))
+    assert again.config == draft.config
+    for a, b in zip(jax_leaves(again.params), jax_leaves(draft.params)):
+        np.testing.assert_array_equal(a, b)
+    # bf16 export loads back within bf16 rounding.
+    D.save_draft(draft, str(tmp_path / "bf16"))
+    b16 = dj.load_draft(str(tmp_path / "bf16"))
+    for a, b in zip(jax_leaves(b16.params), jax_leaves(draft.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2)  # bf16 keeps 8 bits of mantissa
+
+
+def jax_leaves(tree):
+    import jax
+
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def test_transformers_4x_config_loads_same(target, tmp_path):
+    draft = make_draft(target.config)
+    D.save_draft(draft, str(tmp_path), dtype="float32")
+    cfg = json.load(open(tmp_path / "config.json"))
+    cfg.pop("rope_parameters")
+    cfg["rope_scaling"] = None
+    cfg.pop("layer_types")
+    json.dump(cfg, open(tmp_path / "config.json", "w"))
+    assert dj.load_draft(str(tmp_path)).config == draft.config
+
+
+def test_fit_checks_name_both_sides(target):
+    draft = make_draft(target.config)
+    bad_ids = D.Draft(dataclasses.replace(draft.config, target_layer_ids=(0, 2, 9)), draft.params)
+    with pytest.raises(ValueError, match=r"\[9\].*4 layers"):
+        D.check_fits(target, bad_ids)
+    bad_mask = D.Draft(dataclasses.replace(draft.config, mask_token_id=500), draft.params)
+    with pytest.raises(ValueError, match="mask_token_id 500.*vocab_size 96"):
+        D.check_fits(target, bad_mask)
+    two = make_draft(target.config, ids=(1, 3))
+    wide = D.Draft(draft.config.__class__(**{**draft.config.__dict__, "target_layer_ids": (1, 3)}), draft.params)
+    with pytest.raises(ValueError, match="fc takes 96 input features.*2 target layers.*64"):
+        D.check_fits(target, wide)
+    D.check_fits(target, two)  # a consistent 2-feature draft passes
+    with pytest.warns(UserWarning, match="num_target_layers=36"):
+        D.check_fits(target, D.Draft(dataclasses.replace(draft.config, num_target_layers=36), draft.params))
+    with pytest.raises(ValueError, match="hidden_size"):
+        other = dataclasses.replace(draft.config, layers=dataclasses.replace(draft.config.layers, hidden_size=64))
+        D.check_fits(target, D.Draft(other, draft.params))
+
+
+def test_released_layout_loads_from_disk(tmp_path):
+    """A hand-written released-style config.json (4.x format, default target_layer_ids) + weights load."""
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+           "vocab_size": 96, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None,
+           "max_position_embeddings": 40960, "block_size": 16, "num_target_layers": 8,
+           "dflash_config": {"mask_token_id": 95}, "tie_word_embeddings": False}
+    os.makedirs(tmp_path, exist_ok=True)
+    json.dump(cfg, open(tmp_path / "config.json", "w"))
+    dcfg = DraftConfig.from_hf(cfg)
+    assert dcfg.target_layer_ids == (4,)  # one feature layer: L // 2
+    draft = D.Draft(dcfg, D.init_draft_params(dcfg))
+    from dflash_jax.checkpoints import export_params
+
+    safetensors.numpy.save_file({k: np.asarray(v, np.float32) for k, v in export_params(draft.params, prefix="").items()},
+                                str(tmp_path / "model.safetensors"))
+    loaded = dj.load_draft(str(tmp_path))
+    assert loaded.config.block_size == 16 and loaded.config.layers.rope.theta == 1e6

@@ -1,0 +1,114 @@
+"""``python -m infer.generate`` and ``python -m infer.benchmark`` on a tiny saved pair (in-process)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from dflash_jax.draft import save_draft
+from hf_models import save_tiny
+from pairs import random_pair
+
+VOCAB = 320
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    """A tiny Qwen3 target with a byte-level BPE tokenizer, and a random draft for it, on disk."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("pair")
+    tdir, ddir = str(root / "target"), str(root / "draft")
+    save_tiny(tdir, "qwen3", vocab_size=VOCAB, eos_token_id=0)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|MASK|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n", "import os\nprint(os.getcwd())\n"] * 20, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(tdir)
+    target = dj.load_target(tdir)
+    _, draft = random_pair(vocab=VOCAB, block_size=8)
+    save_draft(dj.Draft(draft.config.__class__(**{**draft.config.__dict__, "mask_token_id": 1}), draft.params),
+               ddir, dtype="float32")
+    return tdir, ddir, target
+
+
+def run(module, argv, capsys):
+    code = module.main(argv)
+    return code, capsys.readouterr()
+
+
+def test_generate_json_prompt_ids(pair_dirs, capsys):
+    from infer import generate as g
+
+    tdir, ddir, target = pair_dirs
+    code, out = run(g, ["--target", tdir, "--draft", ddir, "--prompt-ids", "5,17,3", "--prompt-ids", "9",
+                        "--max-new-tokens", "12", "--temperature", "0", "--ignore-eos", "--json"], capsys)
+    assert code == 0
+    rows = [json.loads(line) for line in out.out.strip().splitlines()]
+    assert len(rows) == 2
+    plain = dj.generate(target, [[5, 17, 3], [9]], max_new_tokens=12, stop_token_ids=[])
+    for row, ref in zip(rows, plain):
+        assert row["output_ids"] == ref.output_ids
+        assert len(row["output_ids"]) == len(ref.output_ids)
+        assert all(1 <= a <= 8 for a in row["acceptance_lengths"])
+        assert row["tokens_per_second"] > 0
+
+
+def test_generate_text_baseline_and_stream(pair_dirs, capsys):
+    from infer import generate as g
+
+    tdir, ddir, _ = pair_dirs
+    code, out = run(g, ["--target", tdir, "--draft", ddir, "--prompt", "def f(x):", "--max-new-tokens", "6",
+                        "--baseline"], capsys)
+    assert code == 0 and "speedup" in out.out and "identical output: True" in out.out and "tau" in out.out
+    code, out = run(g, ["--target", tdir, "--draft", ddir, "--prompt", "def f(x):", "--max-new-tokens", "6",
+                        "--stream"], capsys)
+    assert code == 0 and out.out.startswith("def f(x):")
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--prompt-ids", "1,x"], "comma-separated integers"),
+    (["--prompt-ids", "1,2", "--temperature", "-1"], "temperature"),
+    (["--prompt-ids", "1,2", "--block-size", "64"], "block_size"),
+    (["--prompt-ids", "1,99999"], "outside the vocabulary"),
+    (["--prompts-file", "/no/such/file"], "does not exist"),
+])
+def test_generate_bad_input(pair_dirs, capsys, argv, match):
+    from infer import generate as g
+
+    tdir, ddir, _ = pair_dirs
+    with pytest.raises(SystemExit) as e:
+        g.main(["--target", tdir, "--draft", ddir, "--max-new-tokens", "4"] + argv)
+    assert e.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_generate_missing_target(capsys, tmp_path):
+    from infer import generate as g
+
+    with pytest.raises(SystemExit):
+        g.main(["--target", str(tmp_path / "nothing"), "--prompt-ids", "1"])
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_benchmark_json_summary(pair_dirs, capsys, tmp_path):
+    from infer import benchmark as b
+
+    tdir, ddir, _ = pair_dirs
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n" + json.dumps({"prompt": "import os"}) + "\n")
+    code, out = run(b, ["--target", tdir, "--draft", ddir, "--prompts-file", str(prompts), "--max-new-tokens", "10",
+                        "--json", "--ignore-eos", "--no-timing-split"], capsys)
+    assert code == 0
+    lines = [json.loads(x) for x in out.out.strip().splitlines()]
+    rows, summary = lines[:-1], lines[-1]
+    assert len(rows) == 2 and summary["identical"] is True
+    for key in ("tau", "speedup", "plain_tokens_per_s", "dflash_tokens_per_s", "acceptance_histogram"):
+        assert key in summary
+    assert sum(summary["acceptance_histogram"]) == sum(len(r["acceptance_lengths"]) for r in rows)
+    assert np.isclose(summary["tau"], np.mean([a for r in rows for a in r["acceptance_lengths"]]))
