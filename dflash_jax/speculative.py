@@ -7,16 +7,18 @@ n (the committed length of both caches) grows by a+1, and the verified tokens' f
 draft context. Rollback is the length pointer only. With no draft (or a block of 1) the same loop is
 plain autoregressive decoding, the baseline of every comparison.
 
-Counting: the first token comes from the prefill; each verify step's acceptance length is a+1
-(accepted drafts plus the bonus token, as in the paper), between 1 and the block size. Tokens
-generated = 1 + sum(acceptance lengths) - tokens cut by max_new_tokens / the first stop token.
+Counting: the first token comes from the prefill; each verify step's acceptance length is the
+number of tokens it committed: a+1 (accepted drafts plus the bonus token, as in the paper), between 1
+and the block size, except that the row's last step counts only the tokens kept before
+max_new_tokens or the first stop token cut it (as the PyTorch reference's ``dflash_generate`` does).
+So tokens generated = 1 + sum(acceptance lengths), always.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import time
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import flax.struct
 import jax
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import draft as draft_lib
+from dflash_jax import sharding
 from dflash_jax.cache import KVCache
 from dflash_jax.config import DraftConfig, TargetConfig
 from dflash_jax.sampling import SamplingParams, accepted_length, choose
@@ -40,6 +43,17 @@ class EngineSpec:
     draft: DraftConfig | None
     block_size: int
     greedy: bool
+    mesh: Any = None  # jax.sharding.Mesh the params live on (None: one device); rows and caches go over data
+
+    def place(self, state: "DecodeState") -> "DecodeState":
+        """Pin the decode state's layout on the mesh (rows over data*fsdp, KV heads over tensor)."""
+        if self.mesh is None:
+            return state
+        rows = sharding.constrain_batch((state.tokens, state.generated, state.budget, state.finish,
+                                         state.acceptance, state.steps), self.mesh)
+        return state.replace(**dict(zip(("tokens", "generated", "budget", "finish", "acceptance", "steps"), rows)),
+                             tcache=sharding.constrain_cache(state.tcache, self.mesh),
+                             dcache=sharding.constrain_cache(state.dcache, self.mesh))
 
     @property
     def speculative(self) -> bool:
@@ -86,9 +100,10 @@ def _prefill(spec: EngineSpec, tparams, dparams, prompts, lens, budget, stop_ids
         dcache = draft_lib.materialize(spec.draft, dparams, dcache, features, positions).replace(lengths=lens)
     stopped = jnp.isin(first, stop_ids)
     finish = jnp.where(stopped, 2, jnp.where(budget <= 1, 1, 0)).astype(jnp.int32)
-    return DecodeState(tokens=tokens, tcache=tcache.replace(lengths=lens), dcache=dcache,
-                       generated=jnp.ones((b,), jnp.int32), budget=budget, finish=finish,
-                       acceptance=jnp.zeros((b, cache_len), jnp.int32), steps=jnp.zeros((b,), jnp.int32), key=key)
+    return spec.place(DecodeState(tokens=tokens, tcache=tcache.replace(lengths=lens), dcache=dcache,
+                                  generated=jnp.ones((b,), jnp.int32), budget=budget, finish=finish,
+                                  acceptance=jnp.zeros((b, cache_len), jnp.int32), steps=jnp.zeros((b,), jnp.int32),
+                                  key=key))
 
 
 def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, sampling, mask_token_id) -> DecodeState:
@@ -128,10 +143,10 @@ def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, samp
     if spec.speculative:  # the verified tokens' features (slots past n+a are masked until overwritten)
         ctx_positions = jnp.where(active[:, None], positions, cache_len)
         dcache = draft_lib.materialize(spec.draft, dparams, dcache, features, ctx_positions).replace(lengths=n_new)
-    acceptance = state.acceptance.at[rows, jnp.where(active, state.steps, cache_len)].set(a + 1, mode="drop")
-    return DecodeState(tokens=tokens, tcache=tcache.replace(lengths=n_new), dcache=dcache, generated=generated,
-                       budget=state.budget, finish=finish.astype(jnp.int32), acceptance=acceptance,
-                       steps=state.steps + active.astype(jnp.int32), key=key)
+    acceptance = state.acceptance.at[rows, jnp.where(active, state.steps, cache_len)].set(keep, mode="drop")
+    return spec.place(DecodeState(tokens=tokens, tcache=tcache.replace(lengths=n_new), dcache=dcache,
+                                  generated=generated, budget=state.budget, finish=finish.astype(jnp.int32),
+                                  acceptance=acceptance, steps=state.steps + active.astype(jnp.int32), key=key))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "cache_len"))
@@ -230,16 +245,22 @@ def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, samplin
     stops = sorted({int(s) for s in (stop_token_ids or ())})
     stop_arr = np.full((_round_up(max(len(stops), 1), 8),), -1, np.int32)
     stop_arr[:len(stops)] = stops
-    spec = EngineSpec(target.config, draft.config if draft is not None else None, block_size, sampling.greedy)
+    dparams = draft.params if draft is not None and block_size > 1 else None
+    mesh = sharding.mesh_of(target.params, dparams)
+    spec = EngineSpec(target.config, draft.config if draft is not None else None, block_size, sampling.greedy, mesh)
     mask_id = np.int32(draft.config.mask_token_id if draft is not None else 0)
     samp = (np.float32(max(sampling.temperature, 1e-6)), np.int32(sampling.top_k), np.float32(sampling.top_p))
-    args = (target.params, draft.params if spec.speculative else None, padded, lens, budget, stop_arr, samp,
-            jax.random.PRNGKey(seed), mask_id)
+    batch = (padded, lens, budget)
+    if mesh is not None:  # rows over data*fsdp: pad with 1-token rows that finish at prefill (budget 1)
+        extra = sharding.pad_rows(len(rows), mesh)
+        batch = sharding.shard_batch((np.pad(padded, ((0, extra), (0, 0))), np.pad(lens, (0, extra), constant_values=1),
+                                      np.pad(budget, (0, extra), constant_values=1)), mesh)
+    args = (target.params, dparams, *batch, stop_arr, samp, jax.random.PRNGKey(seed), mask_id)
     return _Request(spec, args, cache_len, lens)
 
 
 def _results(state: DecodeState, req: _Request, wall: float) -> list[GenerationResult]:
-    tokens, generated, acc, steps, finish = jax.device_get(
+    tokens, generated, acc, steps, finish = sharding.to_host(
         (state.tokens, state.generated, state.acceptance, state.steps, state.finish))
     out = []
     for i, n in enumerate(req.lens):
@@ -257,7 +278,8 @@ _compiled: dict = {}
 
 def _executable(req: _Request):
     """AOT-compile once per (spec, shapes) bucket so timings exclude compilation."""
-    shapes = jax.tree_util.tree_map(lambda x: (np.shape(x), str(getattr(x, "dtype", type(x)))), req.args)
+    shapes = jax.tree_util.tree_map(lambda x: (np.shape(x), str(getattr(x, "dtype", type(x))),
+                                               str(getattr(x, "sharding", None))), req.args)
     key = (req.spec, req.cache_len, str(jax.tree_util.tree_structure(req.args)), str(shapes))
     if key not in _compiled:
         _compiled[key] = _generate.lower(req.spec, *req.args, cache_len=req.cache_len).compile()
@@ -299,10 +321,10 @@ def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int, bloc
     start = time.perf_counter()
     state = _prefill_jit(req.spec, tparams, dparams, padded, lens, budget, stop_arr, samp, key,
                          cache_len=req.cache_len)
-    seen = np.zeros(len(lens), np.int64)
+    seen = np.zeros(len(req.lens), np.int64)
     while True:
-        tokens, generated, done = jax.device_get((state.tokens, state.generated, state.done))
-        yield [tokens[i, n + seen[i]:n + generated[i]].tolist() for i, n in enumerate(lens)]
+        tokens, generated, done = sharding.to_host((state.tokens, state.generated, state.done))
+        yield [tokens[i, n + seen[i]:n + generated[i]].tolist() for i, n in enumerate(req.lens)]
         seen = generated.astype(np.int64)
         if done.all():
             break
