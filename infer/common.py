@@ -18,6 +18,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                                    "target is the demo; none otherwise = plain decoding)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="parameter/compute dtype (default float32)")
+    g.add_argument("--mesh", default=None,
+                   help="shard over devices: 'data=2,tensor=4' (axes data, fsdp, tensor; omitted = 1, one may be -1 "
+                        "= the rest) or 'auto' (all devices on data). Params tensor-parallel, prompts and caches "
+                        "data-parallel. Multi-host: set DFLASH_DISTRIBUTED=1 (TPU pods) or JAX_COORDINATOR_ADDRESS. "
+                        "Default: one device")
     d = p.add_argument_group("decoding")
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--max-length", type=int, default=None,
@@ -48,8 +53,14 @@ def load_models(args):
             die(f"the embedded demo pair is missing ({DEMO_DIR}); pass --target and --draft")
         draft_path = draft_path or DEMO_DRAFT
     try:
-        target = dj.load_target(target_path, dtype=args.dtype)
-        draft = dj.load_draft(draft_path, dtype=args.dtype) if draft_path else None
+        if getattr(args, "mesh", None):
+            from dflash_jax import sharding
+
+            sharding.maybe_initialize_distributed()
+            target, draft = sharding.load_sharded(target_path, draft_path, sharding.make_mesh(args.mesh), args.dtype)
+        else:
+            target = dj.load_target(target_path, dtype=args.dtype)
+            draft = dj.load_draft(draft_path, dtype=args.dtype) if draft_path else None
         if draft is not None:
             from dflash_jax.draft import check_fits
             check_fits(target, draft)

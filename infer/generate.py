@@ -80,6 +80,10 @@ def main(argv=None) -> int:
         baseline = generate(target, prompts, **kw) if args.baseline else None
     except ValueError as e:
         die(str(e))
+    import jax
+
+    if jax.process_index() != 0:  # multi-host (--mesh over a pod): every process has the results; one prints
+        return 0
     for i, r in enumerate(results):
         row = r.to_json()
         if tokenizer is not None:
