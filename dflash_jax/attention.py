@@ -47,3 +47,29 @@ def attend(q, k, v, mask, *, scale: float | None = None):
     probs = jnp.where(m, probs, 0.0).astype(v.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
     return out.reshape(b, t, n, h)
+
+
+def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
+                    sliding_window: int | None = None, scale: float | None = None, impl: str = "auto"):
+    """The draft's training attention: N blocks of ``block_size`` queries, block b anchored at ``anchors[:, b]``.
+
+    q [B, N*Bk, Hq, D]; k_ctx, v_ctx [B, S, Hkv, D]; k_blk, v_blk [B, N*Bk, Hkv, D]; anchors [B, N] int32
+    (negative = padding block). Block b sees context positions < anchor (within the window) and its own
+    block bidirectionally. ``impl``: "auto" (Pallas kernel on TPU / GPU with compute capability >= 8.0,
+    this module's dense reference elsewhere), "kernel", "reference" or "interpret" (kernel on CPU).
+    See ``kernels/block_attention.py``.
+    """
+    import importlib
+
+    kba = importlib.import_module("kernels.block_attention")  # lazy: kernels imports this module
+
+    if impl == "auto":
+        use = kba.kernel_supported(block_size=block_size, head_dim=q.shape[-1])
+        impl = "kernel" if use else "reference"
+    if impl == "reference":
+        return kba.block_attention_reference(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size=block_size,
+                                             sliding_window=sliding_window, scale=scale)
+    if impl not in ("kernel", "interpret"):
+        raise ValueError(f"impl must be auto, kernel, reference or interpret, not {impl!r}")
+    return kba.block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size=block_size,
+                               sliding_window=sliding_window, scale=scale, interpret=impl == "interpret")

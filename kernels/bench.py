@@ -1,0 +1,147 @@
+"""Block-attention benchmark: skipped score FLOPs from the anchors, kernel vs reference time.
+
+    python -m kernels.bench                       # skip table at S 1024/3072/4096, N 512; small timing
+    python -m kernels.bench --time-seq 3072 --time-blocks 512 --heads 32 --kv-heads 8 --head-dim 128
+    python -m kernels.bench --json
+
+The skip figure needs no device: from the anchors and the tiles it counts the score entries the
+compiled kernel evaluates (whole context tiles in each query tile's [lo, hi) plus one own-block tile
+per query tile) against the dense reference's [N*Bk, S+N*Bk]. ``visible`` is what the mask keeps.
+Anchors are drawn uniformly from [0, S) without replacement; "sorted" orders them within each row
+(the loss does not depend on block order, and sorted anchors give tighter [lo, hi) per query tile).
+
+Timing runs the kernel and the reference on the default backend. On CPU the kernel runs in Pallas
+interpret mode (an emulation, not a performance figure), so the CPU default times a small shape.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels.block_attention import block_attention, block_attention_reference, skipped_fraction
+
+
+def draw_anchors(rng, batch, n, s):
+    return np.stack([rng.choice(s, size=n, replace=n > s) for _ in range(batch)])
+
+
+def skip_rows(args):
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for s in args.seq:
+        drawn = draw_anchors(rng, args.batch, args.blocks, s)
+        for order, a in (("sorted", np.sort(drawn, axis=1)), ("unsorted", drawn)):
+            r = skipped_fraction(a, s, block_size=args.block_size, sliding_window=args.window,
+                                 q_tile=args.q_tile, k_tile=args.k_tile, backend=args.backend)
+            rows.append({"S": s, "N": args.blocks, "Bk": args.block_size, "window": args.window, "anchors": order,
+                         "skipped": r["skipped"], "computed_over_dense": r["computed"] / r["dense"],
+                         "visible_over_dense": r["visible"] / r["dense"], "q_tile": r["q_tile"],
+                         "k_tile": r["k_tile"]})
+    return rows
+
+
+def _time(fn, *xs, iters):
+    jax.block_until_ready(fn(*xs))  # compile + warm up
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*xs))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def timing_row(args):
+    platform = jax.default_backend()
+    on_cpu = platform == "cpu"
+    s = args.time_seq or (256 if on_cpu else 3072)
+    n = args.time_blocks or (16 if on_cpu else 512)
+    hq, hkv, d = (args.heads or (4 if on_cpu else 32)), (args.kv_heads or (2 if on_cpu else 8)), \
+        (args.head_dim or (64 if on_cpu else 128))
+    dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
+    bk, t = args.block_size, n * args.block_size
+    rng = np.random.default_rng(args.seed)
+    shapes = [(args.batch, t, hq, d), (args.batch, s, hkv, d), (args.batch, s, hkv, d), (args.batch, t, hkv, d),
+              (args.batch, t, hkv, d)]
+    xs = [jnp.asarray(rng.standard_normal(sh, np.float32), dtype) for sh in shapes]
+    anchors = jnp.asarray(np.sort(draw_anchors(rng, args.batch, n, s), axis=1), jnp.int32)
+    kw = dict(block_size=bk, sliding_window=args.window)
+    impls = {"kernel": lambda *a: block_attention(*a, q_tile=args.q_tile, k_tile=args.k_tile, **kw),
+             "reference": lambda *a: block_attention_reference(*a, **kw)}
+    row = {"platform": platform, "kernel_mode": "interpret" if on_cpu else "compiled", "batch": args.batch, "S": s,
+           "N": n, "Bk": bk, "Hq": hq, "Hkv": hkv, "D": d, "dtype": dtype.name, "window": args.window}
+    outs = {}
+    for name, f in impls.items():
+        fwd = jax.jit(lambda *z, f=f: f(*z, anchors))
+        loss = lambda *z, f=f: jnp.sum(f(*z, anchors).astype(jnp.float32) ** 2)
+        bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+        try:
+            outs[name] = fwd(*xs)
+            row[f"{name}_fwd_ms"] = _time(fwd, *xs, iters=args.iters)
+            row[f"{name}_fwd_bwd_ms"] = _time(bwd, *xs, iters=args.iters)
+        except Exception as e:  # e.g. the dense reference running out of memory at the paper shape
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    if len(outs) == 2:
+        ref = outs["reference"].astype(jnp.float32)
+        row["max_abs_err_over_max_ref"] = float(jnp.abs(outs["kernel"].astype(jnp.float32) - ref).max()
+                                                / jnp.abs(ref).max())
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda x: [int(v) for v in x.split(",")]
+    p.add_argument("--seq", type=ints, default=[1024, 3072, 4096], help="context lengths S for the skip table")
+    p.add_argument("--blocks", type=int, default=512, help="blocks per sequence N for the skip table")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--window", type=int, default=None, help="sliding window (default: none)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--q-tile", type=int, default=128)
+    p.add_argument("--k-tile", type=int, default=128)
+    p.add_argument("--backend", choices=["tpu", "gpu"], default="tpu", help="kernel formulation for the skip table")
+    p.add_argument("--time-seq", type=int, default=None, help="S for timing (default 256 on CPU, 3072 otherwise)")
+    p.add_argument("--time-blocks", type=int, default=None, help="N for timing (default 16 on CPU, 512 otherwise)")
+    p.add_argument("--heads", type=int, default=None, help="Hq for timing (default 4 on CPU, 32 otherwise)")
+    p.add_argument("--kv-heads", type=int, default=None, help="Hkv for timing (default 2 on CPU, 8 otherwise)")
+    p.add_argument("--head-dim", type=int, default=None, help="D for timing (default 64 on CPU, 128 otherwise)")
+    p.add_argument("--dtype", default=None, help="timing dtype (default float32 on CPU, bfloat16 otherwise)")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--no-time", action="store_true", help="only the skip table")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    args = p.parse_args(argv)
+
+    result = {"skip": skip_rows(args), "timing": None if args.no_time else timing_row(args)}
+    if args.json:
+        print(json.dumps(result))
+        return result
+    print(f"score entries computed by the kernel vs the dense [N*Bk, S+N*Bk] reference "
+          f"(tiles {result['skip'][0]['q_tile']}x{result['skip'][0]['k_tile']}, {args.backend} formulation)")
+    print(f"{'S':>6} {'N':>5} {'Bk':>3} {'window':>6} {'anchors':>9} {'skipped':>8} {'computed':>9} {'visible':>8}")
+    for r in result["skip"]:
+        print(f"{r['S']:>6} {r['N']:>5} {r['Bk']:>3} {str(r['window']):>6} {r['anchors']:>9} {r['skipped']:>8.1%} "
+              f"{r['computed_over_dense']:>9.1%} {r['visible_over_dense']:>8.1%}")
+    t = result["timing"]
+    if t:
+        print(f"\ntiming on {t['platform']} (kernel {t['kernel_mode']}"
+              f"{': Pallas emulation on CPU, not a performance figure' if t['kernel_mode'] == 'interpret' else ''}),"
+              f" batch {t['batch']} S {t['S']} N {t['N']} Bk {t['Bk']} Hq {t['Hq']} Hkv {t['Hkv']} D {t['D']}"
+              f" {t['dtype']}, median of {args.iters}")
+        print(f"{'impl':>10} {'fwd ms':>10} {'fwd+bwd ms':>11}")
+        for name in ("kernel", "reference"):
+            if f"{name}_error" in t:
+                print(f"{name:>10} failed: {t[name + '_error']}")
+            else:
+                print(f"{name:>10} {t[name + '_fwd_ms']:>10.2f} {t[name + '_fwd_bwd_ms']:>11.2f}")
+        if "max_abs_err_over_max_ref" in t:
+            print(f"kernel vs reference: max abs err / max abs ref = {t['max_abs_err_over_max_ref']:.2e}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Block-attention Pallas kernel (interpret mode on CPU) against the dense reference.
+
+Both kernel formulations run here: "tpu" (scalar-prefetch grid with skipped tiles) and "gpu"
+(Triton-style in-kernel loop). Forward and the gradients of all five float inputs are compared.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import Phase, given, settings, strategies as st
+
+from dflash_jax import attention
+from kernels import block_attention, block_attention_reference, block_mask, skipped_fraction
+
+# Interpret-mode kernels are large XLA programs; optimisation level 0 halves their compile time.
+_fast_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+
+
+def _anchors(rng, kind, batch, n, s, bk):
+    a = rng.integers(0, max(s, 1), size=(batch, n))
+    if kind == "sorted":
+        a = np.sort(a, axis=1)
+    elif kind == "edges":  # anchor 0, anchor S-1, a repeated anchor, a padding block
+        a[:, 0], a[:, 1], a[:, 2] = 0, s - 1, a[:, 3]
+        a[:, -1] = -1
+    elif kind == "ragged":  # a different number of real blocks per row, padding (-1) after them
+        for b in range(batch):
+            a[b, rng.integers(1, n):] = -1
+        a[0, 0] = 0
+    return jnp.asarray(a, jnp.int32)
+
+
+def _inputs(seed, batch, n, bk, s, hq, hkv, d, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)  # numpy: jax.random would compile a sampler per shape
+    t = n * bk
+    shapes = [(batch, t, hq, d), (batch, s, hkv, d), (batch, s, hkv, d), (batch, t, hkv, d), (batch, t, hkv, d)]
+    xs = [jnp.asarray(rng.standard_normal(sh, np.float32)).astype(dtype) for sh in shapes]
+    return xs, jnp.asarray(rng.standard_normal(shapes[0], np.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(impl, block_size, window=None, q_tile=None, k_tile=None, backend=None):
+    """jit(out, d<out, proj>/d(q, k_ctx, v_ctx, k_blk, v_blk)); anchors are a runtime argument, so one
+    compile serves every anchor pattern of a shape."""
+    if impl == "kernel":
+        fn = functools.partial(block_attention, block_size=block_size, sliding_window=window, q_tile=q_tile,
+                               k_tile=k_tile, backend=backend, interpret=True)
+    else:
+        fn = functools.partial(block_attention_reference, block_size=block_size, sliding_window=window)
+
+    def run(xs, anchors, proj):
+        out, vjp = jax.vjp(lambda *a: fn(*a, anchors), *xs)
+        return out, vjp(proj.astype(out.dtype))
+
+    return _fast_jit(run)
+
+
+def _rel_err(x, ref):
+    """Max abs error over the max abs reference entry (floored at 1e-2: inputs are O(1), and an exactly
+    zero reference gradient, e.g. a softmax over a single key, is matched only to rounding)."""
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return np.abs(x - ref).max() / max(np.abs(ref).max(), 1e-2)
+
+
+def _check(cfg, xs, anchors, proj, tol=1e-5, ref_xs=None):
+    backend, bk, window, q_tile, k_tile = cfg
+    out, grads = _compiled("kernel", bk, window, q_tile, k_tile, backend)(xs, anchors, proj)
+    out_r, grads_r = _compiled("reference", bk, window)(ref_xs or xs, anchors, proj)
+    assert out.dtype == xs[0].dtype and all(g.dtype == x.dtype for g, x in zip(grads, xs))
+    assert _rel_err(out, out_r) <= tol
+    for name, g, g_r in zip(["q", "k_ctx", "v_ctx", "k_blk", "v_blk"], grads, grads_r):
+        assert np.all(np.isfinite(np.asarray(g, np.float32))), name
+        assert _rel_err(g, g_r) <= tol, name
+    # Padding blocks: output 0 and exactly zero gradients on their rows.
+    pad = np.repeat(np.asarray(anchors) < 0, bk, axis=1)  # [B, T]
+    assert np.all(np.asarray(out)[pad] == 0)
+    for g in (grads[0], grads[3], grads[4]):
+        assert np.all(np.asarray(g)[pad] == 0)
+
+
+CASES = [  # backend, batch, N, Bk, S, Hq, Hkv, D, window, q_tile, k_tile
+    ("tpu", 2, 6, 4, 37, 4, 4, 16, None, 8, 16),  # GQA 1, S not a multiple of the key tile
+    ("gpu", 2, 6, 4, 37, 4, 2, 16, None, 8, 16),  # GQA 2
+    ("tpu", 2, 5, 2, 20, 8, 2, 16, 5, 4, 8),  # GQA 4, window
+    ("gpu", 2, 5, 4, 24, 4, 1, 16, 3, 8, 8),  # GQA 4, window
+    ("tpu", 2, 7, 3, 30, 4, 2, 8, 6, 6, 8),  # Bk not a power of two, window
+    ("gpu", 2, 4, 4, 5, 2, 2, 16, 40, 128, 128),  # one tile holds everything, tiny context, wide window
+]
+
+
+@pytest.mark.parametrize("backend,batch,n,bk,s,hq,hkv,d,window,q_tile,k_tile", CASES)
+def test_kernel_matches_reference_fp32(backend, batch, n, bk, s, hq, hkv, d, window, q_tile, k_tile):
+    xs, proj = _inputs(n * s + hq, batch, n, bk, s, hq, hkv, d)
+    rng = np.random.default_rng(s)
+    for kind in ["sorted", "unsorted", "edges", "ragged"]:
+        _check((backend, bk, window, q_tile, k_tile), xs, _anchors(rng, kind, batch, n, s, bk), proj)
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[3]], ids=["tpu", "gpu"])
+def test_kernel_random_anchors(case):
+    """Hypothesis over the runtime anchors (any mix of padding, 0, repeats, S-1, S); the shapes are
+    those of a case above, so no new compile."""
+    backend, batch, n, bk, s, hq, hkv, d, window, q_tile, k_tile = case
+    xs, proj = _inputs(n * s + hq, batch, n, bk, s, hq, hkv, d)
+
+    @settings(max_examples=8, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate])
+    @given(st.lists(st.integers(-1, s), min_size=batch * n, max_size=batch * n))
+    def check(values):
+        _check((backend, bk, window, q_tile, k_tile), xs, jnp.asarray(values, jnp.int32).reshape(batch, n), proj)
+
+    check()
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_kernel_bf16(backend):
+    batch, n, bk, s, hq, hkv, d, window = 2, 6, 4, 40, 4, 2, 32, 9
+    xs, proj = _inputs(7, batch, n, bk, s, hq, hkv, d, jnp.bfloat16)
+    anchors = _anchors(np.random.default_rng(1), "edges", batch, n, s, bk)
+    # Against the fp32 reference on the same (bf16-rounded) inputs. bf16 keeps 8 significant bits
+    # (relative rounding 2**-9 ~ 2e-3). The kernel rounds p to bf16 before p @ v, rounds p and ds to
+    # bf16 for the gradient matmuls and returns bf16 results, and its tile-wise online softmax rounds
+    # at different points than a dense softmax; a few such roundings summed over tens of keys give
+    # ~1e-2 of the largest entry, hence 3e-2.
+    _check((backend, bk, window, 8, 16), xs, anchors, proj, tol=3e-2, ref_xs=[x.astype(jnp.float32) for x in xs])
+
+
+@pytest.mark.parametrize("case,anchors,poisoned", [
+    (CASES[0], [[3, 10, 0, 7, 9, 1], [16, 2, -1, -1, 5, 0]], slice(16, None)),  # tiles past every anchor
+    (CASES[1], [[3, 10, 0, 7, 9, 1], [16, 2, -1, -1, 5, 0]], slice(16, None)),
+    (CASES[2], [[12, 20, 15, 13, -1], [19, 12, -1, 14, 16]], slice(0, 8)),  # tiles before every window
+    # The GPU formulation rounds tiles up to 16 (Triton's minimum dot size): positions 0..15 lie before
+    # every window when every anchor - (W - 1) >= 16.
+    (CASES[3], [[18, 24, 20, 19, -1], [18, 23, 21, -1, -1]], slice(0, 16)),
+], ids=["tpu-past-anchors", "gpu-past-anchors", "tpu-before-window", "gpu-before-window"])
+def test_skipped_tiles_are_not_read(case, anchors, poisoned):
+    """NaN in context tiles no query tile may see: a computed (even fully masked) tile would spread
+    NaN through 0 * NaN in p @ v, so a finite, correct result shows those tiles were skipped."""
+    backend, batch, n, bk, s, hq, hkv, d, window, q_tile, k_tile = case  # reuses that compile
+    xs, proj = _inputs(n * s + hq, batch, n, bk, s, hq, hkv, d)
+    bad = [x.at[:, poisoned].set(jnp.nan) if i in (1, 2) else x for i, x in enumerate(xs)]
+    anchors = jnp.asarray(anchors, jnp.int32)
+    out, grads = _compiled("kernel", bk, window, q_tile, k_tile, backend)(bad, anchors, proj)
+    out_r, grads_r = _compiled("reference", bk, window)(xs, anchors, proj)
+    assert _rel_err(out, out_r) <= 1e-5
+    for g, g_r in zip(grads, grads_r):
+        assert _rel_err(g, g_r) <= 1e-5
+    assert np.all(np.asarray(grads[1])[:, poisoned] == 0) and np.all(np.asarray(grads[2])[:, poisoned] == 0)
+
+
+def test_anchor_zero_block_sees_only_itself():
+    backend, batch, n, bk, s, hq, hkv, d, window, q_tile, k_tile = CASES[0]  # reuses that compile
+    xs, proj = _inputs(n * s + hq, batch, n, bk, s, hq, hkv, d)
+    q, k_ctx, v_ctx, k_blk, v_blk = xs
+    anchors = jnp.array([[5, 0, 36, 0, -1, 3], [0, 0, 0, 0, 0, 0]], jnp.int32)
+    out, grads = _compiled("kernel", bk, window, q_tile, k_tile, backend)(xs, anchors, proj)
+    out_r = block_attention_reference(*xs, anchors, block_size=bk)
+    assert np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in grads)
+    # Independent: each anchor-0 block's queries against its own Bk keys only, plain softmax.
+    g = hq // hkv
+    for b, blk in [(0, 1), (0, 3), (1, 0), (1, 5)]:
+        rows = slice(blk * bk, (blk + 1) * bk)
+        k, v = jnp.repeat(k_blk[b, rows], g, axis=1), jnp.repeat(v_blk[b, rows], g, axis=1)  # [Bk, Hq, D]
+        probs = jax.nn.softmax(jnp.einsum("thd,shd->hts", q[b, rows], k) * d ** -0.5, axis=-1)
+        expect = jnp.einsum("hts,shd->thd", probs, v)
+        assert _rel_err(out[b, rows], expect) <= 1e-5
+        assert _rel_err(out_r[b, rows], expect) <= 1e-5
+    # Row 1 sees no context at all: the context gets exactly zero gradient there.
+    assert np.all(np.asarray(grads[1])[1] == 0) and np.all(np.asarray(grads[2])[1] == 0)
+
+
+def test_mask_hand_worked():
+    # S=6, Bk=2, anchors [0, 3, 5, -1]: keys are context 0..5 then block keys 6..13.
+    m = np.asarray(block_mask(jnp.array([[0, 3, 5, -1]]), 6, block_size=2))[0].astype(int)
+    expect = np.array([
+        # ctx 0 1 2 3 4 5 | blocks 0 . 1 . 2 . pad
+        [0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0],  # block 0 (anchor 0): only its own block
+        [0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0],  # block 1 (anchor 3): context 0..2
+        [1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0],  # block 2 (anchor 5): context 0..4
+        [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # padding block: nothing
+        [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+    ])
+    np.testing.assert_array_equal(m, expect)
+    # Window 2: token i of block b (position a+i) sees context p < a with a+i-p < 2, block keys |i-j| < 2.
+    m = np.asarray(block_mask(jnp.array([[0, 3, 5]]), 6, block_size=2, sliding_window=2))[0].astype(int)
+    expect = np.array([
+        [0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0],
+        [0, 0, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0],  # position 3 sees p = 2
+        [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0],  # position 4 would need p = 3, not < anchor 3
+        [0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 1],  # position 5 sees p = 4
+        [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1],
+    ])
+    np.testing.assert_array_equal(m, expect)
+
+
+def test_dispatch():
+    batch, n, bk, s, hq, hkv, d = 1, 3, 4, 10, 2, 1, 16
+    xs, _ = _inputs(5, batch, n, bk, s, hq, hkv, d)
+    anchors = jnp.array([[2, 9, -1]], jnp.int32)
+    call = functools.partial(attention.block_attention, *xs, anchors, block_size=bk, sliding_window=4)
+    ref = call(impl="reference")
+    assert _rel_err(call(impl="interpret"), ref) <= 1e-5
+    np.testing.assert_array_equal(call(impl="auto"), ref)  # CPU: auto is the reference
+    with pytest.raises(ValueError):
+        call(impl="fast")
+
+
+def test_skipped_fraction():
+    rng = np.random.default_rng(0)
+    anchors = rng.integers(0, 300, size=(1, 64))
+    sorted_, unsorted = (skipped_fraction(a, 300, block_size=16, q_tile=128, k_tile=32)
+                         for a in (np.sort(anchors, axis=1), anchors))
+    for w in (None, 7):  # "visible" against the dense mask
+        mask = block_mask(jnp.asarray(anchors), 300, block_size=16, sliding_window=w)
+        assert skipped_fraction(anchors, 300, block_size=16, sliding_window=w)["visible"] == int(mask.sum())
+    for r in (sorted_, unsorted):
+        assert 0 < r["skipped"] < 1 and r["computed"] >= r["visible"]
+    assert sorted_["skipped"] > unsorted["skipped"]  # sorted anchors make tighter context ranges
+
+
+@pytest.mark.parametrize("platform,backend", [("tpu", "tpu"), ("cuda", "gpu")])
+@pytest.mark.parametrize("window", [None, 256])
+def test_lowers_for_accelerators(platform, backend, window):
+    """Smoke check without hardware: fwd + bwd lower through Pallas to Mosaic (TPU) / Triton (GPU) IR
+    at production tiles. The Mosaic and Triton compilers themselves only run on the devices."""
+    batch, n, bk, s, hq, hkv, d = 1, 20, 16, 300, 4, 2, 128
+    xs = [jnp.zeros(sh, jnp.bfloat16) for sh in
+          [(batch, n * bk, hq, d), (batch, s, hkv, d), (batch, s, hkv, d), (batch, n * bk, hkv, d),
+           (batch, n * bk, hkv, d)]]
+    anchors = jnp.zeros((batch, n), jnp.int32)
+
+    def run(*xs):
+        out, vjp = jax.vjp(lambda *a: block_attention(*a, anchors, block_size=bk, sliding_window=window,
+                                                      interpret=False, backend=backend), *xs)
+        return out, vjp(out)
+
+    text = jax.jit(run).trace(*xs).lower(lowering_platforms=(platform,)).as_text()
+    target = "tpu_custom_call" if platform == "tpu" else "triton"
+    assert text.count(target) >= 3  # forward, dq, dk/dv
