@@ -240,3 +240,29 @@ def test_released_layout_loads_from_disk(tmp_path):
                                 str(tmp_path / "model.safetensors"))
     loaded = dj.load_draft(str(tmp_path))
     assert loaded.config.block_size == 16 and loaded.config.layers.rope.theta == 1e6
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+def test_training_forward_equals_per_block_inference(target, impl):
+    """Many anchored blocks in one forward (the kernel's training layout) == each block run alone with
+    its own context through the inference path (draft cache holding exactly positions < anchor)."""
+    from dflash_jax.target import forward
+
+    draft = make_draft(target.config, block=4, sliding=6)
+    tcfg, dcfg = target.config, draft.config
+    rng = np.random.RandomState(4)
+    ids = rng.randint(0, 90, (1, 20))
+    pos = np.arange(20)[None]
+    _, feats, _ = forward(tcfg, target.params, ids, pos, feature_layer_ids=dcfg.target_layer_ids)
+    k, v = D.context_kv(dcfg, draft.params, feats, pos)
+    anchors = np.array([[0, 5, 5, 12, 19]], np.int32)  # at 0, repeated, overlapping, at S-1
+    blocks = np.concatenate([[ids[0, a]] + [dcfg.mask_token_id] * 3 for a in anchors[0]])[None]
+    together = np.asarray(D.block_logits(tcfg, target.params, dcfg, draft.params, blocks, jnp.asarray(anchors), k, v,
+                                         impl=impl))
+    for b, a in enumerate(anchors[0]):
+        cache = draft.new_cache(1, 32)
+        if a:
+            cache = D.materialize(dcfg, draft.params, cache, feats[:, :a], pos[:, :a])
+        alone = D.block_logits(tcfg, target.params, dcfg, draft.params, blocks[:, 4 * b:4 * b + 4],
+                               jnp.full((1, 1), a), cache.k, cache.v)
+        np.testing.assert_allclose(together[:, 4 * b:4 * b + 4], np.asarray(alone), atol=2e-5, rtol=2e-5)
