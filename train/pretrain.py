@@ -14,8 +14,10 @@ Pieces (``train/demo.py`` chains them into the demo target):
     tokenizer) and a check that transformers and ``dj.load_target`` read it to the same logits.
 
 A ``--minutes`` budget (training-loop wall time, summed over restarts) is turned into a step count
-from the measured step time and re-planned at every evaluation, so the cosine schedule ends when
-the budget does even when other processes slow the machine down.
+from the measured step time and re-planned every few minutes (from the wall time per step of the last
+window and of the whole process, evaluations and checkpoints included), so the cosine schedule ends when the budget does
+even when other processes slow the machine down or stop doing so. The warmup length is fixed at the
+first plan.
 """
 from __future__ import annotations
 
@@ -71,6 +73,13 @@ def train_tokenizer(texts: Sequence[str], out_dir: str, vocab_size: int = 4096, 
                                    model_max_length=model_max_length)
     os.makedirs(out_dir, exist_ok=True)
     fast.save_pretrained(out_dir)
+    # transformers 5 writes its own class name; the 4.x name loads in both major versions
+    cfg_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        tok_cfg = json.load(f)
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(cfg_path, "w") as f:
+        json.dump(tok_cfg, f, indent=2)
     return out_dir
 
 
@@ -106,6 +115,12 @@ def model_config(vocab_size: int, *, hidden: int = 256, layers: int = 6, heads: 
                         max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
                         rope=RopeConfig(theta=rope_theta), eos_token_id=(eos_token_id,),
                         pad_token_id=pad_token_id)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def init_params_jit(cfg: TargetConfig, seed: int = 0):
+    """``dflash_jax.target.init_params`` in float32, compiled (much faster than op by op on CPU)."""
+    return init_params(cfg, seed, jnp.float32)
 
 
 def count_params(params) -> int:
@@ -191,9 +206,13 @@ def make_optimizer(weight_decay: float, b1: float, b2: float, clip: float) -> op
                        optax.add_decayed_weights(weight_decay, decay_mask))
 
 
-def lr_at(step: int, total: int, hp: TrainHParams) -> float:
-    """Linear warmup (min(warmup_steps, total/10) steps), then cosine from lr to lr * min_lr_ratio."""
-    warmup = max(1, min(hp.warmup_steps, total // 10))
+def warmup_for(total: int, hp: TrainHParams) -> int:
+    return max(1, min(hp.warmup_steps, total // 10))
+
+
+def lr_at(step: int, total: int, hp: TrainHParams, warmup: int | None = None) -> float:
+    """Linear warmup (default min(warmup_steps, total/10) steps), then cosine from lr to lr * min_lr_ratio."""
+    warmup = warmup_for(total, hp) if warmup is None else warmup
     if step < warmup:
         return hp.lr * (step + 1) / warmup
     p = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -213,7 +232,7 @@ def train_step(cfg: TargetConfig, opt_hp: tuple, params, opt_state, tokens, lr):
     loss, grads = jax.value_and_grad(lambda p: _loss(cfg, p, tokens).mean())(params)
     updates, opt_state = make_optimizer(*opt_hp).update(grads, opt_state, params)
     params = jax.tree_util.tree_map(lambda p, u: p - lr * u, params, updates)
-    return params, opt_state, loss, optax.global_norm(grads)
+    return params, opt_state, loss, optax.tree.norm(grads)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -287,12 +306,14 @@ class _StopFlag:
 
 def pretrain(cfg: TargetConfig, train_tokens: np.ndarray, heldout_tokens: np.ndarray, work_dir: str, *,
              hp: TrainHParams = TrainHParams(), steps: int | None = None, minutes: float | None = None,
-             progress: bool = True, log: Callable[[str], None] | None = None) -> tuple:
+             progress: bool = True, log: Callable[[str], None] | None = None,
+             interrupt_at: int | None = None, replan_seconds: float = 180.0) -> tuple:
     """Train (or resume) in ``work_dir``; returns (params, summary dict).
 
     Stops after ``steps`` steps, or when ``minutes`` of training-loop wall time (summed over restarts)
     are spent; with only ``minutes`` the step count is planned from the measured step time. A run
-    whose checkpoint says it finished returns at once.
+    whose checkpoint says it finished returns at once. ``interrupt_at`` (for tests) acts as if SIGTERM
+    arrived during that step: checkpoint, return with ``summary["stopped"]`` set.
     """
     if steps is None and minutes is None:
         raise ValueError("give steps, minutes or both")
@@ -306,7 +327,7 @@ def pretrain(cfg: TargetConfig, train_tokens: np.ndarray, heldout_tokens: np.nda
     run_key = {"model": cfg.to_hf(), "hparams": dataclasses.asdict(hp), "train_tokens": int(len(train_tokens)),
                "heldout_tokens": int(len(heldout_tokens))}
 
-    params = init_params(cfg, hp.seed, jnp.float32)
+    params = init_params_jit(cfg, hp.seed)
     opt_state = make_optimizer(*hp.opt_hp).init(params)
     restored = load_checkpoint(work_dir, params, opt_state)
     if restored is not None:
@@ -320,12 +341,24 @@ def pretrain(cfg: TargetConfig, train_tokens: np.ndarray, heldout_tokens: np.nda
         meta = {"run_key": run_key, "step": 0, "total_steps": steps, "elapsed_s": 0.0, "tokens_seen": 0,
                 "finished": False, "planned": steps is not None, "heldout_loss": None}
     n_params = count_params(params)
+    budget_s = None if minutes is None else minutes * 60.0
     if meta["finished"]:
-        log(f"run in {work_dir} already finished at step {meta['step']}")
-        return params, {**meta, "params": n_params}
+        more_steps = steps is not None and steps > meta["step"]
+        prev_minutes = meta.get("minutes") or meta["elapsed_s"] / 60 + 5  # (older checkpoints lack it)
+        more_time = budget_s is not None and minutes > prev_minutes and budget_s > meta["elapsed_s"] + 60
+        if not (more_steps or more_time):
+            log(f"run in {work_dir} already finished at step {meta['step']}")
+            return params, {**meta, "params": n_params}
+        # a larger budget than the finished run had: continue it (the cosine is re-planned over the
+        # longer run, so the learning rate rises again from its final value: a warm restart)
+        meta["finished"] = False
+        if steps is None:
+            per_step = meta["elapsed_s"] / max(1, meta["step"])
+            meta["total_steps"] = meta["step"] + max(1, int(0.97 * (budget_s - meta["elapsed_s"]) / per_step))
+        log(f"extending the finished run from step {meta['step']} to {steps or meta['total_steps']} steps")
     if steps is not None:
         meta["total_steps"], meta["planned"] = steps, True
-    budget_s = None if minutes is None else minutes * 60.0
+    meta["minutes"] = minutes
     provisional = 10 ** 9  # until the step time is measured (warmup does not depend on it)
 
     def save():
@@ -361,7 +394,9 @@ def pretrain(cfg: TargetConfig, train_tokens: np.ndarray, heldout_tokens: np.nda
                     reason = "signal"
                     break
                 t0 = time.time()
-                lr = lr_at(step, total, hp)
+                if meta["planned"] and not meta.get("warmup"):
+                    meta["warmup"] = warmup_for(meta["total_steps"], hp)
+                lr = lr_at(step, total, hp, meta.get("warmup"))
                 batch = jnp.asarray(data.batch(step))
                 params, opt_state, loss, gnorm = train_step(cfg, hp.opt_hp, params, opt_state, batch,
                                                             jnp.float32(lr))
@@ -379,18 +414,21 @@ def pretrain(cfg: TargetConfig, train_tokens: np.ndarray, heldout_tokens: np.nda
                 tok_s = tokens_per_step / (sum(timed) / len(timed)) if timed else float("nan")
                 pbar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:.0f}", refresh=False)
                 pbar.update(1)
+                if interrupt_at is not None and step >= interrupt_at:
+                    flag.stop = True
 
                 if not meta["planned"] and len(timed) >= 5:
                     remaining = budget_s - meta["elapsed_s"]
                     meta["total_steps"] = step + max(1, int(0.97 * remaining / (sum(timed) / len(timed))))
                     meta["planned"] = True
+                    meta["warmup"] = warmup_for(meta["total_steps"], hp)
                     pbar.total = meta["total_steps"]
                     log(f"planned {meta['total_steps']} steps for {minutes:g} min "
                         f"({sum(timed) / len(timed):.2f} s/step, {tok_s:.0f} tokens/s)")
                 if step % hp.log_every == 0 or step == meta["total_steps"]:
                     write_metrics({"kind": "train", "step": step, "loss": loss_acc / n_acc, "lr": lr,
                                    "grad_norm": gn_acc / n_acc, "tokens": meta["tokens_seen"],
-                                   "epoch": round(data.epoch_of(step), 4), "tokens_per_s": round(tok_s, 1),
+                                   "epoch": round(data.epoch_of(step), 4), "tokens_per_s": round(tok_s, 1) if math.isfinite(tok_s) else None,
                                    "elapsed_s": round(meta["elapsed_s"], 1)})
                     loss_acc, gn_acc, n_acc = 0.0, 0.0, 0
                 if step % hp.eval_every == 0:
@@ -401,19 +439,20 @@ def pretrain(cfg: TargetConfig, train_tokens: np.ndarray, heldout_tokens: np.nda
                     log(f"step {step}: train loss {loss:.3f}, held-out loss {ho:.3f} "
                         f"(ppl {math.exp(ho):.1f}), {meta['tokens_seen'] / 1e6:.2f}M tokens, "
                         f"{(elapsed0 + time.time() - t_loop) / 60:.1f} min")
-                    # re-plan the step count from the wall time per step since the last evaluation
-                    # (evaluations and checkpoints included) when it drifted from the budget
-                    now = time.time()
-                    if budget_s is not None and steps is None and step > window_step:
-                        per_step = (now - window_t) / (step - window_step)
-                        remaining = budget_s - (elapsed0 + now - t_loop)
-                        need = (meta["total_steps"] - step) * per_step
-                        if remaining > 0 and not 0.92 * remaining <= need <= 1.02 * remaining:
-                            new_total = step + max(1, int(0.98 * remaining / per_step))
-                            log(f"re-planned total steps {meta['total_steps']} -> {new_total} "
-                                f"({per_step:.2f} s/step)")
-                            meta["total_steps"] = new_total
-                            pbar.total = new_total
+                now = time.time()
+                if budget_s is not None and meta["planned"] and steps is None and now - window_t >= replan_seconds:
+                    # re-plan when the budget and the steps left drifted apart; the time per step is the
+                    # mean of the last window's and this process's (damps bursts of load from others)
+                    recent = (now - window_t) / max(1, step - window_step)
+                    per_step = 0.5 * recent + 0.5 * (now - t_loop) / max(1, step - first_step)
+                    remaining = budget_s - (elapsed0 + now - t_loop)
+                    need = (meta["total_steps"] - step) * per_step
+                    if remaining > 0 and not 0.9 * remaining <= need <= 1.08 * remaining:
+                        new_total = step + max(1, int(0.99 * remaining / per_step))
+                        log(f"re-planned total steps {meta['total_steps']} -> {new_total} ({recent:.2f} s/step "
+                            f"over the last {(now - window_t) / 60:.1f} min, {per_step:.2f} s/step planned)")
+                        meta["total_steps"] = new_total
+                        pbar.total = new_total
                     window_t, window_step = now, step
                 if time.time() - last_save >= hp.save_minutes * 60:
                     save()

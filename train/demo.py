@@ -1,0 +1,180 @@
+"""Reproduce the embedded demo pair, one stage per subcommand.
+
+  python -m train.demo target [--minutes 45] [--out DIR] [--work DIR]
+
+``target``: the demo target model, end to end on the CPU:
+  1. corpus: the Python standard library (``train/corpus.py``: test code and data modules excluded,
+     a fixed ~5% of the modules held out);
+  2. a byte-level BPE tokenizer (vocab 4096, ``<|endoftext|>`` = EOS/pad, ``<|MASK|>`` = mask) trained
+     on the training modules;
+  3. pretraining of a Qwen3-architecture model from scratch (``train/pretrain.py``), resumable:
+     rerunning the same command continues from the last checkpoint in the work directory;
+  4. export in the Hugging Face layout (config.json, bf16 model.safetensors, tokenizer files,
+     training.json) to ``dflash_jax/demo/target/`` and a reload check with transformers and
+     ``dj.load_target``.
+Work files (tokenizer, token streams, checkpoint, metrics.jsonl) live in ``runs/demo/target/``.
+Other stages (the draft) plug in as further subcommands.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+PACKAGE_DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dflash_jax", "demo")
+DEFAULT_TARGET_OUT = os.path.join(PACKAGE_DEMO_DIR, "target")
+DEFAULT_WORK = os.path.join("runs", "demo")
+
+
+def _sha(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def prepare_data(work: str, vocab_size: int, log=_log):
+    """Tokenizer + token streams in ``work`` (reused when present); returns (tokenizer_dir, train, heldout)."""
+    from train import corpus
+    from train.pretrain import tokenize_files, train_tokenizer
+
+    train_files, heldout_files = corpus.train_files(), corpus.heldout_files()
+    train_texts = [corpus.read_text(f) for f in train_files]
+    heldout_texts = [corpus.read_text(f) for f in heldout_files]
+    log(f"corpus: {corpus.stdlib_dir()} (Python {platform.python_version()}): {len(train_files)} train modules "
+        f"({sum(map(len, train_texts)) / 1e6:.2f}M chars), {len(heldout_files)} held-out modules "
+        f"({sum(map(len, heldout_texts)) / 1e6:.2f}M chars)")
+    tok_dir = os.path.join(work, "tokenizer")
+    if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+        t = time.time()
+        train_tokenizer(train_texts, tok_dir, vocab_size=vocab_size)
+        log(f"trained the tokenizer (vocab {vocab_size}) in {time.time() - t:.0f}s -> {tok_dir}")
+    with open(os.path.join(tok_dir, "tokenizer.json")) as f:
+        have = len(json.load(f)["model"]["vocab"])
+    if have != vocab_size:
+        raise SystemExit(f"{tok_dir} has a vocabulary of {have}, not {vocab_size}; use another --work")
+    key = {"tokenizer": _sha(os.path.join(tok_dir, "tokenizer.json")),
+           "train_files": len(train_files), "heldout_files": len(heldout_files),
+           "train_chars": sum(map(len, train_texts)), "heldout_chars": sum(map(len, heldout_texts))}
+    meta_path = os.path.join(work, "tokens.json")
+    paths = {s: os.path.join(work, f"tokens_{s}.npy") for s in ("train", "heldout")}
+    have_key = json.load(open(meta_path)) if os.path.isfile(meta_path) else None
+    if have_key != key or not all(os.path.isfile(p) for p in paths.values()):
+        t = time.time()
+        for split, texts in (("train", train_texts), ("heldout", heldout_texts)):
+            np.save(paths[split], tokenize_files(tok_dir, texts))
+        with open(meta_path, "w") as f:
+            json.dump(key, f)
+        log(f"tokenized the corpus in {time.time() - t:.0f}s")
+    train, heldout = np.load(paths["train"]), np.load(paths["heldout"])
+    log(f"tokens: {len(train) / 1e6:.2f}M train, {len(heldout) / 1e3:.0f}K held-out "
+        f"({key['heldout_chars'] / len(heldout):.2f} chars/token)")
+    return tok_dir, train, heldout, key
+
+
+def cmd_target(args) -> int:
+    import jax
+
+    from train import corpus
+    from train.pretrain import TrainHParams, check_export, count_params, export_hf, model_config, pretrain
+
+    work = os.path.join(args.work, "target")
+    os.makedirs(work, exist_ok=True)
+    minutes = args.minutes if (args.minutes is not None or args.steps is not None) else 45.0
+    tok_dir, train, heldout, data_key = prepare_data(work, args.vocab_size)
+    cfg = model_config(args.vocab_size, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                       kv_heads=args.kv_heads, head_dim=args.head_dim, intermediate=args.intermediate,
+                       max_position_embeddings=max(1024, 2 * args.seq_len))
+    hp = TrainHParams(seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                      warmup_steps=args.warmup_steps, eval_every=args.eval_every,
+                      eval_windows=args.eval_windows, save_minutes=args.save_minutes)
+    _log(f"model: Qwen3, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, heads "
+         f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} x {cfg.head_dim}, mlp {cfg.intermediate_size}, "
+         f"vocab {cfg.vocab_size}, tied; batch {hp.batch_size} x {hp.seq_len} tokens; "
+         f"{'%g min' % minutes if minutes else ''}{' / ' if minutes and args.steps else ''}"
+         f"{'%d steps' % args.steps if args.steps else ''}; jax {jax.__version__} on {jax.default_backend()}")
+    params, summary = pretrain(cfg, train, heldout, work, hp=hp, steps=args.steps, minutes=minutes,
+                               progress=not args.no_progress)
+    if summary.get("stopped"):
+        return 130
+    summary = {
+        "model": "demo target: Qwen3 architecture pretrained from scratch on the Python standard library",
+        "reproduce": "python -m train.demo target" + (f" --minutes {minutes:g}" if minutes else "")
+                     + (f" --steps {args.steps}" if args.steps else ""),
+        "params": count_params(params),
+        "steps": summary["step"], "tokens_seen": summary["tokens_seen"],
+        "train_minutes": round(summary["elapsed_s"] / 60, 1),
+        "heldout_loss": summary["heldout_loss"],
+        "heldout_chars_per_token": round(data_key["heldout_chars"] / len(heldout), 3),
+        "heldout_bits_per_char": summary["heldout_loss"] / np.log(2) / (data_key["heldout_chars"] / len(heldout)),
+        "seq_len": hp.seq_len, "batch_size": hp.batch_size, "lr": hp.lr,
+        "corpus": {"python": platform.python_version(), "train_modules": data_key["train_files"],
+                   "heldout_modules": data_key["heldout_files"], "train_tokens": int(len(train)),
+                   "heldout_tokens": int(len(heldout)),
+                   "heldout_rule": "int(sha1(path relative to the stdlib).hexdigest(), 16) % 20 == 0"},
+    }
+    export_hf(cfg, params, args.out, tok_dir, summary)
+    _log(f"exported to {args.out}: " + ", ".join(f"{n} {os.path.getsize(os.path.join(args.out, n)) / 1e6:.2f} MB"
+                                                  for n in sorted(os.listdir(args.out))))
+    if not args.no_check:
+        text = corpus.read_text(corpus.heldout_files()[0])[:2000]
+        check = check_export(args.out, text, compare_torch=True)
+        _log(f"reload check: tokenizer round-trips, eos {check['eos_token']!r} = {check['eos_token_id']}, "
+             f"mask = {check['mask_token_id']}; transformers vs dj.load_target logits max |diff| "
+             f"{check['max_abs_logit_diff']:.2e}, argmax agreement {check['argmax_agreement']:.3f}")
+    _log(f"done: held-out loss {summary['heldout_loss']:.4f} nats/token "
+         f"({summary['heldout_bits_per_char']:.3f} bits/char), {summary['params'] / 1e6:.2f}M parameters")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train.demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    t = sub.add_parser("target", help="tokenizer + pretraining of the demo target (resumable)",
+                       description="Train the demo target end to end (rerun to resume).",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t.add_argument("--minutes", type=float, default=None,
+                   help="training-loop wall-clock budget, summed over restarts (default 45 unless --steps); "
+                        "the step count and cosine schedule are planned to end with it")
+    t.add_argument("--steps", type=int, default=None, help="train exactly this many steps (with --minutes: "
+                                                          "whichever comes first)")
+    t.add_argument("--out", default=DEFAULT_TARGET_OUT, help="where the Hugging Face model directory goes")
+    t.add_argument("--work", default=DEFAULT_WORK, help="work files go to WORK/target (delete it to start over)")
+    t.add_argument("--vocab-size", type=int, default=4096)
+    t.add_argument("--layers", type=int, default=6)
+    t.add_argument("--hidden", type=int, default=192)
+    t.add_argument("--heads", type=int, default=4)
+    t.add_argument("--kv-heads", type=int, default=2)
+    t.add_argument("--head-dim", type=int, default=48)
+    t.add_argument("--intermediate", type=int, default=576)
+    t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument("--batch-size", type=int, default=4)
+    t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW, warmup + cosine to 10%%)")
+    t.add_argument("--warmup-steps", type=int, default=50)
+    t.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
+    t.add_argument("--eval-windows", type=int, default=16,
+                   help="held-out windows (evenly spread) of the periodic evaluation; the final one uses all")
+    t.add_argument("--save-minutes", type=float, default=3.0, help="minutes between checkpoints")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--no-check", action="store_true", help="skip the transformers/PyTorch reload check")
+    t.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    t.set_defaults(func=cmd_target)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
