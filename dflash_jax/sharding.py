@@ -16,6 +16,7 @@ mlp           'tensor'             intermediate size
 vocab         'tensor'             embedding rows / lm_head columns
 head_dim      None                 q_norm / k_norm weights, cache head dim
 features      None                 draft ``fc`` input (n target layers * hidden)
+layers        None                 a stacked-layers axis, if layers are ever scanned
 ============  ===================  =====================================================
 
 Inference uses ``data`` and ``tensor`` (``fsdp=1``): weights Megatron-style over ``tensor``, rows and
@@ -61,6 +62,7 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("vocab", "tensor"),
     ("head_dim", None),
     ("features", None),
+    ("layers", None),  # a stacked-layers axis (none today: layers are separate modules)
 )
 
 # --- the mesh -----------------------------------------------------------------------------------------
@@ -238,21 +240,21 @@ def param_logical_axes(model):
     from dflash_jax.config import DraftConfig
 
     cfg = _config_of(model)
-    key = jax.random.PRNGKey(0)
     if isinstance(cfg, DraftConfig):
         from dflash_jax.draft import DFlashDraft
 
         d = cfg.layers.hidden_size
 
-        def init():
+        def init(key):
             feats, x = jnp.zeros((1, 2, cfg.num_features * d)), jnp.zeros((1, 2, d))
             return DFlashDraft(cfg).init(key, feats, x, method=DFlashDraft.initialize)
     else:
         from dflash_jax.target import Transformer
 
-        def init():
+        def init(key):
             return Transformer(cfg).init(key, jnp.zeros((1, 2), jnp.int32), jnp.arange(2)[None])
-    return nn.get_partition_spec(jax.eval_shape(init)["params"])
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)  # eval_shape: no device is touched
+    return nn.get_partition_spec(jax.eval_shape(init, key)["params"])
 
 
 def param_shardings(model, mesh: Mesh, rules=None, params=None):
