@@ -1,0 +1,1 @@
+"""Training DFlash drafts: data (make_data), objective, features, loop (``python -m train``), export."""

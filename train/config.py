@@ -109,7 +109,8 @@ class TrainConfig:
     # precision
     dtype: str = _help("compute dtype (draft forward, target forward, features)", default="bfloat16")
     param_dtype: str = _help("master dtype of the trainable draft parameters and the optimizer", default="float32")
-    impl: str = _help("block attention implementation: auto | reference | pallas", default="auto")
+    impl: str = _help("draft block attention: auto (Pallas kernel on TPU/GPU, dense reference on CPU) | "
+                      "kernel | reference | interpret", default="auto")
     # features
     cache_features: bool = _help("compute the target features once, store them on disk (bf16), train from them",
                                  default=False)
@@ -125,6 +126,8 @@ class TrainConfig:
     eval_every: int = _help("measure the real acceptance length every N steps (0: only at the end)", default=0)
     eval_prompts: str = _help("held-out prompts (text lines or JSONL with prompt / prompt_ids); default: the "
                               "prompts of the first training sequences", default="")
+    eval_chat: bool = _help("apply the tokenizer's chat template to text --eval-prompts (as make_data --chat)",
+                            default=False)
     eval_num_prompts: int = _help("at most this many evaluation prompts", default=8)
     eval_max_new_tokens: int = _help("tokens generated per evaluation prompt", default=64)
     progress: bool = _help("tqdm progress bar", default=True)
@@ -146,8 +149,8 @@ class TrainConfig:
             errors.append(f"--lr must be > 0, got {self.lr}")
         if self.gamma < 0:
             errors.append(f"--gamma must be >= 0 (0: default), got {self.gamma}")
-        if self.impl not in ("auto", "reference", "pallas"):
-            errors.append(f"--impl must be auto, reference or pallas, got {self.impl!r}")
+        if self.impl not in ("auto", "kernel", "reference", "interpret"):
+            errors.append(f"--impl must be auto, kernel, reference or interpret, got {self.impl!r}")
         for name in ("dtype", "param_dtype", "feature_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 errors.append(f"--{name.replace('_', '-')} must be float32, bfloat16 or float16")

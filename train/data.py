@@ -146,8 +146,12 @@ def read_records(path: str) -> list[dict]:
 
 
 def load_tokenizer(path: str | None):
-    """The target's tokenizer, or None when the checkpoint has none."""
-    if not path:
+    """The target's tokenizer, or None when the checkpoint directory has no tokenizer files
+    (transformers would otherwise build an empty one from config.json alone)."""
+    if not path or not os.path.isdir(path):
+        return None
+    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in files):
         return None
     try:
         from transformers import AutoTokenizer

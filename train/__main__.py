@@ -1,0 +1,25 @@
+"""``python -m train --target T --data D --out O [...]``: train a DFlash draft (see train/config.py for flags)."""
+from __future__ import annotations
+
+import sys
+
+
+def main(argv=None) -> int:
+    from train.config import parse_args
+
+    cfg = parse_args(argv)
+    from train.data import DataError
+    from train.loop import TrainingError, train
+
+    try:
+        train(cfg)
+    except (DataError, TrainingError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,493 @@
+"""The training loop: ``train(TrainConfig) -> Draft`` (``python -m train`` is a thin CLI over it).
+
+One optimizer step = ``grad_accum`` micro-batches of ``batch_size`` sequences, scanned inside one
+jitted function: per micro-batch, anchors from (seed, epoch, example index), target features
+(online: a frozen forward under stop_gradient; offline: read from the feature cache), the weighted
+block loss's gradient (unnormalised sums, so the step's loss is normalised by the total weight of
+the whole global batch). Then global-norm clipping + AdamW (warmup + cosine); only the draft's own
+parameters (fc, hidden_norm, layers, norm) are trained: the target's embedding and lm_head are
+inputs of the step, never differentiated. A non-finite loss or gradient leaves the state unchanged
+and stops the run with the last good state saved.
+
+Data order and anchors depend only on (seed, step), and checkpoints hold the params, the optimizer
+state (with its step count) and the data position, so a resumed run continues bit-for-bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import resource
+import sys
+import time
+import warnings
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dflash_jax.checkpoints import resolve_dtype
+from dflash_jax.config import DraftConfig
+from dflash_jax.draft import Draft, check_fits, load_draft
+from dflash_jax.target import Target, load_target
+from train import objective
+from train.checkpoint import CHECKPOINT_DIR, Checkpointer
+from train.config import TrainConfig, choose_target_layer_ids
+from train.data import TrainData, encode_prompt, load_tokenizer, read_records
+
+# Config fields that must not change when resuming (they define the data order, the anchors, the
+# model or the objective); the others (steps, logging, evaluation, ...) may.
+_RESUME_FIXED = ("draft_layers", "block_size", "num_target_features", "target_layer_ids",
+                 "mask_token_id", "num_anchors", "gamma", "seq_len", "batch_size", "grad_accum", "seed",
+                 "param_dtype", "init_draft")
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (non-finite loss, inconsistent resume, ...); the message says what to do."""
+
+
+# --- model setup --------------------------------------------------------------------------------------
+
+
+def default_mask_token_id(target: Target, tokenizer=None) -> int:
+    """First embedding row the tokenizer never produces (Qwen3: 151669, as the released drafts), else the
+    pad token, else the last vocabulary id."""
+    v = target.config.vocab_size
+    if tokenizer is not None and len(tokenizer) < v:
+        return len(tokenizer)
+    if target.config.pad_token_id is not None and 0 <= target.config.pad_token_id < v:
+        return int(target.config.pad_token_id)
+    return v - 1
+
+
+def build_draft_config(cfg: TrainConfig, target: Target, tokenizer=None) -> DraftConfig:
+    """A Qwen3 draft stack shaped like the target's layers (hidden, heads, head_dim, MLP, rope), with
+    ``cfg.draft_layers`` layers; built through ``DraftConfig.from_hf`` so it equals what ``load_draft``
+    reads back from the export."""
+    tc = target.config
+    L = tc.num_hidden_layers
+    ids = cfg.layer_ids() or choose_target_layer_ids(L, cfg.num_target_features)
+    bad = [i for i in ids if not 0 <= i < L]
+    if bad:
+        raise ValueError(f"--target-layer-ids {list(ids)}: ids {bad} are outside the target's {L} layers (0..{L - 1})")
+    mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else default_mask_token_id(target, tokenizer)
+    d = {"model_type": "qwen3", "vocab_size": tc.vocab_size, "hidden_size": tc.hidden_size,
+         "intermediate_size": tc.intermediate_size, "num_hidden_layers": cfg.draft_layers,
+         "num_attention_heads": tc.num_attention_heads, "num_key_value_heads": tc.num_key_value_heads,
+         "head_dim": tc.head_dim, "rms_norm_eps": tc.rms_norm_eps,
+         "max_position_embeddings": tc.max_position_embeddings, "tie_word_embeddings": False,
+         "bos_token_id": tc.bos_token_id, "eos_token_id": list(tc.eos_token_id) or None,
+         "pad_token_id": tc.pad_token_id, **tc.rope.to_hf(),
+         "block_size": cfg.block_size, "num_target_layers": L,
+         "dflash_config": {"mask_token_id": int(mask_id), "target_layer_ids": list(ids)}}
+    dcfg = DraftConfig.from_hf(d)
+    dcfg.check_fits(tc)
+    return dcfg
+
+
+def random_params(shapes, seed: int, *, std: float = 0.02, dtype=jnp.float32):
+    """Parameters shaped like ``shapes`` (ShapeDtypeStructs) with the library's initialisers -- normal(std)
+    matrices and embeddings, unit RMSNorm weights, zero biases -- drawn with numpy: no per-op compilation
+    (Flax's eager ``init`` compiles every op, seconds per model on a small CPU)."""
+    from flax import traverse_util
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for path, leaf in sorted(traverse_util.flatten_dict(shapes).items()):
+        if path[-1] == "weight":
+            v = np.ones(leaf.shape, np.float32)
+        elif path[-1] == "bias":
+            v = np.zeros(leaf.shape, np.float32)
+        else:
+            v = rng.standard_normal(leaf.shape, np.float32) * std
+        out[path] = jnp.asarray(v, dtype)
+    return traverse_util.unflatten_dict(out)
+
+
+def init_draft(dcfg: DraftConfig, seed: int, dtype=jnp.float32):
+    """Fresh draft parameters (same distribution as ``dflash_jax.draft.init_draft_params``)."""
+    from dflash_jax.draft import draft_param_shapes
+
+    return random_params(draft_param_shapes(dcfg), seed, dtype=dtype)
+
+
+def make_optimizer(cfg: TrainConfig):
+    """Global-norm clipping -> Adam moments -> decoupled weight decay (matrices only, not RMSNorm weights).
+    The learning rate is applied in the step (``-lr * update``, i.e. AdamW) and passed in per step from
+    ``lr_at``, so the compiled step does not depend on the schedule (changing --lr / --steps reuses it)."""
+    decay_mask = lambda p: jax.tree_util.tree_map(lambda x: x.ndim >= 2, p)  # noqa: E731
+    parts = [optax.clip_by_global_norm(cfg.clip)] if cfg.clip > 0 else []
+    parts.append(optax.scale_by_adam(b1=cfg.beta1, b2=cfg.beta2, eps=1e-8))
+    if cfg.weight_decay > 0:
+        parts.append(optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask))
+    return optax.chain(*parts)
+
+
+def lr_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
+    """Learning rate of update ``step`` (0-based): linear warmup over round(warmup_frac * total) steps
+    (reaching --lr at the last warmup step), then cosine decay to min_lr_frac * lr at the last step."""
+    warmup = int(round(cfg.warmup_frac * total_steps))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    span = max(1, total_steps - warmup - 1)
+    progress = min(1.0, (step - warmup) / span)
+    end = cfg.lr * cfg.min_lr_frac
+    return end + (cfg.lr - end) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+_STEP_FIELDS = ("seed", "num_anchors", "block_size", "gamma", "impl", "loss_chunk", "dtype", "clip",
+                "weight_decay", "beta1", "beta2")
+_step_cache: dict = {}
+
+
+def cached_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, *, offline: bool):
+    """(optimizer, step fn), reused across ``train`` calls in one process with the same settings (a resumed
+    or extended run in the same process does not compile again)."""
+    key = (tuple(getattr(cfg, f) for f in _STEP_FIELDS), tcfg, dcfg, offline)
+    if key not in _step_cache:
+        if len(_step_cache) >= 8:
+            _step_cache.pop(next(iter(_step_cache)))
+        optimizer = make_optimizer(cfg)
+        _step_cache[key] = (optimizer, make_train_step(cfg, tcfg, dcfg, optimizer, offline=offline))
+    return _step_cache[key]
+
+
+def make_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, optimizer, *, offline: bool):
+    """Jitted ``step(params, opt_state, tparams, ids, mask, idx, epoch, feats, lr)`` ->
+    (params, opt_state, sums, ok, grad_norm); ids/mask [A, B, S], idx [A, B], feats [A, B, S, F] or None.
+    params / opt_state are donated; when ``ok`` is False they come back unchanged."""
+    weights = objective.position_weights(dcfg.block_size, cfg.gamma_value)
+    dtype = resolve_dtype(cfg.dtype)
+
+    def micro(params, tparams, ids, mask, idx, epoch, feats):
+        anchors = objective.sample_batch_anchors(cfg.seed, epoch, idx, mask, cfg.num_anchors)
+        if feats is None:
+            feats = objective.target_features(tcfg, tparams, ids, dcfg.target_layer_ids)
+
+        def f(p):
+            s = objective.loss_sums(tcfg, tparams, dcfg, p, ids, mask, anchors, feats, weights=weights,
+                                    impl=cfg.impl, chunk=cfg.loss_chunk, dtype=dtype)
+            return s["wce"], s
+
+        (_, sums), grads = jax.value_and_grad(f, has_aux=True)(params)
+        return grads, sums
+
+    def step(params, opt_state, tparams, ids, mask, idx, epoch, feats, lr):
+        first = lambda a: None if a is None else a[0]  # noqa: E731
+        grads, sums = micro(params, tparams, ids[0], mask[0], idx[0], epoch, first(feats))
+        if ids.shape[0] > 1:
+            def body(carry, xs):
+                i, m, j, f = xs
+                g, s = micro(params, tparams, i, m, j, epoch, f)
+                return jax.tree_util.tree_map(jnp.add, carry, (g, s)), None
+
+            rest = lambda a: None if a is None else a[1:]  # noqa: E731
+            (grads, sums), _ = jax.lax.scan(body, (grads, sums), (ids[1:], mask[1:], idx[1:], rest(feats)))
+        weight = jnp.maximum(sums["weight"], 1e-12)
+        grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
+        loss = sums["wce"] / weight
+        gnorm = optax.tree.norm(grads)
+        updates, new_opt = optimizer.update(grads, opt_state, params)
+        new_params = jax.tree_util.tree_map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
+        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+        keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        return keep(new_params, params), keep(new_opt, opt_state), sums, ok, gnorm
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+# --- evaluation ---------------------------------------------------------------------------------------
+
+
+def prompts_from_data(data: TrainData, n: int) -> list[list[int]]:
+    """The prompt (everything before the first supervised token) of the first ``n`` training sequences."""
+    out = []
+    for ids, mask in zip(data.ids[:n], data.masks[:n]):
+        first = int(np.argmax(mask > 0)) if mask.any() else len(ids)
+        out.append(ids[:max(first, 1)].tolist())
+    return out
+
+
+def load_eval_prompts(path: str, tokenizer, n: int, chat: bool = False) -> list[list[int]]:
+    return [encode_prompt(r, tokenizer, chat) for r in read_records(path)[:n]]
+
+
+def evaluate(target: Target, draft: Draft, prompts: list[list[int]], *, max_new_tokens: int,
+             stop_token_ids=None) -> dict:
+    """Real acceptance length: greedy speculative decoding of ``prompts``; tau = mean over all verify steps
+    of (accepted drafts + 1), as in the paper."""
+    from dflash_jax.speculative import speculative_generate
+
+    dtype = jax.tree_util.tree_leaves(target.params)[0].dtype
+    d = Draft(draft.config, objective.cast_tree(draft.params, dtype), draft.path)
+    res = speculative_generate(target, d, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
+    acc = [a for r in res for a in r.acceptance_lengths]
+    gen = sum(r.num_generated for r in res)
+    wall = max(r.wall_time_s for r in res) if res else 0.0
+    return {"tau": float(np.mean(acc)) if acc else 0.0,
+            "tau_per_prompt": [round(r.mean_acceptance_length, 3) for r in res],
+            "verify_steps": len(acc), "generated": gen,
+            "tokens_per_second": gen / wall if wall > 0 else 0.0}
+
+
+# --- the loop -------------------------------------------------------------------------------------------
+
+
+def peak_memory_mb() -> float:
+    """Peak resident memory of this process (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r / (1024 * 1024) if sys.platform == "darwin" else r / 1024
+
+
+def _progress(total, initial, enabled):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _data_summary(data: TrainData) -> dict:
+    return {"sequences": len(data), "tokens": data.num_tokens}
+
+
+def _check_resume(meta: dict, cfg: TrainConfig, data: TrainData) -> None:
+    old = TrainConfig.from_json(meta["config"])
+    moved = [f for f in ("target", "data") if getattr(old, f) != getattr(cfg, f)]
+    if moved:
+        warnings.warn(f"resuming with a different path for {moved} ({[getattr(old, f) for f in moved]} -> "
+                      f"{[getattr(cfg, f) for f in moved]}); it must hold the same model / data", stacklevel=3)
+    had = meta.get("data_summary")
+    if had is not None and had != _data_summary(data):
+        raise TrainingError(f"cannot resume exactly: the checkpoint was trained on {had['sequences']} sequences / "
+                            f"{had['tokens']} tokens, {cfg.data} now holds {len(data)} / {data.num_tokens}; "
+                            "use the original data or a new --out")
+    diff = [f for f in _RESUME_FIXED if getattr(old, f) != getattr(cfg, f)]
+    if diff:
+        raise TrainingError(
+            "cannot resume exactly: the checkpoint was made with different " + ", ".join(
+                f"--{f.replace('_', '-')} ({getattr(old, f)!r} -> {getattr(cfg, f)!r})" for f in diff)
+            + f"; use the original values, or a new --out to start over")
+    changed = [f.name for f in dataclasses.fields(TrainConfig)
+               if f.name in ("steps", "epochs", "lr", "warmup_frac", "min_lr_frac", "clip", "weight_decay",
+                             "beta1", "beta2") and getattr(old, f.name) != getattr(cfg, f.name)]
+    if changed:
+        warnings.warn(f"resuming with changed {changed}: the optimizer schedule differs from the original run",
+                      stacklevel=3)
+
+
+def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[int, dict], None] | None = None,
+          log: Callable[[str], None] = print) -> Draft:
+    """Train (or resume training) a DFlash draft as configured; returns the trained draft (float32 master
+    params). ``target`` may be passed pre-loaded (its path must match ``cfg.target`` for the checkpoint to
+    make sense); ``on_step(step, metrics)`` is called after every optimizer step."""
+    if not cfg.out:
+        raise ValueError("TrainConfig.out (the output directory) is required")
+    os.makedirs(cfg.out, exist_ok=True)
+    log(f"training config:\n{cfg.pretty()}")
+
+    # target, tokenizer, data
+    if target is None:
+        if not cfg.target:
+            raise ValueError("TrainConfig.target is required")
+        target = load_target(cfg.target, dtype=cfg.dtype)
+    else:
+        target = Target(target.config, objective.cast_tree(target.params, resolve_dtype(cfg.dtype)), target.path)
+    tokenizer = load_tokenizer(target.path)
+    data = TrainData.load(cfg.data, seq_len=cfg.seq_len, block_size=cfg.block_size,
+                          vocab_size=target.config.vocab_size)
+
+    # checkpoints
+    ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINT_DIR), keep=cfg.keep_checkpoints)
+    latest = ckpt.latest_step()
+    if latest is not None and not cfg.resume:
+        raise TrainingError(f"{cfg.out} already has checkpoints (latest step {latest}); resume (the default) "
+                            "or choose a new --out")
+
+    # the draft
+    param_dtype = resolve_dtype(cfg.param_dtype)
+    if latest is not None:
+        meta = ckpt.meta(latest)
+        _check_resume(meta, cfg, data)
+        dcfg = DraftConfig.from_hf(meta["draft_config"])
+        from dflash_jax.draft import draft_param_shapes
+
+        params_like = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype),
+                                             draft_param_shapes(dcfg))
+    elif cfg.init_draft:
+        init = load_draft(cfg.init_draft, dtype=cfg.param_dtype)
+        dcfg = init.config
+        if (dcfg.block_size, dcfg.layers.num_hidden_layers) != (cfg.block_size, cfg.draft_layers):
+            warnings.warn(f"--init-draft {cfg.init_draft} fixes the architecture: block_size {dcfg.block_size}, "
+                          f"{dcfg.layers.num_hidden_layers} layers, target_layer_ids {list(dcfg.target_layer_ids)} "
+                          "(the --block-size / --draft-layers given are ignored)", stacklevel=2)
+        params = init.params
+    else:
+        dcfg = build_draft_config(cfg, target, tokenizer)
+        params = init_draft(dcfg, cfg.seed, param_dtype)
+    if latest is None:
+        check_fits(target, Draft(dcfg, params))
+    else:
+        dcfg.check_fits(target.config)
+    if dcfg.block_size != cfg.block_size:
+        cfg = cfg.replace(block_size=dcfg.block_size)
+
+    spe = data.steps_per_epoch(cfg.global_batch)
+    total = cfg.steps or max(1, int(math.ceil(cfg.epochs * spe)))
+    optimizer, step_fn = cached_train_step(cfg, target.config, dcfg, offline=cfg.cache_features)
+    start = 0
+    if latest is not None:
+        opt_like = jax.eval_shape(optimizer.init, params_like)
+        params, opt_state, meta = ckpt.restore(latest, params_like, opt_like)
+        # orbax returns arrays committed to a device; fresh ones are uncommitted, and jit keys its cache on
+        # that: re-create them uncommitted so a resumed run reuses the compiled step
+        params, opt_state = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x)), (params, opt_state))
+        start = int(meta["step"])
+        log(f"resumed from {ckpt.directory}/{latest} (step {start}, epoch {meta['epoch']})")
+    else:
+        opt_state = optimizer.init(params)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+    log(f"target: {target.path} ({target.config.num_hidden_layers} layers, hidden {target.config.hidden_size}, "
+        f"vocab {target.config.vocab_size}); draft: {dcfg.layers.num_hidden_layers} layers, {n_params / 1e6:.2f}M "
+        f"params, block {dcfg.block_size}, target_layer_ids {list(dcfg.target_layer_ids)}, mask id "
+        f"{dcfg.mask_token_id}, gamma {cfg.gamma_value:.3g}")
+    log(f"data: {len(data)} sequences, {data.num_tokens} tokens; {spe} steps/epoch of {cfg.global_batch} "
+        f"sequences; {total} steps")
+    with open(os.path.join(cfg.out, "config.json"), "w") as f:
+        json.dump({"train_config": cfg.to_json(), "draft_config": dcfg.to_hf(), "total_steps": total,
+                   "steps_per_epoch": spe}, f, indent=2)
+
+    # features
+    store = None
+    if cfg.cache_features:
+        from train.features import build_feature_store
+
+        store = build_feature_store(target, dcfg.target_layer_ids, data,
+                                    cfg.feature_dir or os.path.join(cfg.out, "features"),
+                                    batch_size=cfg.batch_size, dtype=cfg.feature_dtype, progress=cfg.progress,
+                                    log=log)
+        log(f"features: {store.nbytes / 2**20:.1f} MiB on disk ({cfg.feature_dtype}) in {store.directory}")
+
+    # evaluation prompts
+    eval_prompts = (load_eval_prompts(cfg.eval_prompts, tokenizer, cfg.eval_num_prompts, cfg.eval_chat) if cfg.eval_prompts
+                    else prompts_from_data(data, cfg.eval_num_prompts))
+    stop_ids = list(target.config.eos_token_id) or None
+
+    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+
+    def write_metrics(rec):
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def meta_for(step, last):
+        epoch, pos = divmod(step, spe)
+        return {"step": step, "epoch": epoch, "step_in_epoch": pos, "steps_per_epoch": spe, "total_steps": total,
+                "examples_seen": step * cfg.global_batch, "seed": cfg.seed,
+                "rng": [int(x) for x in np.asarray(jax.random.key_data(jax.random.PRNGKey(cfg.seed)))],
+                "config": cfg.to_json(), "draft_config": dcfg.to_hf(), "data_summary": _data_summary(data),
+                "metrics": last}
+
+    def run_eval(step):
+        r = evaluate(target, Draft(dcfg, params), eval_prompts, max_new_tokens=cfg.eval_max_new_tokens,
+                     stop_token_ids=stop_ids)
+        rec = {"step": step, "eval": True, "prompts": "held-out" if cfg.eval_prompts else "training", **r}
+        write_metrics(rec)
+        log(f"step {step}: acceptance length tau = {r['tau']:.3f} on {len(eval_prompts)} "
+            f"{rec['prompts']} prompts")
+        return r
+
+    bar = _progress(total, start, cfg.progress)
+    window, win_tokens, win_time, win_steps, last = None, 0, 0.0, 0, {}
+    step, tokens_total, t_run, compile_s = start, 0, time.perf_counter(), None
+    try:
+        while step < total:
+            epoch, idx = data.step_indices(step, seed=cfg.seed, grad_accum=cfg.grad_accum, batch_size=cfg.batch_size)
+            ids, mask = data.batch(idx)
+            # cached features travel in their storage dtype and are cast on the device: one compiled step
+            # for every cache dtype
+            feats = None if store is None else jnp.asarray(store.batch(idx)).astype(cfg.dtype)
+            lr = lr_at(cfg, step, total)
+            t0 = time.perf_counter()
+            params, opt_state, sums, ok, gnorm = step_fn(params, opt_state, target.params, jnp.asarray(ids),
+                                                         jnp.asarray(mask), jnp.asarray(idx, jnp.int32),
+                                                         jnp.int32(epoch), feats, jnp.float32(lr))
+            sums, ok, gnorm = jax.device_get((sums, ok, gnorm))
+            dt = time.perf_counter() - t0
+            if not ok:
+                loss = float(sums["wce"]) / max(float(sums["weight"]), 1e-12)
+                if step > 0:  # the state after `step` good steps (this update was not applied)
+                    ckpt.save(step, params, opt_state, meta_for(step, last))
+                ckpt.wait()
+                good = ckpt.latest_step()
+                where = (f"the last good checkpoint is step {good} in {ckpt.directory}" if good is not None
+                         else "no checkpoint was saved (it failed before the first step)")
+                raise TrainingError(
+                    f"non-finite loss at step {step + 1} (loss {loss}, gradient norm {float(gnorm)}; epoch {epoch}, "
+                    f"sequences {idx.reshape(-1).tolist()}): training stopped without applying that update; "
+                    f"{where}. Check the data / cached features for NaN, lower --lr, or use --dtype float32.")
+            step += 1
+            n_tok = int(sum(len(data.ids[i]) for i in idx.reshape(-1)))
+            tokens_total += n_tok
+            if step == start + 1:
+                compile_s = dt  # the first step includes compilation
+                window = None
+            else:
+                window = sums if window is None else jax.tree_util.tree_map(np.add, window, sums)
+                win_tokens += n_tok
+                win_time += dt
+                win_steps += 1
+            cur = objective.summarize(sums)
+            cur.update(step=step, epoch=epoch, lr=lr, grad_norm=float(gnorm))
+            if win_time > 0:
+                cur["tokens_per_s"] = win_tokens / win_time
+            last = cur
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{cur['loss']:.3f}", acc=f"{cur['acc']:.3f}",
+                                tok_s=f"{cur.get('tokens_per_s', 0):.0f}")
+            if step % cfg.log_every == 0 or step == total:
+                rec = {"step": step, "epoch": epoch, "lr": cur["lr"], "grad_norm": cur["grad_norm"],
+                       **(objective.summarize(window) if window is not None else cur),
+                       "tokens_per_s": win_tokens / win_time if win_time > 0 else None,
+                       "step_time_s": win_time / win_steps if win_steps else None,
+                       "compile_s": compile_s, "peak_memory_mb": round(peak_memory_mb(), 1),
+                       "features": "offline" if store is not None else "online",
+                       "elapsed_s": time.perf_counter() - t_run}
+                rec.pop("step", None)
+                write_metrics({"step": step, **rec})
+                window, win_tokens, win_time, win_steps = None, 0, 0.0, 0
+            if step % cfg.save_every == 0 and step < total:
+                ckpt.save(step, params, opt_state, meta_for(step, last))
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+                last["tau"] = run_eval(step)["tau"]
+            if on_step is not None:
+                on_step(step, cur)
+    except KeyboardInterrupt:
+        saved = ckpt.latest_step()
+        # params / opt_state are donated to the step: valid unless the interrupt hit inside the step call
+        intact = not any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(params))
+        if step > start and intact:
+            ckpt.save(step, params, opt_state, meta_for(step, last))
+            saved = step
+        ckpt.close()
+        log(f"interrupted at step {step}; latest checkpoint: step {saved} in {ckpt.directory}; rerun the same "
+            "command to resume")
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        ckpt.wait()
+    if start < total or total not in ckpt.all_steps():
+        ckpt.save(total, params, opt_state, meta_for(total, last))
+    ckpt.wait()
+    if eval_prompts and start < total:
+        run_eval(total)
+    ckpt.close()
+    log(f"done: {total} steps ({tokens_total} sequence tokens this run), checkpoint {ckpt.directory}/{total}; "
+        f"peak memory {peak_memory_mb():.0f} MiB")
+    return Draft(dcfg, params)

@@ -1,0 +1,217 @@
+"""``python -m train.make_data --target T --prompts FILE --out DIR``: training data for a DFlash draft.
+
+By default the TARGET answers the prompts (as in the paper: the draft learns the target's own
+distribution), batched through the project's decode engine (``dflash_jax.speculative``; plain
+decoding, or speculative with ``--draft`` -- lossless, so the same tokens, just faster), greedy or
+sampled. A prompt file with ready responses (JSONL ``prompt`` + ``response`` text, or
+``prompt_ids`` + ``response_ids``) is tokenized instead; ``--chat`` applies the tokenizer's chat
+template. Each sequence is prompt + response with only the response supervised.
+
+Output: ``DIR/manifest.json`` + ``DIR/shard_NNNNN.npz`` (see ``train/data.py``), one shard per
+``--shard-size`` prompts. Resumable: rerunning the same command skips the shards already written.
+
+Prompt files: one prompt per line, or JSONL with a ``prompt`` (text) or ``prompt_ids`` field.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+
+from train.data import (FORMAT, DataError, encode_pair, encode_prompt, load_tokenizer, read_manifest, read_records,
+                        shard_name, write_manifest, write_shard)
+
+
+def _file_digest(path: str) -> str:
+    h = hashlib.sha1()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train.make_data", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", required=True, help="target checkpoint directory or hub id")
+    p.add_argument("--prompts", required=True, help="prompt file: text lines, or JSONL with prompt / prompt_ids "
+                   "(and optionally response / response_ids)")
+    p.add_argument("--out", required=True, help="output data directory")
+    p.add_argument("--responses", choices=["auto", "generate", "use"], default="auto",
+                   help="generate: the target answers; use: take the file's responses; auto: use them when "
+                        "every record has one, else generate")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompts")
+    p.add_argument("--chat-template-kwargs", default="{}", help="JSON kwargs for apply_chat_template, "
+                   "e.g. '{\"enable_thinking\": false}'")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="response length limit when generating")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (per batch: seed + batch index)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together")
+    p.add_argument("--shard-size", type=int, default=256, help="prompts per output shard")
+    p.add_argument("--max-prompt-len", type=int, default=0, help="skip prompts longer than this (0: no limit)")
+    p.add_argument("--max-length", type=int, default=0, help="cap on prompt + response tokens (0: the target's "
+                   "max_position_embeddings)")
+    p.add_argument("--draft", default="", help="optional draft to speed up generation (output unchanged)")
+    p.add_argument("--dtype", default="float32", help="target dtype for generation (float32 / bfloat16)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm progress bar")
+    return p
+
+
+def make_data(target, prompts: str, out: str, *, responses: str = "auto", chat: bool = False,
+              chat_kwargs: dict | None = None, max_new_tokens: int = 512, temperature: float = 0.0, top_k: int = 0,
+              top_p: float = 1.0, seed: int = 0, batch_size: int = 8, shard_size: int = 256,
+              max_prompt_len: int = 0, max_length: int = 0, draft=None, tokenizer=None, progress: bool = True,
+              log=print) -> dict:
+    """Python API of the command; ``target`` is a loaded ``dflash_jax.target.Target``. Returns the manifest."""
+    if batch_size < 1 or shard_size < 1 or max_new_tokens < 1:
+        raise ValueError("--batch-size, --shard-size and --max-new-tokens must be >= 1")
+    records = read_records(prompts)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target.path)
+    has = ["response" in r or "response_ids" in r for r in records]
+    if responses == "auto":
+        if all(has):
+            responses = "use"
+        elif not any(has):
+            responses = "generate"
+        else:
+            raise DataError(f"{prompts}: {sum(has)} of {len(records)} records have a response; pass "
+                            "--responses generate (the target answers all) or give every record a response")
+    elif responses == "use" and not all(has):
+        raise DataError(f"{prompts}: --responses use, but {len(has) - sum(has)} records have no response")
+    vocab = target.config.vocab_size
+    stop_ids = sorted(set(target.config.eos_token_id) | (
+        {tokenizer.eos_token_id} if tokenizer is not None and tokenizer.eos_token_id is not None else set()))
+    settings = {"prompts_sha1": _file_digest(prompts), "responses": responses, "chat": chat,
+                "chat_kwargs": chat_kwargs or {}, "shard_size": shard_size, "max_prompt_len": max_prompt_len,
+                "max_length": max_length}
+    if responses == "generate":
+        settings.update(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        seed=seed, batch_size=batch_size)
+    os.makedirs(out, exist_ok=True)
+    if os.path.isfile(os.path.join(out, "manifest.json")):
+        manifest = read_manifest(out)
+        if manifest.get("settings") != settings or manifest.get("vocab_size") != vocab:
+            raise DataError(f"{out} holds data made with other settings or another prompt file; use a new --out "
+                            "(or delete it) to start over")
+    else:
+        manifest = {"format": FORMAT, "version": 1, "vocab_size": vocab, "target": target.path,
+                    "prompts": os.path.abspath(prompts), "num_records": len(records), "settings": settings,
+                    "stop_token_ids": stop_ids, "shards": [], "complete": False}
+    done = {s["file"] for s in manifest["shards"] if os.path.isfile(os.path.join(out, s["file"]))}
+    manifest["shards"] = [s for s in manifest["shards"] if s["file"] in done]
+    n_shards = -(-len(records) // shard_size)
+    todo = [i for i in range(n_shards) if shard_name(i) not in done]
+    if len(todo) < n_shards:
+        log(f"resuming: {n_shards - len(todo)} of {n_shards} shards already in {out}")
+    bar = None
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(records), initial=len(records) - sum(
+                min(shard_size, len(records) - i * shard_size) for i in todo), desc="make_data", unit="prompt")
+        except ImportError:
+            pass
+    skipped = 0
+    for si in todo:
+        chunk = records[si * shard_size:(si + 1) * shard_size]
+        if responses == "use":
+            seqs = []
+            for r in chunk:
+                p, resp = encode_pair(r, tokenizer, chat, chat_kwargs)
+                if (max_prompt_len and len(p) > max_prompt_len) or not resp:
+                    skipped += 1
+                    continue
+                ids = (p + resp)[:max_length] if max_length else p + resp
+                seqs.append((np.asarray(ids, np.int32), np.asarray([0] * len(p) + [1] * len(resp), np.uint8)[:len(ids)]))
+        else:
+            prompt_ids = [encode_prompt(r, tokenizer, chat, chat_kwargs) for r in chunk]
+            keep = [i for i, p in enumerate(prompt_ids) if p and not (max_prompt_len and len(p) > max_prompt_len)]
+            skipped += len(chunk) - len(keep)
+            seqs = _generate(target, draft, [prompt_ids[i] for i in keep], batch_size=batch_size,
+                             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                             seed=seed + si * 1_000_003, stop_ids=stop_ids, max_length=max_length or None,
+                             bar=bar)
+        for ids, _ in seqs:
+            if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
+                raise DataError(f"token ids outside the target vocabulary [0, {vocab}) (tokenizer / target mismatch?)")
+        entry = write_shard(os.path.join(out, shard_name(si)), seqs)
+        entry["source"] = [si * shard_size, si * shard_size + len(chunk)]
+        manifest["shards"].append(entry)
+        manifest["shards"].sort(key=lambda s: s["file"])
+        manifest["complete"] = len(manifest["shards"]) == n_shards
+        write_manifest(out, manifest)
+        if bar is not None and responses == "use":
+            bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
+    manifest["complete"] = True
+    write_manifest(out, manifest)
+    n = sum(s["num_sequences"] for s in manifest["shards"])
+    t = sum(s["num_tokens"] for s in manifest["shards"])
+    sup = sum(s["num_supervised"] for s in manifest["shards"])
+    log(f"{out}: {n} sequences, {t} tokens ({sup} supervised) in {len(manifest['shards'])} shards"
+        + (f"; skipped {skipped} prompts (empty / too long / no response)" if skipped else ""))
+    return manifest
+
+
+def _generate(target, draft, prompts, *, batch_size, max_new_tokens, temperature, top_k, top_p, seed, stop_ids,
+              max_length, bar):
+    """Target responses for ``prompts`` -> [(prompt + response ids, mask)] in the prompts' order.
+
+    Prompts are batched by length (fewer padded tokens and compiled shapes); a short last batch is
+    filled with copies so every batch has the same shape."""
+    from dflash_jax.speculative import speculative_generate
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list = [None] * len(prompts)
+    for b, start in enumerate(range(0, len(order), batch_size)):
+        idx = order[start:start + batch_size]
+        batch = [prompts[i] for i in idx]
+        batch += [batch[0]] * (batch_size - len(batch))
+        res = speculative_generate(target, draft, batch, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, stop_token_ids=stop_ids, seed=seed + b,
+                                   max_length=max_length)
+        for i, r in zip(idx, res):
+            gen = r.generated_ids
+            out[i] = (np.asarray(r.output_ids, np.int32),
+                      np.asarray([0] * r.prompt_length + [1] * len(gen), np.uint8))
+        if bar is not None:
+            bar.update(len(idx))
+    return out
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        chat_kwargs = json.loads(a.chat_template_kwargs)
+    except json.JSONDecodeError as e:
+        print(f"error: --chat-template-kwargs is not JSON ({e})", file=sys.stderr)
+        return 2
+    try:
+        from dflash_jax.target import load_target
+
+        target = load_target(a.target, dtype=a.dtype)
+        draft = None
+        if a.draft:
+            from dflash_jax.draft import load_draft
+
+            draft = load_draft(a.draft, dtype=a.dtype)
+        make_data(target, a.prompts, a.out, responses=a.responses, chat=a.chat, chat_kwargs=chat_kwargs,
+                  max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                  seed=a.seed, batch_size=a.batch_size, shard_size=a.shard_size, max_prompt_len=a.max_prompt_len,
+                  max_length=a.max_length, draft=draft, progress=a.progress)
+    except (DataError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
