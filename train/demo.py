@@ -13,7 +13,16 @@
      training.json) to ``dflash_jax/demo/target/`` and a reload check with transformers and
      ``dj.load_target``.
 Work files (tokenizer, token streams, checkpoint, metrics.jsonl) live in ``runs/demo/target/``.
-Other stages (the draft) plug in as further subcommands.
+
+  python -m train.demo draft [--steps 600] [--target DIR] [--out DIR] [--work DIR]
+
+``draft``: a block-16 DFlash draft for the demo target with the project's training pipeline:
+  1. prompts cut from the TRAINING modules at def/class lines (``corpus.code_prompts``), and held-out
+     prompts for evaluation;
+  2. the target answers them greedily (``train.make_data``, batched through the decode engine);
+  3. ``train.loop.train`` with cached target features (``--cache-features``);
+  4. export in the released layout (bf16) to ``dflash_jax/demo/draft/``.
+Every step resumes: rerunning skips finished data shards and continues from the last checkpoint.
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ import numpy as np
 
 PACKAGE_DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dflash_jax", "demo")
 DEFAULT_TARGET_OUT = os.path.join(PACKAGE_DEMO_DIR, "target")
+DEFAULT_DRAFT_OUT = os.path.join(PACKAGE_DEMO_DIR, "draft")
 DEFAULT_WORK = os.path.join("runs", "demo")
 
 
@@ -135,6 +145,50 @@ def cmd_target(args) -> int:
     return 0
 
 
+def _write_prompts(path: str, prompts: list[str]) -> None:
+    with open(path, "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": p}) + "\n")
+
+
+def cmd_draft(args) -> int:
+    import dflash_jax as dj
+    from train import corpus
+    from train.config import TrainConfig
+    from train.export import export
+    from train.loop import train
+    from train.make_data import make_data
+
+    if not os.path.isfile(os.path.join(args.target, "config.json")):
+        _log(f"no target at {args.target}: run `python -m train.demo target` first")
+        return 2
+    work = os.path.join(args.work, "draft")
+    os.makedirs(work, exist_ok=True)
+    prompts, evals = os.path.join(work, "prompts.jsonl"), os.path.join(work, "eval_prompts.jsonl")
+    _write_prompts(prompts, corpus.code_prompts(corpus.train_files(), args.num_prompts, seed=args.seed,
+                                                min_chars=120, max_chars=400))
+    _write_prompts(evals, corpus.code_prompts(corpus.heldout_files(), 8, seed=args.seed + 1,
+                                              min_chars=120, max_chars=400))
+    target = dj.load_target(args.target)
+    data = os.path.join(work, "data")
+    t = time.time()
+    make_data(target, prompts, data, max_new_tokens=args.response_tokens, batch_size=args.gen_batch_size,
+              log=_log)
+    _log(f"data: the target answered {args.num_prompts} prompts ({args.response_tokens} tokens max) in "
+         f"{time.time() - t:.0f}s -> {data}")
+    cfg = TrainConfig(target=args.target, data=data, out=os.path.join(work, "run"), draft_layers=args.draft_layers,
+                      block_size=args.block_size, num_target_features=args.features, num_anchors=args.anchors,
+                      seq_len=args.seq_len, lr=args.lr, batch_size=args.batch_size, steps=args.steps,
+                      seed=args.seed, dtype="float32", cache_features=True, save_every=100, log_every=10,
+                      eval_every=args.eval_every, eval_prompts=evals, eval_max_new_tokens=96,
+                      progress=not args.no_progress)
+    train(cfg, log=_log)
+    export(cfg.out, args.out, dtype="bfloat16")
+    _log(f"exported the draft to {args.out}: " + ", ".join(
+        f"{n} {os.path.getsize(os.path.join(args.out, n)) / 1e6:.2f} MB" for n in sorted(os.listdir(args.out))))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -168,6 +222,28 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-check", action="store_true", help="skip the transformers/PyTorch reload check")
     t.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     t.set_defaults(func=cmd_target)
+
+    d = sub.add_parser("draft", help="data from the demo target + DFlash draft training + export (resumable)",
+                       description="Train the demo draft end to end (rerun to resume).",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d.add_argument("--target", default=DEFAULT_TARGET_OUT, help="the demo target (Hugging Face directory)")
+    d.add_argument("--out", default=DEFAULT_DRAFT_OUT, help="where the exported draft goes")
+    d.add_argument("--work", default=DEFAULT_WORK, help="work files go to WORK/draft (delete it to start over)")
+    d.add_argument("--num-prompts", type=int, default=1500, help="training prompts cut from the training modules")
+    d.add_argument("--response-tokens", type=int, default=128, help="tokens the target generates per prompt")
+    d.add_argument("--gen-batch-size", type=int, default=32, help="prompts per batch of data generation")
+    d.add_argument("--draft-layers", type=int, default=2)
+    d.add_argument("--features", type=int, default=3, help="number of target layers fused (ids over 1..L-1)")
+    d.add_argument("--block-size", type=int, default=16)
+    d.add_argument("--anchors", type=int, default=48, help="anchors per sequence")
+    d.add_argument("--seq-len", type=int, default=256)
+    d.add_argument("--batch-size", type=int, default=8)
+    d.add_argument("--steps", type=int, default=600)
+    d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--eval-every", type=int, default=200)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    d.set_defaults(func=cmd_draft)
     return p
 
 

@@ -45,6 +45,9 @@ _RESUME_FIXED = ("draft_layers", "block_size", "num_target_features", "target_la
                  "param_dtype", "init_draft")
 
 
+MASK_TOKEN = "<|MASK|>"
+
+
 class TrainingError(RuntimeError):
     """The run cannot continue (non-finite loss, inconsistent resume, ...); the message says what to do."""
 
@@ -53,9 +56,12 @@ class TrainingError(RuntimeError):
 
 
 def default_mask_token_id(target: Target, tokenizer=None) -> int:
-    """First embedding row the tokenizer never produces (Qwen3: 151669, as the released drafts), else the
-    pad token, else the last vocabulary id."""
+    """The tokenizer's ``<|MASK|>`` token when it has one; else the first embedding row the tokenizer never
+    produces (Qwen3: 151669, as the released drafts), else the pad token, else the last vocabulary id."""
     v = target.config.vocab_size
+    mask = tokenizer.convert_tokens_to_ids(MASK_TOKEN) if tokenizer is not None else None
+    if isinstance(mask, int) and mask != getattr(tokenizer, "unk_token_id", None) and 0 <= mask < v:
+        return mask
     if tokenizer is not None and len(tokenizer) < v:
         return len(tokenizer)
     if target.config.pad_token_id is not None and 0 <= target.config.pad_token_id < v:
