@@ -22,3 +22,43 @@ def random_pair(vocab: int = 96, block_size: int = 16, seed: int = 0, draft_laye
     dcfg = DraftConfig(layers=dlayers, block_size=block_size, num_target_layers=tcfg.num_hidden_layers,
                        mask_token_id=vocab - 1, target_layer_ids=tuple(target_layer_ids))
     return Target(tcfg, init_params(tcfg, seed)), Draft(dcfg, init_draft_params(dcfg, seed + 1))
+
+
+def trained_pair(root, vocab: int = 64, block_size: int = 16, steps: int = 60, seed: int = 0):
+    """A tiny random target with a peaked head and a draft trained for ``steps`` steps on the target's
+    own greedy continuations of random prompts (the project's make_data + train); returns
+    (target, draft, prompts). Partial acceptance of every length is then common."""
+    import json
+    import os
+
+    import numpy as np
+
+    from dflash_jax.checkpoints import export_params, save_safetensors
+    from dflash_jax.target import load_target, param_shapes
+    from train.config import TrainConfig
+    from train.loop import random_params, train
+    from train.make_data import make_data
+
+    quiet = lambda *a, **k: None  # noqa: E731
+    tcfg = tiny_target_config(vocab, eos_token_id=(vocab - 2,))
+    params = random_params(param_shapes(tcfg), seed)
+    params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 30  # peaked next-token distributions
+    tdir = os.path.join(root, "target")
+    os.makedirs(tdir, exist_ok=True)
+    with open(os.path.join(tdir, "config.json"), "w") as f:
+        json.dump(tcfg.to_hf(), f)
+    save_safetensors(os.path.join(tdir, "model.safetensors"), export_params(params, prefix="model."))
+    target = load_target(tdir)
+    rng = np.random.RandomState(seed)
+    prompts = [rng.randint(2, vocab - 2, rng.randint(3, 12)).tolist() for _ in range(24)]
+    pfile = os.path.join(root, "prompts.jsonl")
+    with open(pfile, "w") as f:
+        f.writelines(json.dumps({"prompt_ids": p}) + "\n" for p in prompts)
+    data = os.path.join(root, "data")
+    make_data(target, pfile, data, max_new_tokens=48, batch_size=12, shard_size=12, progress=False, log=quiet)
+    cfg = TrainConfig(target=tdir, data=data, out=os.path.join(root, "run"), draft_layers=1, block_size=block_size,
+                      num_target_features=3, num_anchors=32, seq_len=64, batch_size=8, steps=steps, lr=1e-2,
+                      warmup_frac=0.1, dtype="float32", save_every=steps, log_every=steps, progress=False,
+                      eval_num_prompts=0, mask_token_id=vocab - 1)
+    draft = train(cfg, target=target, log=quiet)
+    return target, draft, prompts

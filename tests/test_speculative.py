@@ -6,21 +6,31 @@ import pytest
 
 from dflash_jax import speculative as S
 from dflash_jax.sampling import choose
-from pairs import random_pair
+from pairs import random_pair, trained_pair
 
 MAX_NEW = 40
 
 
-@pytest.fixture(scope="module")
-def pair():
-    # A small vocabulary makes a random draft right now and then, so partial acceptance is exercised.
-    return random_pair(vocab=8, block_size=16)
+@pytest.fixture(scope="module", params=["random", "trained"])
+def case(request, tmp_path_factory):
+    """(target, draft, ragged prompts): a random pair with a tiny vocabulary (a random draft is right now
+    and then), and a pair whose draft was trained for a few steps on the target's own outputs."""
+    if request.param == "random":
+        rng = np.random.RandomState(0)
+        target, draft = random_pair(vocab=8, block_size=16)
+        return "random", target, draft, [rng.randint(2, 7, n).tolist() for n in (3, 9, 1, 17)]
+    target, draft, prompts = trained_pair(str(tmp_path_factory.mktemp("trained")))
+    return "trained", target, draft, [prompts[0], prompts[1][:1], prompts[2], prompts[3] + prompts[4]]
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    rng = np.random.RandomState(0)
-    return [rng.randint(2, 7, n).tolist() for n in (3, 9, 1, 17)]
+def pair(case):
+    return case[1:3]
+
+
+@pytest.fixture(scope="module")
+def prompts(case):
+    return case[3]
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +47,11 @@ def check_stats(results, block, max_new):
 
 
 @pytest.mark.parametrize("block", [2, 4, 8, 16])
-def test_lossless_batched_ragged(pair, prompts, plain, block):
+def test_lossless_batched_ragged(case, pair, prompts, plain, block):
     target, draft = pair
     spec = S.speculative_generate(target, draft, prompts, max_new_tokens=MAX_NEW, block_size=block, stop_token_ids=[])
+    if case[0] == "trained" and block >= 4:  # drafts are really accepted, several in a row
+        assert max(a for r in spec for a in r.acceptance_lengths) >= 3
     for s, p, prompt in zip(spec, plain, prompts):
         assert s.output_ids == p.output_ids
         assert s.output_ids[:len(prompt)] == prompt and s.num_generated == MAX_NEW
@@ -155,7 +167,7 @@ def test_top_k_top_p_restrict_support():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(prompts=[]), "non-empty"),
     (dict(prompts=[[]]), "prompt 0"),
-    (dict(prompts=[[3, 4, 99]]), "outside the vocabulary"),
+    (dict(prompts=[[3, 4, 999]]), "outside the vocabulary"),
     (dict(prompts=[[-1]]), "outside the vocabulary"),
     (dict(temperature=-0.5), "temperature"),
     (dict(top_p=0.0), "top_p"),
