@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -156,10 +158,12 @@ def test_cached_chunks_equal_one_pass(target):
     _, feats, _ = forward(tcfg, target.params, ctx, np.broadcast_to(np.arange(13), (2, 13)),
                           feature_layer_ids=dcfg.target_layer_ids)
     cache = draft.new_cache(2, 32)
+    materialize = jax.jit(functools.partial(D.materialize, dcfg))  # eager Flax would compile op by op
     for lo, hi in [(0, 5), (5, 6), (6, 13)]:
         pos = np.broadcast_to(np.arange(lo, hi), (2, hi - lo))
-        cache = D.materialize(dcfg, draft.params, cache, feats[:, lo:hi], pos)
-    got = D.block_logits(tcfg, target.params, dcfg, draft.params, block, jnp.full((2, 1), 13), cache.k, cache.v)
+        cache = materialize(draft.params, cache, feats[:, lo:hi], pos)
+    logits = jax.jit(lambda tp, dp, ids, a, k, v: D.block_logits(tcfg, tp, dcfg, dp, ids, a, k, v))
+    got = logits(target.params, draft.params, block, jnp.full((2, 1), 13), cache.k, cache.v)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
@@ -186,8 +190,6 @@ def test_hf_layout_round_trip(target, tmp_path):
 
 
 def jax_leaves(tree):
-    import jax
-
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
