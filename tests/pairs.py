@@ -62,3 +62,33 @@ def trained_pair(root, vocab: int = 64, block_size: int = 16, steps: int = 60, s
                       eval_num_prompts=0, mask_token_id=vocab - 1)
     draft = train(cfg, target=target, log=quiet)
     return target, draft, prompts
+
+
+def pair_dirs(root: str, vocab: int = 320):
+    """A tiny random Qwen3 target with a byte-level BPE tokenizer and a random block-8 draft for it, saved
+    in the Hugging Face layouts under ``root`` with the project's own exporters; returns
+    (target_dir, draft_dir, target)."""
+    import json
+    import os
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from dflash_jax.checkpoints import export_params, save_safetensors
+    from dflash_jax.draft import save_draft
+
+    tdir, ddir = os.path.join(root, "target"), os.path.join(root, "draft")
+    os.makedirs(tdir, exist_ok=True)
+    target, draft = random_pair(vocab=vocab, block_size=8, eos_token_id=(0,))
+    with open(os.path.join(tdir, "config.json"), "w") as f:
+        json.dump(target.config.to_hf(), f)
+    save_safetensors(os.path.join(tdir, "model.safetensors"), export_params(target.params, prefix="model."))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|MASK|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n", "import os\nprint(os.getcwd())\n"] * 20, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(tdir)
+    save_draft(Draft(dataclasses.replace(draft.config, mask_token_id=1), draft.params), ddir, dtype="float32")
+    return tdir, ddir, target

@@ -7,34 +7,12 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax.draft import save_draft
-from hf_models import save_tiny
-from pairs import random_pair
-
-VOCAB = 320
+from pairs import pair_dirs as make_pair_dirs
 
 
 @pytest.fixture(scope="module")
 def pair_dirs(tmp_path_factory):
-    """A tiny Qwen3 target with a byte-level BPE tokenizer, and a random draft for it, on disk."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    root = tmp_path_factory.mktemp("pair")
-    tdir, ddir = str(root / "target"), str(root / "draft")
-    save_tiny(tdir, "qwen3", vocab_size=VOCAB, eos_token_id=0)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|MASK|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def f(x):\n    return x + 1\n", "import os\nprint(os.getcwd())\n"] * 20, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(tdir)
-    target = dj.load_target(tdir)
-    _, draft = random_pair(vocab=VOCAB, block_size=8)
-    save_draft(dj.Draft(draft.config.__class__(**{**draft.config.__dict__, "mask_token_id": 1}), draft.params),
-               ddir, dtype="float32")
-    return tdir, ddir, target
+    return make_pair_dirs(str(tmp_path_factory.mktemp("pair")))
 
 
 def run(module, argv, capsys):

@@ -17,40 +17,12 @@ import nbclient
 import nbformat
 import pytest
 
+from pairs import pair_dirs
+
 REPO = Path(__file__).resolve().parents[1]
+
 NOTEBOOK = REPO / "notebooks" / "colab_quickstart.ipynb"
 DEMO_DRAFT_CONFIG = REPO / "dflash_jax" / "demo" / "draft" / "config.json"
-VOCAB = 320
-
-
-def tiny_pair(root: Path) -> tuple[str, str]:
-    """A tiny random Qwen3 target with a byte-level BPE tokenizer and a random block-8 draft for it, written
-    with the project's own exporters (as the ``pair_dirs`` fixture of test_infer_cli, without PyTorch)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    import dflash_jax as dj
-    from dflash_jax.checkpoints import export_params, save_safetensors
-    from dflash_jax.draft import save_draft
-    from pairs import random_pair
-
-    tdir, ddir = root / "target", root / "draft"
-    tdir.mkdir(parents=True)
-    target, draft = random_pair(vocab=VOCAB, block_size=8, eos_token_id=(0,))
-    (tdir / "config.json").write_text(json.dumps(target.config.to_hf()))
-    save_safetensors(str(tdir / "model.safetensors"), export_params(target.params, prefix="model."))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|MASK|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def f(x):\n    return x + 1\n", "import os\nprint(os.getcwd())\n"] * 20, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(str(tdir))
-    save_draft(dj.Draft(draft.config.__class__(**{**draft.config.__dict__, "mask_token_id": 1}), draft.params),
-               str(ddir), dtype="float32")
-    return str(tdir), str(ddir)
-
-
 def kernel_manager(spec_root: Path, env: dict):
     """A kernel manager for a kernelspec that runs THIS interpreter (no user-level kernel install needed)."""
     from jupyter_client import KernelManager
@@ -89,7 +61,7 @@ def test_notebook_runs_offline_on_cpu(tmp_path, pair):
         "DFLASH_DEMO_TARGET": "", "DFLASH_DEMO_DRAFT": "",
     }
     if pair == "tiny":
-        env["DFLASH_DEMO_TARGET"], env["DFLASH_DEMO_DRAFT"] = tiny_pair(tmp_path / "pair")
+        env["DFLASH_DEMO_TARGET"], env["DFLASH_DEMO_DRAFT"] = pair_dirs(str(tmp_path / "pair"))[:2]
 
     km = kernel_manager(tmp_path / "kernels", env)
     client = nbclient.NotebookClient(nb, km=km, timeout=300, allow_errors=False,
