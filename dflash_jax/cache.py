@@ -24,6 +24,11 @@ class KVCache:
         return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
+    @classmethod
+    def for_model(cls, cfg, batch: int, max_len: int, dtype) -> "KVCache":
+        """An empty cache for every layer of ``cfg`` (a TargetConfig: a target's, or a draft's layer stack)."""
+        return cls.create(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim, dtype)
+
     @property
     def max_len(self) -> int:
         return self.k[0].shape[1]

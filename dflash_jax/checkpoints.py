@@ -184,3 +184,19 @@ def export_params(params, *, prefix: str, dtype=None) -> dict[str, np.ndarray]:
             a = a.astype(resolve_dtype(dtype))
         out[name] = np.ascontiguousarray(a.T if transposed else a)
     return out
+
+
+def load_tokenizer(path: str | None):
+    """The target's tokenizer, or None when the checkpoint directory has no tokenizer files
+    (transformers would otherwise build an empty one from config.json alone)."""
+    if not path or not os.path.isdir(path):
+        return None
+    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in files):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    except Exception:
+        return None

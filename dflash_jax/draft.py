@@ -86,9 +86,8 @@ class Draft:
 
     def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """Context-only K/V cache of every draft layer."""
-        c = self.config.layers
         dtype = dtype or jax.tree_util.tree_leaves(self.params)[0].dtype
-        return KVCache.create(c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim, dtype)
+        return KVCache.for_model(self.config.layers, batch, max_len, dtype)
 
 
 def init_draft_params(cfg: DraftConfig, seed: int = 0, dtype=jnp.float32):

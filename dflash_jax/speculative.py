@@ -85,7 +85,7 @@ def _prefill(spec: EngineSpec, tparams, dparams, prompts, lens, budget, stop_ids
     b, p = prompts.shape
     tc = spec.target
     dtype = jax.tree_util.tree_leaves(tparams)[0].dtype
-    tcache = KVCache.create(tc.num_hidden_layers, b, cache_len, tc.num_key_value_heads, tc.head_dim, dtype)
+    tcache = KVCache.for_model(tc, b, cache_len, dtype)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, features, tcache = Transformer(tc).apply({"params": tparams}, prompts, positions, tcache,
                                                      spec.feature_layer_ids, lens - 1)
@@ -95,8 +95,7 @@ def _prefill(spec: EngineSpec, tparams, dparams, prompts, lens, budget, stop_ids
     tokens = jnp.zeros((b, cache_len), jnp.int32).at[:, :p].set(prompts).at[rows, lens].set(first)
     dcache = None
     if spec.speculative:
-        dc = spec.draft.layers
-        dcache = KVCache.create(dc.num_hidden_layers, b, cache_len, dc.num_key_value_heads, dc.head_dim, dtype)
+        dcache = KVCache.for_model(spec.draft.layers, b, cache_len, dtype)
         dcache = draft_lib.materialize(spec.draft, dparams, dcache, features, positions).replace(lengths=lens)
     stopped = jnp.isin(first, stop_ids)
     finish = jnp.where(stopped, 2, jnp.where(budget <= 1, 1, 0)).astype(jnp.int32)

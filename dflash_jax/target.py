@@ -106,9 +106,8 @@ class Target:
         return Transformer(self.config)
 
     def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        c = self.config
         dtype = dtype or jax.tree_util.tree_leaves(self.params)[0].dtype
-        return KVCache.create(c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim, dtype)
+        return KVCache.for_model(self.config, batch, max_len, dtype)
 
 
 def init_params(cfg: TargetConfig, seed: int = 0, dtype=jnp.float32):

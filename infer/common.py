@@ -45,6 +45,7 @@ def die(msg: str) -> None:
 def load_models(args):
     """(target, draft or None, tokenizer or None) from the parsed options."""
     import dflash_jax as dj
+    from dflash_jax.checkpoints import load_tokenizer
 
     target_path = args.target or DEMO_TARGET
     draft_path = args.draft
@@ -67,14 +68,6 @@ def load_models(args):
     except (FileNotFoundError, ValueError) as e:
         die(str(e))
     return target, draft, load_tokenizer(target.path)
-
-
-def load_tokenizer(path):
-    if path is None or not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")):
-        return None
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(path)
 
 
 def stop_ids(args, target) -> list[int]:

@@ -145,22 +145,6 @@ def read_records(path: str) -> list[dict]:
     return records
 
 
-def load_tokenizer(path: str | None):
-    """The target's tokenizer, or None when the checkpoint directory has no tokenizer files
-    (transformers would otherwise build an empty one from config.json alone)."""
-    if not path or not os.path.isdir(path):
-        return None
-    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-    if not any(os.path.isfile(os.path.join(path, f)) for f in files):
-        return None
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path)
-    except Exception:
-        return None
-
-
 def _ids(x) -> list[int]:
     if hasattr(x, "keys") and "input_ids" in x:
         x = x["input_ids"]

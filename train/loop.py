@@ -29,14 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dflash_jax.checkpoints import resolve_dtype
+from dflash_jax.checkpoints import load_tokenizer, resolve_dtype
 from dflash_jax.config import DraftConfig
 from dflash_jax.draft import Draft, check_fits, load_draft
 from dflash_jax.target import Target, load_target
 from train import objective
 from train.checkpoint import CHECKPOINT_DIR, Checkpointer
 from train.config import TrainConfig, choose_target_layer_ids
-from train.data import TrainData, encode_prompt, load_tokenizer, read_records
+from train.data import TrainData, encode_prompt, read_records
 
 # Config fields that must not change when resuming (they define the data order, the anchors, the
 # model or the objective); the others (steps, logging, evaluation, ...) may.

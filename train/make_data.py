@@ -22,7 +22,8 @@ import sys
 
 import numpy as np
 
-from train.data import (FORMAT, DataError, encode_pair, encode_prompt, load_tokenizer, read_manifest, read_records,
+from dflash_jax.checkpoints import load_tokenizer
+from train.data import (FORMAT, DataError, encode_pair, encode_prompt, read_manifest, read_records,
                         shard_name, write_manifest, write_shard)
 
 
