@@ -62,21 +62,19 @@ def time_forwards(target, draft, block_sizes=(4, 8, 16), context: int = 256, rep
             jax.block_until_ready(fn(*args))
         return (time.perf_counter() - start) / repeats
 
+    def draft_fwd(tp, dp, ids, dk, dv):
+        return draft_lib.block_logits(tcfg, tp, draft.config, dp, ids, jnp.full((1, 1), context), dk, dv)
+
+    def verify(tp, ids, cache):
+        pos = context + jnp.arange(ids.shape[1])[None]
+        return Transformer(tcfg).apply({"params": tp}, ids, pos, cache, ())[0]
+
     tcache = target.new_cache(1, context + 32)
+    dcache = draft.new_cache(1, context + 32) if draft is not None else None
     for k in block_sizes:
         if draft is not None and k <= draft.config.block_size:
-            dcache = draft.new_cache(1, context + 32)
-
-            def draft_fwd(tp, dp, ids, dk, dv):
-                return draft_lib.block_logits(tcfg, tp, draft.config, dp, ids, jnp.full((1, 1), context), dk, dv)
-
             out[f"draft_forward_s_block{k}"] = timed(draft_fwd, target.params, draft.params,
                                                       jnp.zeros((1, k), jnp.int32), dcache.k, dcache.v)
-
-        def verify(tp, ids, cache):
-            pos = context + jnp.arange(ids.shape[1])[None]
-            return Transformer(tcfg).apply({"params": tp}, ids, pos, cache, ())[0]
-
         out[f"verify_forward_s_block{k}"] = timed(verify, target.params, jnp.zeros((1, k), jnp.int32), tcache)
     out["verify_forward_s_block1"] = timed(verify, target.params, jnp.zeros((1, 1), jnp.int32), tcache)
     return out
