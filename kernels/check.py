@@ -1,0 +1,116 @@
+"""Correctness of the block-attention kernel on this machine's backend, against the reference.
+
+    python -m kernels.check            # compiled on TPU/GPU; Pallas interpret mode on CPU
+    python -m kernels.check --json
+
+For each case (dtype, GQA, sliding window, anchor pattern, tiles) fresh random inputs go through the
+kernel and through the dense reference run in float32 at HIGHEST matmul precision on upcast inputs;
+the output and the gradients of all five inputs are compared by ||x - ref|| / ||ref||. Tolerances:
+float32 1e-3 (GPU dots may run as tf32, ~3e-4; CPU/TPU float32 lands near 1e-6), bfloat16 3e-2
+(8-bit significand; p and ds are rounded to bf16 before their matmuls). NaN fails. Exit status 1
+when any case fails, so a device script can stop on it.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels.block_attention import block_attention, block_attention_reference
+
+TOL = {"float32": 1e-3, "bfloat16": 3e-2}
+CASES = [  # name, batch, N, Bk, S, Hq, Hkv, D, window, dtype, anchors, q_tile, k_tile
+    ("fp32 gqa4 sorted", 2, 32, 16, 700, 8, 2, 64, None, "float32", "sorted", 64, 64),
+    ("fp32 mha unsorted", 1, 24, 8, 333, 4, 4, 128, None, "float32", "unsorted", 64, 128),
+    ("fp32 window edges", 2, 16, 16, 512, 4, 2, 64, 96, "float32", "edges", 64, 64),
+    ("bf16 gqa4 sorted", 2, 64, 16, 1500, 16, 4, 128, None, "bfloat16", "sorted", 128, 128),
+    ("bf16 gqa2 ragged", 2, 32, 16, 900, 8, 4, 64, None, "bfloat16", "ragged", 64, 64),
+    ("bf16 block4 window", 1, 48, 4, 600, 8, 2, 64, 128, "bfloat16", "unsorted", 64, 64),
+    ("bf16 one block/row", 4, 1, 16, 1000, 8, 2, 128, None, "bfloat16", "sorted", 128, 128),
+]
+
+
+def _anchors(rng, kind, batch, n, s):
+    a = rng.integers(0, s, size=(batch, n))
+    if kind == "sorted":
+        a = np.sort(a, axis=1)
+    elif kind == "edges":  # anchor 0, anchor S-1, a repeated anchor, a padding block
+        a[:, 0], a[:, 1], a[:, 2], a[:, -1] = 0, s - 1, a[:, 3], -1
+    elif kind == "ragged":  # a different number of real blocks per row, padding (-1) after them
+        for b in range(batch):
+            a[b, rng.integers(1, n + 1):] = -1
+    return jnp.asarray(a, jnp.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _value_and_grads(impl, bk, window, q_tile, k_tile):
+    if impl == "kernel":
+        fn = functools.partial(block_attention, block_size=bk, sliding_window=window, q_tile=q_tile, k_tile=k_tile)
+    else:
+        fn = functools.partial(block_attention_reference, block_size=bk, sliding_window=window)
+
+    def run(xs, anchors, proj):
+        out, vjp = jax.vjp(lambda *a: fn(*a, anchors), *xs)
+        return out, vjp(proj.astype(out.dtype))
+
+    return jax.jit(run)
+
+
+def _rel(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def run_case(case, seed):
+    name, batch, n, bk, s, hq, hkv, d, window, dtype, kind, q_tile, k_tile = case
+    rng = np.random.default_rng(seed)
+    t = n * bk
+    shapes = [(batch, t, hq, d), (batch, s, hkv, d), (batch, s, hkv, d), (batch, t, hkv, d), (batch, t, hkv, d)]
+    xs = [jnp.asarray(rng.standard_normal(sh, np.float32)).astype(dtype) for sh in shapes]
+    proj = jnp.asarray(rng.standard_normal(shapes[0], np.float32))
+    anchors = _anchors(rng, kind, batch, n, s)
+    out, grads = _value_and_grads("kernel", bk, window, q_tile, k_tile)(xs, anchors, proj)
+    with jax.default_matmul_precision("highest"):
+        ref, ref_grads = _value_and_grads("reference", bk, window, None, None)(
+            [x.astype(jnp.float32) for x in xs], anchors, proj)
+    errs = {"out": _rel(out, ref)}
+    errs.update({f"d{k}": _rel(g, r) for k, g, r in zip(("q", "k_ctx", "v_ctx", "k_blk", "v_blk"), grads, ref_grads)})
+    tol = TOL[dtype]
+    ok = all(np.isfinite(e) and e <= tol for e in errs.values())
+    return {"case": name, "dtype": dtype, "tol": tol, "ok": ok, "max_err": max(errs.values()), **errs}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="one JSON object per case")
+    args = p.parse_args(argv)
+    backend = jax.default_backend()
+    mode = "interpret (Pallas emulation)" if backend == "cpu" else "compiled"
+    print(f"backend {backend} ({jax.devices()[0].device_kind}), kernel {mode}", file=sys.stderr)
+    rows = []
+    for i, case in enumerate(CASES):
+        try:
+            row = run_case(case, args.seed + i)
+        except Exception as e:  # a lowering/compile failure is a failed case, reported with its reason
+            row = {"case": case[0], "ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        rows.append(row)
+        if args.json:
+            print(json.dumps(row), flush=True)
+        elif "error" in row:
+            print(f"FAIL {row['case']:<22} {row['error']}", flush=True)
+        else:
+            errs = " ".join(f"{k} {row[k]:.1e}" for k in ("out", "dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"))
+            print(f"{'ok  ' if row['ok'] else 'FAIL'} {row['case']:<22} tol {row['tol']:.0e}  {errs}", flush=True)
+    failed = sum(not r["ok"] for r in rows)
+    print(f"{len(rows) - failed}/{len(rows)} cases passed on {backend}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
