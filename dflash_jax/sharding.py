@@ -373,7 +373,8 @@ def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:
     return NamedSharding(mesh, batch_spec(mesh, ndim, batch_axis))
 
 
-def _check_rows(n: int, mesh: Mesh, what: str, scale: int = 1):
+def check_batch_rows(n: int, mesh: Mesh, what: str, scale: int = 1) -> None:
+    """Raise a ValueError that says what to change unless ``n`` rows split evenly over data*fsdp."""
     m = batch_multiple(mesh) // scale
     if n % m:
         raise ValueError(f"{what} has {n} rows, not a multiple of data*fsdp = {batch_multiple(mesh)} "
@@ -388,7 +389,7 @@ def shard_batch(tree, mesh: Mesh, batch_axis: int = 0):
         x = np.asarray(x)
         if x.ndim <= batch_axis:
             return _put(x, NamedSharding(mesh, P()))
-        _check_rows(x.shape[batch_axis], mesh, f"batch array of shape {x.shape}")
+        check_batch_rows(x.shape[batch_axis], mesh, f"batch array of shape {x.shape}")
         return _put(x, batch_sharding(mesh, x.ndim, batch_axis))
 
     return jax.tree_util.tree_map(one, tree)
@@ -400,7 +401,7 @@ def shard_local_batch(tree, mesh: Mesh, batch_axis: int = 0):
     def one(x):
         x = np.asarray(x)
         n_proc = jax.process_count()
-        _check_rows(x.shape[batch_axis] * n_proc, mesh, f"batch array of shape {x.shape} x {n_proc} processes")
+        check_batch_rows(x.shape[batch_axis] * n_proc, mesh, f"batch array of shape {x.shape} x {n_proc} processes")
         shape = list(x.shape)
         shape[batch_axis] *= n_proc
         return jax.make_array_from_process_local_data(batch_sharding(mesh, x.ndim, batch_axis), x, tuple(shape))

@@ -8,6 +8,9 @@ def main(argv=None) -> int:
     from train.config import parse_args
 
     cfg = parse_args(argv)
+    from dflash_jax.sharding import maybe_initialize_distributed
+
+    maybe_initialize_distributed()  # one process of a TPU pod slice / multi-node launch: before any device use
     from train.data import DataError
     from train.loop import TrainingError, train
 

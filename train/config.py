@@ -111,6 +111,10 @@ class TrainConfig:
     param_dtype: str = _help("master dtype of the trainable draft parameters and the optimizer", default="float32")
     impl: str = _help("draft block attention: auto (Pallas kernel on TPU/GPU, dense reference on CPU) | "
                       "kernel | reference | interpret", default="auto")
+    # devices
+    mesh: str = _help("device mesh, e.g. data=2,fsdp=2,tensor=2 or auto (all devices on data); empty: one "
+                      "device. Rows over data*fsdp (--batch-size must divide by it), draft params and optimizer "
+                      "state over fsdp and tensor, the frozen target over tensor (and fsdp)", default="")
     # features
     cache_features: bool = _help("compute the target features once, store them on disk (bf16), train from them",
                                  default=False)

@@ -14,7 +14,7 @@
      ``dj.load_target``.
 Work files (tokenizer, token streams, checkpoint, metrics.jsonl) live in ``runs/demo/target/``.
 
-  python -m train.demo draft [--steps 600] [--target DIR] [--out DIR] [--work DIR]
+  python -m train.demo draft [--steps 600] [--target DIR] [--out DIR] [--work DIR] [--init-draft DIR]
 
 ``draft``: a block-16 DFlash draft for the demo target with the project's training pipeline:
   1. prompts cut from the TRAINING modules at def/class lines (``corpus.code_prompts``), and held-out
@@ -180,6 +180,7 @@ def cmd_draft(args) -> int:
                       block_size=args.block_size, num_target_features=args.features, num_anchors=args.anchors,
                       seq_len=args.seq_len, lr=args.lr, batch_size=args.batch_size, steps=args.steps,
                       seed=args.seed, dtype="float32", cache_features=True, save_every=100, log_every=10,
+                      init_draft=args.init_draft or "",
                       eval_every=args.eval_every, eval_prompts=evals, eval_max_new_tokens=96,
                       progress=not args.no_progress)
     train(cfg, log=_log)
@@ -242,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--lr", type=float, default=1e-3)
     d.add_argument("--eval-every", type=int, default=200)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--init-draft", default=None,
+                   help="continue from an exported draft directory (e.g. the embedded one) with a fresh schedule")
     d.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     d.set_defaults(func=cmd_draft)
     return p

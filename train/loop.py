@@ -29,8 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dflash_jax.checkpoints import load_tokenizer, resolve_dtype
-from dflash_jax.config import DraftConfig
+from dflash_jax import sharding
+from dflash_jax.checkpoints import load_tokenizer, resolve_dtype, resolve_path
+from dflash_jax.config import DraftConfig, TargetConfig
 from dflash_jax.draft import Draft, check_fits, load_draft
 from dflash_jax.target import Target, load_target
 from train import objective
@@ -287,6 +288,22 @@ def _check_resume(meta: dict, cfg: TrainConfig, data: TrainData) -> None:
                       stacklevel=3)
 
 
+def _device_batch(data: TrainData, store, idx, mesh, dtype):
+    """(ids, mask, idx, feats or None) of the global step ``idx`` [A, B] on the device(s). On a mesh each
+    process reads only its ``process_slice`` of the B rows and the rows are split over data*fsdp. Cached
+    features travel in their storage dtype and are cast on the device (one compiled step for any cache dtype)."""
+    if mesh is not None:
+        idx = idx[:, sharding.process_slice(idx.shape[1])]
+    ids, mask = data.batch(idx)
+    feats = None if store is None else store.batch(idx)
+    if mesh is None:
+        arrays = (jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(idx, jnp.int32))
+        return arrays + (None if feats is None else jnp.asarray(feats).astype(dtype),)
+    arrays = sharding.shard_local_batch((ids, mask, np.asarray(idx, np.int32)), mesh, batch_axis=1)
+    return tuple(arrays) + (None if feats is None else
+                            sharding.shard_local_batch(feats, mesh, batch_axis=1).astype(dtype),)
+
+
 def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[int, dict], None] | None = None,
           log: Callable[[str], None] = print) -> Draft:
     """Train (or resume training) a DFlash draft as configured; returns the trained draft (float32 master
@@ -295,15 +312,33 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
     if not cfg.out:
         raise ValueError("TrainConfig.out (the output directory) is required")
     os.makedirs(cfg.out, exist_ok=True)
+    primary = jax.process_index() == 0  # on several processes only the first logs and writes metrics
+    if not primary:
+        log = lambda *a, **k: None  # noqa: E731
     log(f"training config:\n{cfg.pretty()}")
+
+    mesh = sharding.make_mesh(cfg.mesh) if cfg.mesh else None
+    if mesh is not None:
+        sharding.check_batch_rows(cfg.batch_size, mesh, "--batch-size (rows of a micro-batch)")
+        if cfg.cache_features and jax.process_count() > 1:
+            raise TrainingError("--cache-features with several processes is not supported (each process would "
+                                "need every feature row); train with online features on a multi-host mesh")
+        log(f"mesh: {sharding.mesh_str(mesh)} over {mesh.size} devices, {jax.process_count()} process(es)")
 
     # target, tokenizer, data
     if target is None:
         if not cfg.target:
             raise ValueError("TrainConfig.target is required")
-        target = load_target(cfg.target, dtype=cfg.dtype)
+        if mesh is None:
+            target = load_target(cfg.target, dtype=cfg.dtype)
+        else:  # each tensor straight onto its shards
+            path = resolve_path(cfg.target)
+            tcfg = TargetConfig.from_hf(path)
+            target = load_target(path, dtype=cfg.dtype, place=sharding.placer(tcfg, mesh))
     else:
         target = Target(target.config, objective.cast_tree(target.params, resolve_dtype(cfg.dtype)), target.path)
+        if mesh is not None:
+            target = sharding.shard_target(target, mesh)
     tokenizer = load_tokenizer(target.path)
     data = TrainData.load(cfg.data, seq_len=cfg.seq_len, block_size=cfg.block_size,
                           vocab_size=target.config.vocab_size)
@@ -347,16 +382,27 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
     total = cfg.steps or max(1, int(math.ceil(cfg.epochs * spe)))
     optimizer, step_fn = cached_train_step(cfg, target.config, dcfg, offline=cfg.cache_features)
     start = 0
+    if mesh is not None:  # draft params and optimizer state over fsdp / tensor (any checkpoint restores onto it)
+        shapes = params_like if latest is not None else params
+        p_shard = sharding.param_shardings(dcfg, mesh, sharding.rules_for(mesh, target.config, dcfg), shapes)
+        o_shard = sharding.opt_state_shardings(jax.eval_shape(optimizer.init, shapes), p_shard, mesh, shapes)
     if latest is not None:
         opt_like = jax.eval_shape(optimizer.init, params_like)
+        if mesh is not None:
+            params_like, opt_like = sharding.abstract_like(params_like, p_shard), sharding.abstract_like(opt_like, o_shard)
         params, opt_state, meta = ckpt.restore(latest, params_like, opt_like)
-        # orbax returns arrays committed to a device; fresh ones are uncommitted, and jit keys its cache on
-        # that: re-create them uncommitted so a resumed run reuses the compiled step
-        params, opt_state = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x)), (params, opt_state))
+        if mesh is None:
+            # orbax returns arrays committed to a device; fresh ones are uncommitted, and jit keys its cache on
+            # that: re-create them uncommitted so a resumed run reuses the compiled step
+            params, opt_state = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x)), (params, opt_state))
         start = int(meta["step"])
         log(f"resumed from {ckpt.directory}/{latest} (step {start}, epoch {meta['epoch']})")
     else:
+        if mesh is not None:
+            params = sharding.shard_params(params, p_shard)
         opt_state = optimizer.init(params)
+        if mesh is not None:
+            opt_state = sharding.shard_params(opt_state, o_shard)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
     log(f"target: {target.path} ({target.config.num_hidden_layers} layers, hidden {target.config.hidden_size}, "
         f"vocab {target.config.vocab_size}); draft: {dcfg.layers.num_hidden_layers} layers, {n_params / 1e6:.2f}M "
@@ -364,7 +410,7 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
         f"{dcfg.mask_token_id}, gamma {cfg.gamma_value:.3g}")
     log(f"data: {len(data)} sequences, {data.num_tokens} tokens; {spe} steps/epoch of {cfg.global_batch} "
         f"sequences; {total} steps")
-    with open(os.path.join(cfg.out, "config.json"), "w") as f:
+    with open(os.path.join(cfg.out, "config.json") if primary else os.devnull, "w") as f:
         json.dump({"train_config": cfg.to_json(), "draft_config": dcfg.to_hf(), "total_steps": total,
                    "steps_per_epoch": spe}, f, indent=2)
 
@@ -387,6 +433,8 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
     metrics_path = os.path.join(cfg.out, "metrics.jsonl")
 
     def write_metrics(rec):
+        if not primary:
+            return
         with open(metrics_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
@@ -407,20 +455,16 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
             f"{rec['prompts']} prompts")
         return r
 
-    bar = _progress(total, start, cfg.progress)
+    bar = _progress(total, start, cfg.progress and primary)
     window, win_tokens, win_time, win_steps, last = None, 0, 0.0, 0, {}
     step, tokens_total, t_run, compile_s = start, 0, time.perf_counter(), None
     try:
         while step < total:
             epoch, idx = data.step_indices(step, seed=cfg.seed, grad_accum=cfg.grad_accum, batch_size=cfg.batch_size)
-            ids, mask = data.batch(idx)
-            # cached features travel in their storage dtype and are cast on the device: one compiled step
-            # for every cache dtype
-            feats = None if store is None else jnp.asarray(store.batch(idx)).astype(cfg.dtype)
             lr = lr_at(cfg, step, total)
             t0 = time.perf_counter()
-            params, opt_state, sums, ok, gnorm = step_fn(params, opt_state, target.params, jnp.asarray(ids),
-                                                         jnp.asarray(mask), jnp.asarray(idx, jnp.int32),
+            ids, mask, idx_d, feats = _device_batch(data, store, idx, mesh, cfg.dtype)
+            params, opt_state, sums, ok, gnorm = step_fn(params, opt_state, target.params, ids, mask, idx_d,
                                                          jnp.int32(epoch), feats, jnp.float32(lr))
             sums, ok, gnorm = jax.device_get((sums, ok, gnorm))
             dt = time.perf_counter() - t0
