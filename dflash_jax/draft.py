@@ -140,6 +140,17 @@ def block_logits(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_
     return target.apply({"params": tparams}, h, method=Transformer.head)
 
 
+def propose(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto"):
+    """Greedy draft tokens for one block per row: block_ids [B, K] = [anchor token, mask...] ->
+    [B, K-1] int32. The lm_head runs only on the K-1 predicted positions (the anchor's own logits are
+    never used; on a CPU the [K, vocab] head is a large part of a draft forward)."""
+    target = Transformer(tcfg)
+    x = target.apply({"params": tparams}, block_ids, method=Transformer.embed)
+    h = block_hidden(cfg, params, x, anchors, k_ctx, v_ctx, impl)
+    logits = target.apply({"params": tparams}, h[:, 1:], method=Transformer.head)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("tcfg", "cfg"))
 def _draft_block_logits(tcfg, tparams, cfg, params, context_ids, block_ids):
     b, t = context_ids.shape

@@ -114,9 +114,8 @@ def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, samp
     pending = state.tokens[rows, n]
     if spec.speculative:
         block = jnp.concatenate([pending[:, None], jnp.full((b, k - 1), mask_token_id, jnp.int32)], axis=1)
-        draft_logits = draft_lib.block_logits(spec.target, tparams, spec.draft, dparams, block, n[:, None],
-                                              state.dcache.k, state.dcache.v)
-        block = block.at[:, 1:].set(jnp.argmax(draft_logits[:, 1:], axis=-1).astype(jnp.int32))
+        block = block.at[:, 1:].set(draft_lib.propose(spec.target, tparams, spec.draft, dparams, block, n[:, None],
+                                                      state.dcache.k, state.dcache.v))
     else:
         block = pending[:, None]
     offsets = jnp.arange(k, dtype=jnp.int32)

@@ -63,7 +63,7 @@ def time_forwards(target, draft, block_sizes=(4, 8, 16), context: int = 256, rep
         return (time.perf_counter() - start) / repeats
 
     def draft_fwd(tp, dp, ids, dk, dv):
-        return draft_lib.block_logits(tcfg, tp, draft.config, dp, ids, jnp.full((1, 1), context), dk, dv)
+        return draft_lib.propose(tcfg, tp, draft.config, dp, ids, jnp.full((1, 1), context), dk, dv)
 
     def verify(tp, ids, cache):
         pos = context + jnp.arange(ids.shape[1])[None]

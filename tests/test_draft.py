@@ -165,6 +165,10 @@ def test_cached_chunks_equal_one_pass(target):
     logits = jax.jit(lambda tp, dp, ids, a, k, v: D.block_logits(tcfg, tp, dcfg, dp, ids, a, k, v))
     got = logits(target.params, draft.params, block, jnp.full((2, 1), 13), cache.k, cache.v)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+    # the engine's proposals: argmax of the same logits at positions 1.. (lm_head skips the anchor row)
+    propose = jax.jit(lambda tp, dp, ids, a, k, v: D.propose(tcfg, tp, dcfg, dp, ids, a, k, v))
+    tokens = propose(target.params, draft.params, block, jnp.full((2, 1), 13), cache.k, cache.v)
+    np.testing.assert_array_equal(np.asarray(tokens), want[:, 1:].argmax(-1))
 
 
 def test_hf_layout_round_trip(target, tmp_path):
