@@ -90,3 +90,16 @@ def test_benchmark_json_summary(pair_dirs, capsys, tmp_path):
         assert key in summary
     assert sum(summary["acceptance_histogram"]) == sum(len(r["acceptance_lengths"]) for r in rows)
     assert np.isclose(summary["tau"], np.mean([a for r in rows for a in r["acceptance_lengths"]]))
+    assert summary["plain_step_s"] > 0 and summary["dflash_step_s"] > 0
+
+
+def test_benchmark_forward_timing(pair_dirs):
+    """The step split's draft / verify timings: one jitted loop of dependent forwards per block size."""
+    import dflash_jax as dj
+    from infer import benchmark as b
+
+    tdir, ddir, _ = pair_dirs
+    target, draft = dj.load_target(tdir), dj.load_draft(ddir)
+    t = b.time_forwards(target, draft, block_sizes=(2,), context=16, iters=2, repeats=1)
+    assert set(t) == {"draft_forward_s_block2", "verify_forward_s_block2", "verify_forward_s_block1"}
+    assert all(0 < v < 10 for v in t.values())
