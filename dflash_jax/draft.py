@@ -132,22 +132,20 @@ def block_hidden(cfg: DraftConfig, params, x, anchors, k_ctx, v_ctx, impl: str =
     return DFlashDraft(cfg).apply({"params": params}, x, anchors, k_ctx, v_ctx, impl)
 
 
-def block_logits(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto"):
-    """Block token ids [B, N*Bk] -> draft logits (float32) through the target's embedding and lm_head."""
+def block_logits(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto",
+                 drop_anchor: bool = False):
+    """Block token ids [B, N*Bk] -> draft logits (float32) through the target's embedding and lm_head.
+    ``drop_anchor`` (one block per row): logits of positions 1.. only, [B, Bk-1, V]; the lm_head then skips
+    the anchor row, whose logits decoding never uses (on a CPU the head is a large part of a draft forward)."""
     target = Transformer(tcfg)
     x = target.apply({"params": tparams}, block_ids, method=Transformer.embed)
     h = block_hidden(cfg, params, x, anchors, k_ctx, v_ctx, impl)
-    return target.apply({"params": tparams}, h, method=Transformer.head)
+    return target.apply({"params": tparams}, h[:, 1:] if drop_anchor else h, method=Transformer.head)
 
 
 def propose(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto"):
-    """Greedy draft tokens for one block per row: block_ids [B, K] = [anchor token, mask...] ->
-    [B, K-1] int32. The lm_head runs only on the K-1 predicted positions (the anchor's own logits are
-    never used; on a CPU the [K, vocab] head is a large part of a draft forward)."""
-    target = Transformer(tcfg)
-    x = target.apply({"params": tparams}, block_ids, method=Transformer.embed)
-    h = block_hidden(cfg, params, x, anchors, k_ctx, v_ctx, impl)
-    logits = target.apply({"params": tparams}, h[:, 1:], method=Transformer.head)
+    """Greedy draft tokens for one block per row: block_ids [B, K] = [anchor token, mask...] -> [B, K-1] int32."""
+    logits = block_logits(tcfg, tparams, cfg, params, block_ids, anchors, k_ctx, v_ctx, impl, drop_anchor=True)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 

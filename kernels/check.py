@@ -35,30 +35,39 @@ CASES = [  # name, batch, N, Bk, S, Hq, Hkv, D, window, dtype, anchors, q_tile, 
 ]
 
 
-def _anchors(rng, kind, batch, n, s):
-    a = rng.integers(0, s, size=(batch, n))
+def anchor_pattern(rng, kind, batch, n, s):
+    """[batch, n] int32 anchors in [0, S): "sorted" / "unsorted" draws, "edges" (anchor 0, anchor S-1, a
+    repeated anchor, a padding block -1) or "ragged" (a different number of real blocks per row, padding
+    after them). Shared with tests/test_kernel.py."""
+    a = rng.integers(0, max(s, 1), size=(batch, n))
     if kind == "sorted":
         a = np.sort(a, axis=1)
-    elif kind == "edges":  # anchor 0, anchor S-1, a repeated anchor, a padding block
-        a[:, 0], a[:, 1], a[:, 2], a[:, -1] = 0, s - 1, a[:, 3], -1
-    elif kind == "ragged":  # a different number of real blocks per row, padding (-1) after them
+    elif kind == "edges":
+        a[:, 0], a[:, 1], a[:, 2] = 0, s - 1, a[:, 3]
+        a[:, -1] = -1
+    elif kind == "ragged":
         for b in range(batch):
-            a[b, rng.integers(1, n + 1):] = -1
+            a[b, rng.integers(1, n):] = -1
+        a[0, 0] = 0
     return jnp.asarray(a, jnp.int32)
 
 
 @functools.lru_cache(maxsize=None)
-def _value_and_grads(impl, bk, window, q_tile, k_tile):
+def value_and_grads(impl, block_size, window=None, q_tile=128, k_tile=128, backend=None, interpret=None,
+                    jit=jax.jit):
+    """jit(xs, anchors, proj) -> (out, d<out, proj>/d(q, k_ctx, v_ctx, k_blk, v_blk)) of the kernel or the
+    reference; anchors are a runtime argument, so one compile serves every anchor pattern of a shape."""
     if impl == "kernel":
-        fn = functools.partial(block_attention, block_size=bk, sliding_window=window, q_tile=q_tile, k_tile=k_tile)
+        fn = functools.partial(block_attention, block_size=block_size, sliding_window=window, q_tile=q_tile,
+                               k_tile=k_tile, backend=backend, interpret=interpret)
     else:
-        fn = functools.partial(block_attention_reference, block_size=bk, sliding_window=window)
+        fn = functools.partial(block_attention_reference, block_size=block_size, sliding_window=window)
 
     def run(xs, anchors, proj):
         out, vjp = jax.vjp(lambda *a: fn(*a, anchors), *xs)
         return out, vjp(proj.astype(out.dtype))
 
-    return jax.jit(run)
+    return jit(run)
 
 
 def _rel(x, ref):
@@ -73,10 +82,10 @@ def run_case(case, seed):
     shapes = [(batch, t, hq, d), (batch, s, hkv, d), (batch, s, hkv, d), (batch, t, hkv, d), (batch, t, hkv, d)]
     xs = [jnp.asarray(rng.standard_normal(sh, np.float32)).astype(dtype) for sh in shapes]
     proj = jnp.asarray(rng.standard_normal(shapes[0], np.float32))
-    anchors = _anchors(rng, kind, batch, n, s)
-    out, grads = _value_and_grads("kernel", bk, window, q_tile, k_tile)(xs, anchors, proj)
+    anchors = anchor_pattern(rng, kind, batch, n, s)
+    out, grads = value_and_grads("kernel", bk, window, q_tile, k_tile)(xs, anchors, proj)
     with jax.default_matmul_precision("highest"):
-        ref, ref_grads = _value_and_grads("reference", bk, window, None, None)(
+        ref, ref_grads = value_and_grads("reference", bk, window)(
             [x.astype(jnp.float32) for x in xs], anchors, proj)
     errs = {"out": _rel(out, ref)}
     errs.update({f"d{k}": _rel(g, r) for k, g, r in zip(("q", "k_ctx", "v_ctx", "k_blk", "v_blk"), grads, ref_grads)})

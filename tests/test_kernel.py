@@ -13,23 +13,10 @@ from hypothesis import Phase, given, settings, strategies as st
 
 from dflash_jax import attention
 from kernels import block_attention, block_attention_reference, block_mask, skipped_fraction
+from kernels.check import anchor_pattern, value_and_grads
 
 # Interpret-mode kernels are large XLA programs; optimisation level 0 halves their compile time.
 _fast_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
-
-
-def _anchors(rng, kind, batch, n, s, bk):
-    a = rng.integers(0, max(s, 1), size=(batch, n))
-    if kind == "sorted":
-        a = np.sort(a, axis=1)
-    elif kind == "edges":  # anchor 0, anchor S-1, a repeated anchor, a padding block
-        a[:, 0], a[:, 1], a[:, 2] = 0, s - 1, a[:, 3]
-        a[:, -1] = -1
-    elif kind == "ragged":  # a different number of real blocks per row, padding (-1) after them
-        for b in range(batch):
-            a[b, rng.integers(1, n):] = -1
-        a[0, 0] = 0
-    return jnp.asarray(a, jnp.int32)
 
 
 def _inputs(seed, batch, n, bk, s, hq, hkv, d, dtype=jnp.float32):
@@ -40,21 +27,8 @@ def _inputs(seed, batch, n, bk, s, hq, hkv, d, dtype=jnp.float32):
     return xs, jnp.asarray(rng.standard_normal(shapes[0], np.float32))
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(impl, block_size, window=None, q_tile=None, k_tile=None, backend=None):
-    """jit(out, d<out, proj>/d(q, k_ctx, v_ctx, k_blk, v_blk)); anchors are a runtime argument, so one
-    compile serves every anchor pattern of a shape."""
-    if impl == "kernel":
-        fn = functools.partial(block_attention, block_size=block_size, sliding_window=window, q_tile=q_tile,
-                               k_tile=k_tile, backend=backend, interpret=True)
-    else:
-        fn = functools.partial(block_attention_reference, block_size=block_size, sliding_window=window)
-
-    def run(xs, anchors, proj):
-        out, vjp = jax.vjp(lambda *a: fn(*a, anchors), *xs)
-        return out, vjp(proj.astype(out.dtype))
-
-    return _fast_jit(run)
+# The kernel (interpret mode) or the reference, jitted as (out, vjp); shared with `python -m kernels.check`.
+_compiled = functools.partial(value_and_grads, interpret=True, jit=_fast_jit)
 
 
 def _rel_err(x, ref):
@@ -95,7 +69,7 @@ def test_kernel_matches_reference_fp32(backend, batch, n, bk, s, hq, hkv, d, win
     xs, proj = _inputs(n * s + hq, batch, n, bk, s, hq, hkv, d)
     rng = np.random.default_rng(s)
     for kind in ["sorted", "unsorted", "edges", "ragged"]:
-        _check((backend, bk, window, q_tile, k_tile), xs, _anchors(rng, kind, batch, n, s, bk), proj)
+        _check((backend, bk, window, q_tile, k_tile), xs, anchor_pattern(rng, kind, batch, n, s), proj)
 
 
 @pytest.mark.parametrize("case", [CASES[2], CASES[3]], ids=["tpu", "gpu"])
@@ -117,7 +91,7 @@ def test_kernel_random_anchors(case):
 def test_kernel_bf16(backend):
     batch, n, bk, s, hq, hkv, d, window = 2, 6, 4, 40, 4, 2, 32, 9
     xs, proj = _inputs(7, batch, n, bk, s, hq, hkv, d, jnp.bfloat16)
-    anchors = _anchors(np.random.default_rng(1), "edges", batch, n, s, bk)
+    anchors = anchor_pattern(np.random.default_rng(1), "edges", batch, n, s)
     # Against the fp32 reference on the same (bf16-rounded) inputs. bf16 keeps 8 significant bits
     # (relative rounding 2**-9 ~ 2e-3). The kernel rounds p to bf16 before p @ v, rounds p and ds to
     # bf16 for the gradient matmuls and returns bf16 results, and its tile-wise online softmax rounds

@@ -30,8 +30,8 @@ import numpy as np
 import optax
 
 from dflash_jax import sharding
-from dflash_jax.checkpoints import load_tokenizer, resolve_dtype, resolve_path
-from dflash_jax.config import DraftConfig, TargetConfig
+from dflash_jax.checkpoints import load_tokenizer, resolve_dtype
+from dflash_jax.config import DraftConfig
 from dflash_jax.draft import Draft, check_fits, load_draft
 from dflash_jax.target import Target, load_target
 from train import objective
@@ -332,9 +332,7 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
         if mesh is None:
             target = load_target(cfg.target, dtype=cfg.dtype)
         else:  # each tensor straight onto its shards
-            path = resolve_path(cfg.target)
-            tcfg = TargetConfig.from_hf(path)
-            target = load_target(path, dtype=cfg.dtype, place=sharding.placer(tcfg, mesh))
+            target, _ = sharding.load_sharded(cfg.target, None, mesh, cfg.dtype)
     else:
         target = Target(target.config, objective.cast_tree(target.params, resolve_dtype(cfg.dtype)), target.path)
         if mesh is not None:
@@ -382,12 +380,12 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
     total = cfg.steps or max(1, int(math.ceil(cfg.epochs * spe)))
     optimizer, step_fn = cached_train_step(cfg, target.config, dcfg, offline=cfg.cache_features)
     start = 0
+    like = params_like if latest is not None else params
+    opt_like = jax.eval_shape(optimizer.init, like)
     if mesh is not None:  # draft params and optimizer state over fsdp / tensor (any checkpoint restores onto it)
-        shapes = params_like if latest is not None else params
-        p_shard = sharding.param_shardings(dcfg, mesh, sharding.rules_for(mesh, target.config, dcfg), shapes)
-        o_shard = sharding.opt_state_shardings(jax.eval_shape(optimizer.init, shapes), p_shard, mesh, shapes)
+        p_shard = sharding.param_shardings(dcfg, mesh, sharding.rules_for(mesh, target.config, dcfg), like)
+        o_shard = sharding.opt_state_shardings(opt_like, p_shard, mesh, like)
     if latest is not None:
-        opt_like = jax.eval_shape(optimizer.init, params_like)
         if mesh is not None:
             params_like, opt_like = sharding.abstract_like(params_like, p_shard), sharding.abstract_like(opt_like, o_shard)
         params, opt_state, meta = ckpt.restore(latest, params_like, opt_like)
