@@ -113,3 +113,11 @@ def test_tiny_pretraining_lowers_loss_resumes_exactly_and_exports(tiny_data):
     ids = np.asarray(tok(text)["input_ids"][:20], np.int32)[None]
     ref = np.asarray(dj.target_logits(dj.Target(cfg, params), ids))
     np.testing.assert_allclose(dj.target_logits(target, ids), ref, atol=0.1)  # bf16 weights
+
+
+def test_demo_draft_bad_init_draft_fails_before_any_work(tmp_path, capsys):
+    from train.demo import main
+
+    assert main(["draft", "--init-draft", str(tmp_path / "none"), "--work", str(tmp_path / "w")]) == 2
+    assert "--init-draft" in capsys.readouterr().err
+    assert not (tmp_path / "w" / "draft" / "data").exists()  # no data generated for a run that cannot start

@@ -4,6 +4,7 @@ Both kernel formulations run here: "tpu" (scalar-prefetch grid with skipped tile
 (Triton-style in-kernel loop). Forward and the gradients of all five float inputs are compared.
 """
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -216,3 +217,18 @@ def test_lowers_for_accelerators(platform, backend, window):
     text = jax.jit(run).trace(*xs).lower(lowering_platforms=(platform,)).as_text()
     target = "tpu_custom_call" if platform == "tpu" else "triton"
     assert text.count(target) >= 3  # forward, dq, dk/dv
+
+
+def test_check_cli_reports_and_exits_nonzero_on_failure(monkeypatch, capsys):
+    """`python -m kernels.check`: one line per case, exit status 0 when all pass, 1 when any fails (here a
+    case whose shapes the kernel rejects: Hq not a multiple of Hkv)."""
+    from kernels import check
+
+    small = ("fp32 tiny", 1, 3, 4, 20, 2, 1, 16, None, "float32", "ragged", 8, 16)
+    monkeypatch.setattr(check, "CASES", [small])
+    assert check.main([]) == 0
+    assert capsys.readouterr().out.startswith("ok   fp32 tiny")
+    monkeypatch.setattr(check, "CASES", [small, ("bad heads", 1, 3, 4, 20, 3, 2, 16, None, "float32", "sorted", 8, 16)])
+    assert check.main(["--json"]) == 1
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["ok"] for r in rows] == [True, False] and "error" in rows[1]

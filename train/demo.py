@@ -162,6 +162,10 @@ def cmd_draft(args) -> int:
     if not os.path.isfile(os.path.join(args.target, "config.json")):
         _log(f"no target at {args.target}: run `python -m train.demo target` first")
         return 2
+    if args.init_draft and not os.path.isfile(os.path.join(args.init_draft, "config.json")):
+        _log(f"--init-draft {args.init_draft}: no draft there (expected an exported draft directory with "
+             "config.json + model.safetensors)")
+        return 2
     work = os.path.join(args.work, "draft")
     os.makedirs(work, exist_ok=True)
     prompts, evals = os.path.join(work, "prompts.jsonl"), os.path.join(work, "eval_prompts.jsonl")
