@@ -121,3 +121,14 @@ def test_demo_draft_bad_init_draft_fails_before_any_work(tmp_path, capsys):
     assert main(["draft", "--init-draft", str(tmp_path / "none"), "--work", str(tmp_path / "w")]) == 2
     assert "--init-draft" in capsys.readouterr().err
     assert not (tmp_path / "w" / "draft" / "data").exists()  # no data generated for a run that cannot start
+
+
+def test_demo_draft_prompt_chars_option(capsys):
+    from train.demo import build_parser
+
+    assert build_parser().parse_args(["draft", "--prompt-chars", "200,600"]).prompt_chars == (200, 600)
+    assert build_parser().parse_args(["draft"]).prompt_chars == (120, 400)
+    for bad in ("600,200", "0,10", "abc", "1,2,3"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["draft", "--prompt-chars", bad])
+        assert "--prompt-chars" in capsys.readouterr().err

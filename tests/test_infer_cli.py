@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import types
 
 import numpy as np
 import pytest
@@ -81,7 +82,7 @@ def test_benchmark_json_summary(pair_dirs, capsys, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n" + json.dumps({"prompt": "import os"}) + "\n")
     code, out = run(b, ["--target", tdir, "--draft", ddir, "--prompts-file", str(prompts), "--max-new-tokens", "10",
-                        "--json", "--ignore-eos", "--no-timing-split"], capsys)
+                        "--json", "--ignore-eos", "--no-timing-split", "--repeats", "2"], capsys)
     assert code == 0
     lines = [json.loads(x) for x in out.out.strip().splitlines()]
     rows, summary = lines[:-1], lines[-1]
@@ -91,6 +92,30 @@ def test_benchmark_json_summary(pair_dirs, capsys, tmp_path):
     assert sum(summary["acceptance_histogram"]) == sum(len(r["acceptance_lengths"]) for r in rows)
     assert np.isclose(summary["tau"], np.mean([a for r in rows for a in r["acceptance_lengths"]]))
     assert summary["plain_step_s"] > 0 and summary["dflash_step_s"] > 0
+
+
+def test_benchmark_fastest_of_repeats():
+    """Each method's fastest run counts; runs that disagree are an error, not a silent pick."""
+    from infer import benchmark as b
+
+    def results(*walls, ids=(1, 2)):
+        it = iter(walls)
+        return lambda: types.SimpleNamespace(wall_time_s=next(it), output_ids=list(ids))
+
+    plain, spec = b._fastest(3, results(3.0, 1.0, 2.0), results(0.5, 0.7, 0.2))
+    assert (plain.wall_time_s, spec.wall_time_s) == (1.0, 0.2)
+    flips = iter([[1, 2], [1, 3]])
+    odd = lambda: types.SimpleNamespace(wall_time_s=1.0, output_ids=next(flips))  # noqa: E731
+    with pytest.raises(ValueError, match="DFlash decoding gave different outputs"):
+        b._fastest(2, results(1.0, 1.0), odd)
+
+
+def test_benchmark_rejects_zero_repeats(capsys):
+    from infer import benchmark as b
+
+    with pytest.raises(SystemExit):
+        b.main(["--repeats", "0"])
+    assert "--repeats must be >= 1" in capsys.readouterr().err
 
 
 def test_benchmark_forward_timing(pair_dirs):

@@ -169,8 +169,9 @@ def cmd_draft(args) -> int:
     work = os.path.join(args.work, "draft")
     os.makedirs(work, exist_ok=True)
     prompts, evals = os.path.join(work, "prompts.jsonl"), os.path.join(work, "eval_prompts.jsonl")
+    lo, hi = args.prompt_chars
     _write_prompts(prompts, corpus.code_prompts(corpus.train_files(), args.num_prompts, seed=args.seed,
-                                                min_chars=120, max_chars=400))
+                                                min_chars=lo, max_chars=hi))
     _write_prompts(evals, corpus.code_prompts(corpus.heldout_files(), 8, seed=args.seed + 1,
                                               min_chars=120, max_chars=400))
     target = dj.load_target(args.target)
@@ -192,6 +193,16 @@ def cmd_draft(args) -> int:
     _log(f"exported the draft to {args.out}: " + ", ".join(
         f"{n} {os.path.getsize(os.path.join(args.out, n)) / 1e6:.2f} MB" for n in sorted(os.listdir(args.out))))
     return 0
+
+
+def _char_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX (two integers), got {text!r}") from None
+    if not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 0 < MIN <= MAX, got {lo},{hi}")
+    return lo, hi
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default=DEFAULT_DRAFT_OUT, help="where the exported draft goes")
     d.add_argument("--work", default=DEFAULT_WORK, help="work files go to WORK/draft (delete it to start over)")
     d.add_argument("--num-prompts", type=int, default=1500, help="training prompts cut from the training modules")
+    d.add_argument("--prompt-chars", type=_char_range, default=(120, 400), metavar="MIN,MAX",
+                   help="prompt length range in characters (default 120,400; the benchmark's default prompts "
+                        "are 200,600)")
     d.add_argument("--response-tokens", type=int, default=128, help="tokens the target generates per prompt")
     d.add_argument("--gen-batch-size", type=int, default=32, help="prompts per batch of data generation")
     d.add_argument("--draft-layers", type=int, default=2)
