@@ -1,12 +1,14 @@
-"""Hugging Face safetensors <-> Flax parameter trees, through one declarative name table.
+"""Hugging Face safetensors <-> Flax parameter trees, through one declarative name table per model.
 
-Flax path <-> tensor name: ``layers_N`` <-> ``layers.N``; leaves per ``_LEAVES`` (Linear ``kernel`` is
-the transposed ``weight``); target names carry the ``model.`` prefix (except ``lm_head``), draft
-names none. Shards are memory-mapped and converted tensor by tensor, so a checkpoint is never held
-twice in memory; ``place`` decides where each tensor goes (one device, or its shards).
+A ``NameTable`` maps a Flax path to a tensor name: ``layers_N`` <-> ``layers.N``, leaves per ``_LEAVES``
+(a Linear ``kernel`` is the transposed ``weight``), a family-specific prefix (``model.`` for the
+targets, none for the drafts) except on names the table leaves unprefixed (``lm_head``). Shards are
+memory-mapped and converted tensor by tensor, so a checkpoint is never held twice in memory; ``place``
+decides where each tensor goes (one device, or its shards).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -22,8 +24,6 @@ from flax import traverse_util
 # flax leaf name -> (Hugging Face leaf name, stored transposed)
 _LEAVES = {"kernel": ("weight", True), "embedding": ("weight", False), "weight": ("weight", False),
            "bias": ("bias", False)}
-# Tensors a checkpoint may carry that have no parameter here (rotary buffers).
-_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
@@ -32,20 +32,30 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
           "fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
+@dataclasses.dataclass(frozen=True)
+class NameTable:
+    """How one model's parameter paths are named in its Hugging Face checkpoint."""
+
+    prefix: str = ""  # prepended to every tensor name except those starting with ``unprefixed``
+    unprefixed: tuple[str, ...] = ("lm_head.",)
+    ignored: tuple[str, ...] = (r"(^|\.)rotary_emb\.inv_freq$",)  # regexes: checkpoint tensors with no parameter
+
+    def name(self, path: tuple[str, ...]) -> tuple[str, bool]:
+        """Flax path -> (Hugging Face tensor name, stored transposed?)."""
+        leaf, transposed = _LEAVES[path[-1]]
+        name = ".".join([re.sub(r"^layers_(\d+)$", r"layers.\1", p) for p in path[:-1]] + [leaf])
+        return (name if name.startswith(self.unprefixed) else self.prefix + name), transposed
+
+    def is_ignored(self, name: str) -> bool:
+        return any(re.search(p, name) for p in self.ignored)
+
+
 def resolve_dtype(dtype):
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
         return DTYPES[dtype]
     return jnp.dtype(dtype).type
-
-
-def hf_name(path: tuple[str, ...], prefix: str) -> tuple[str, bool]:
-    """Flax path -> (Hugging Face tensor name, transposed?)."""
-    leaf, transposed = _LEAVES[path[-1]]
-    parts = [re.sub(r"^layers_(\d+)$", r"layers.\1", p) for p in path[:-1]] + [leaf]
-    name = ".".join(parts)
-    return (name if name.startswith("lm_head.") else prefix + name), transposed
 
 
 def _offline() -> bool:
@@ -138,24 +148,24 @@ def weight_files(directory: str) -> list[str]:
                             "(only safetensors checkpoints are supported)")
 
 
-def load_params(directory: str, shapes, *, prefix: str, dtype=jnp.float32,
-                place: Callable[[tuple, np.ndarray], jax.Array] | None = None, ignore: tuple[str, ...] = ()):
+def load_params(directory: str, shapes, table: NameTable, *, dtype=jnp.float32,
+                place: Callable[[tuple, np.ndarray], jax.Array] | None = None):
     """Read the checkpoint in ``directory`` into a tree shaped like ``shapes`` (a pytree of ShapeDtypeStructs).
 
     Every parameter must be present with the shape the config implies; ``place(path, array)`` puts
-    each converted tensor on its device(s) (default: ``jnp.asarray``); names in ``ignore`` are skipped.
+    each converted tensor on its device(s) (default: ``jnp.asarray``); the table's ignored names are skipped.
     """
     dtype = resolve_dtype(dtype)
     place = place or (lambda path, a: jnp.asarray(a))
     expected = {}
     for path, leaf in traverse_util.flatten_dict(shapes).items():
-        name, transposed = hf_name(path, prefix)
+        name, transposed = table.name(path)
         expected[name] = (path, transposed, tuple(leaf.shape))
     found, unexpected = {}, []
     for filename in weight_files(directory):
         for name, array in iter_safetensors(filename):
             if name not in expected:
-                if not _IGNORED.search(name) and name not in ignore:
+                if not table.is_ignored(name):
                     unexpected.append(name)
                 continue
             path, transposed, shape = expected[name]
@@ -174,11 +184,11 @@ def load_params(directory: str, shapes, *, prefix: str, dtype=jnp.float32,
     return traverse_util.unflatten_dict(found)
 
 
-def export_params(params, *, prefix: str, dtype=None) -> dict[str, np.ndarray]:
+def export_params(params, table: NameTable, dtype=None) -> dict[str, np.ndarray]:
     """Parameter tree -> {Hugging Face name: [out, in] array}."""
     out = {}
     for path, value in traverse_util.flatten_dict(params).items():
-        name, transposed = hf_name(path, prefix)
+        name, transposed = table.name(path)
         a = np.asarray(jax.device_get(value))
         if dtype is not None:
             a = a.astype(resolve_dtype(dtype))

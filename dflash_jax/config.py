@@ -1,6 +1,7 @@
 """Frozen model configs read from (and written back to) Hugging Face ``config.json``.
 
-``TargetConfig`` describes a Qwen3 / LLaMA-3.x decoder; ``DraftConfig`` a DFlash draft (a Qwen3
+``TargetConfig`` describes a dense Qwen3 / LLaMA-3.x decoder (the ``dense`` target family, and the
+layer stack of every draft); ``DraftConfig`` a DFlash draft (a Qwen3
 layer stack plus the DFlash fields). Both accept the transformers-4.x rope format (``rope_theta`` +
 ``rope_scaling``) and the 5.x one (``rope_parameters``). Configs are hashable: they are static
 arguments of jitted functions.
@@ -13,12 +14,13 @@ import os
 import warnings
 from typing import Any, Mapping
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+DENSE_MODEL_TYPES = ("qwen3", "llama")  # what TargetConfig describes; all families: dflash_jax.families
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def _read_json(path_or_dict) -> dict:
+def read_config_json(path_or_dict) -> dict:
+    """A config dict from a dict, a config.json path or a model directory."""
     if isinstance(path_or_dict, Mapping):
         return dict(path_or_dict)
     path = os.fspath(path_or_dict)
@@ -99,7 +101,7 @@ def _layer_types(d: Mapping, n_layers: int) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """A Qwen3 / LLaMA-3.x decoder (also the layer stack of a DFlash draft)."""
+    """A dense Qwen3 / LLaMA-3.x decoder (the ``dense`` family's config; also a DFlash draft's layer stack)."""
 
     model_type: str
     vocab_size: int
@@ -137,10 +139,10 @@ class TargetConfig:
 
     @classmethod
     def from_hf(cls, path_or_dict) -> "TargetConfig":
-        d = _read_json(path_or_dict)
+        d = read_config_json(path_or_dict)
         model_type = d.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if model_type not in DENSE_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(DENSE_MODEL_TYPES)}")
         return cls._from_dict(d, model_type)
 
     @classmethod
@@ -241,7 +243,7 @@ class DraftConfig:
 
     @classmethod
     def from_hf(cls, path_or_dict) -> "DraftConfig":
-        d = _read_json(path_or_dict)
+        d = read_config_json(path_or_dict)
         dflash = dict(d.get("dflash_config") or {})
         mask = dflash.get("mask_token_id", d.get("mask_token_id"))
         if mask is None:

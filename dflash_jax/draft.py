@@ -4,7 +4,8 @@ Context: concatenated target layer outputs -> ``fc`` -> ``hidden_norm``; each la
 own k_proj (+k_norm, RoPE at the context positions) and v_proj, without ``input_layernorm``. A block
 of queries anchored at position a sees context positions < a and its own block bidirectionally
 (``attention.block_attention``); inference runs one block per row against the draft cache, training
-many blocks per sequence against the whole context. Embedding and lm_head are the target's.
+many blocks per sequence against the whole context: ``draft_hidden`` is the one forward of both.
+Embedding and lm_head are the target's.
 """
 from __future__ import annotations
 
@@ -19,12 +20,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import target as target_lib
 from dflash_jax.attention import block_attention
-from dflash_jax.cache import KVCache
+from dflash_jax.checkpoints import NameTable, export_params, load_params, resolve_path, save_safetensors
 from dflash_jax.config import DraftConfig
-from dflash_jax.layers import Linear, RMSNorm
-from dflash_jax.target import DecoderLayer, Target, Transformer, check_token_ids
-from dflash_jax.target import forward as target_forward
+from dflash_jax.families.dense import DecoderLayer
+from dflash_jax.layers import Linear, RMSNorm, random_params
+from dflash_jax.state import DecodeCache, KVSpec
+from dflash_jax.target import Target, check_token_ids
+
+CHECKPOINT = NameTable()  # released drafts: layer names without a prefix
 
 
 class DraftLayer(DecoderLayer):
@@ -84,22 +89,40 @@ class Draft:
     params: Any
     path: str | None = None
 
-    def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        """Context-only K/V cache of every draft layer."""
+    def new_cache(self, batch: int, max_len: int, dtype=None) -> DecodeCache:
+        """Context-only K/V of every draft layer (full length: the block attention applies any window)."""
         dtype = dtype or jax.tree_util.tree_leaves(self.params)[0].dtype
-        return KVCache.for_model(self.config.layers, batch, max_len, dtype)
+        return new_cache(self.config, batch, max_len, dtype)
 
 
-def init_draft_params(cfg: DraftConfig, seed: int = 0, dtype=jnp.float32):
+def new_cache(cfg: DraftConfig, batch: int, max_len: int, dtype) -> DecodeCache:
+    c = cfg.layers
+    return DecodeCache.create([KVSpec(c.num_key_value_heads, c.head_dim)] * c.num_hidden_layers, batch, max_len, dtype)
+
+
+def cache_kv(cache: DecodeCache) -> tuple[tuple, tuple]:
+    """Per-layer context keys and values of a draft cache, as ``draft_hidden`` takes them."""
+    return tuple(s.k for s in cache.layers), tuple(s.v for s in cache.layers)
+
+
+def abstract_variables(cfg: DraftConfig):
+    """The draft's boxed variables as ShapeDtypeStructs (shapes + logical axes; nothing allocated)."""
     d = cfg.layers.hidden_size
-    feats = jnp.zeros((1, 2, cfg.num_features * d), dtype)
-    variables = DFlashDraft(cfg).init(jax.random.PRNGKey(seed), feats, jnp.zeros((1, 2, d), dtype),
-                                      method=DFlashDraft.initialize)
-    return jax.tree_util.tree_map(lambda x: x.astype(dtype), nn.meta.unbox(variables["params"]))
+
+    def init(key):
+        feats, x = jnp.zeros((1, 2, cfg.num_features * d)), jnp.zeros((1, 2, d))
+        return DFlashDraft(cfg).init(key, feats, x, method=DFlashDraft.initialize)
+
+    return jax.eval_shape(init, jax.ShapeDtypeStruct((2,), jnp.uint32))["params"]
 
 
 def draft_param_shapes(cfg: DraftConfig):
-    return jax.eval_shape(lambda: init_draft_params(cfg))
+    return nn.meta.unbox(abstract_variables(cfg))
+
+
+def init_draft_params(cfg: DraftConfig, seed: int = 0, dtype=jnp.float32):
+    """Fresh draft parameters (the library's initialisers)."""
+    return random_params(draft_param_shapes(cfg), seed, dtype=dtype)
 
 
 def check_fits(target: Target, draft: Draft) -> None:
@@ -120,27 +143,28 @@ def context_kv(cfg: DraftConfig, params, features, positions):
     return DFlashDraft(cfg).apply({"params": params}, features, positions, method=DFlashDraft.context_kv)
 
 
-def materialize(cfg: DraftConfig, params, cache: KVCache, features, positions) -> KVCache:
-    """Write the context K/V of ``features`` [B, T, n*D] at ``positions`` [B, T] into the draft cache."""
-    k, v = DFlashDraft(cfg).apply({"params": params}, features, positions, method=DFlashDraft.context_kv)
-    for i in range(cfg.layers.num_hidden_layers):
-        cache = cache.write(i, k[i], v[i], positions)
-    return cache
+def materialize(cfg: DraftConfig, params, cache: DecodeCache, features, positions) -> DecodeCache:
+    """Write the context K/V of ``features`` [B, T, n*D] at ``positions`` [B, T] (< 0: skipped) into the
+    draft cache; its committed length is left to ``DecodeCache.commit``."""
+    k, v = context_kv(cfg, params, features, positions)
+    return cache.replace(layers=tuple(s.write(ki, vi, positions) for s, ki, vi in zip(cache.layers, k, v)))
 
 
-def block_hidden(cfg: DraftConfig, params, x, anchors, k_ctx, v_ctx, impl: str = "auto"):
+def draft_hidden(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto"):
+    """THE draft forward (decoding and training): block token ids [B, N*Bk], block b anchored at
+    ``anchors[:, b]``, embedded with the target's table; per-layer context K/V [B, S, K, H] (slot s =
+    position s) -> final-normed hidden states [B, N*Bk, D] in the context's dtype."""
+    x = target_lib.embed(tcfg, tparams, block_ids).astype(k_ctx[0].dtype)
     return DFlashDraft(cfg).apply({"params": params}, x, anchors, k_ctx, v_ctx, impl)
 
 
 def block_logits(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto",
                  drop_anchor: bool = False):
-    """Block token ids [B, N*Bk] -> draft logits (float32) through the target's embedding and lm_head.
+    """``draft_hidden`` -> float32 logits through the target's lm_head.
     ``drop_anchor`` (one block per row): logits of positions 1.. only, [B, Bk-1, V]; the lm_head then skips
     the anchor row, whose logits decoding never uses (on a CPU the head is a large part of a draft forward)."""
-    target = Transformer(tcfg)
-    x = target.apply({"params": tparams}, block_ids, method=Transformer.embed)
-    h = block_hidden(cfg, params, x, anchors, k_ctx, v_ctx, impl)
-    return target.apply({"params": tparams}, h[:, 1:] if drop_anchor else h, method=Transformer.head)
+    h = draft_hidden(tcfg, tparams, cfg, params, block_ids, anchors, k_ctx, v_ctx, impl)
+    return target_lib.head(tcfg, tparams, h[:, 1:] if drop_anchor else h)
 
 
 def propose(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto"):
@@ -153,7 +177,7 @@ def propose(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, 
 def _draft_block_logits(tcfg, tparams, cfg, params, context_ids, block_ids):
     b, t = context_ids.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    _, features, _ = target_forward(tcfg, tparams, context_ids, positions, feature_layer_ids=cfg.target_layer_ids)
+    _, features, _ = target_lib.forward(tcfg, tparams, context_ids, positions, feature_layer_ids=cfg.target_layer_ids)
     k, v = context_kv(cfg, params, features, positions)
     anchors = jnp.full((b, 1), t, jnp.int32)
     return block_logits(tcfg, tparams, cfg, params, block_ids, anchors, k, v)
@@ -176,22 +200,18 @@ def draft_block_logits(target: Target, draft: Draft, context_ids, block_ids) -> 
 
 def load_draft(path_or_hub_id, dtype="float32", place=None) -> Draft:
     """Load a released-format DFlash draft (config.json + model.safetensors, no ``model.`` prefix)."""
-    from dflash_jax.checkpoints import load_params, resolve_path
-
     path = resolve_path(path_or_hub_id)
     cfg = DraftConfig.from_hf(path)
-    params = load_params(path, draft_param_shapes(cfg), prefix="", dtype=dtype, place=place)
+    params = load_params(path, draft_param_shapes(cfg), CHECKPOINT, dtype=dtype, place=place)
     return Draft(cfg, params, path)
 
 
 def save_draft(draft: Draft, out_dir: str, dtype="bfloat16") -> str:
     """Write ``draft`` in the released layout (loadable by ``load_draft`` and the PyTorch reference)."""
-    from dflash_jax.checkpoints import export_params, save_safetensors
-
     os.makedirs(out_dir, exist_ok=True)
     cfg = draft.config.to_hf()
     cfg["torch_dtype"] = cfg["dtype"] = str(np.dtype(jnp.dtype(dtype)))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
-    save_safetensors(os.path.join(out_dir, "model.safetensors"), export_params(draft.params, prefix="", dtype=dtype))
+    save_safetensors(os.path.join(out_dir, "model.safetensors"), export_params(draft.params, CHECKPOINT, dtype))
     return out_dir

@@ -12,10 +12,29 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
 from dflash_jax.config import RopeConfig, TargetConfig
 
-_init = nn.initializers.normal(0.02)
+INIT_STD = 0.02
+_init = nn.initializers.normal(INIT_STD)
+
+
+def random_params(shapes, seed: int, *, std: float = INIT_STD, dtype=jnp.float32):
+    """Parameters shaped like ``shapes`` (ShapeDtypeStructs) with this module's initialisers -- normal(std)
+    matrices and embeddings, unit RMSNorm weights, zero biases -- drawn with numpy: no per-op compilation
+    (Flax's eager ``init`` compiles every op, seconds per model on a small CPU)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for path, leaf in sorted(traverse_util.flatten_dict(shapes).items()):
+        if path[-1] == "weight":
+            v = np.ones(leaf.shape, np.float32)
+        elif path[-1] == "bias":
+            v = np.zeros(leaf.shape, np.float32)
+        else:
+            v = rng.standard_normal(leaf.shape, np.float32) * std
+        out[path] = jnp.asarray(v, dtype)
+    return traverse_util.unflatten_dict(out)
 
 
 class Linear(nn.Module):

@@ -4,8 +4,9 @@ Per step and per row: the draft predicts a block [x_n, d_1..d_{K-1}] from its co
 forward; the target verifies it in one forward; the longest prefix with d_k == p_{k-1} is accepted
 and p_a (the target's own next token) is the bonus. Committed: p_0..p_a at positions n+1..n+a+1, so
 n (the committed length of both caches) grows by a+1, and the verified tokens' features become new
-draft context. Rollback is the length pointer only. With no draft (or a block of 1) the same loop is
-plain autoregressive decoding, the baseline of every comparison.
+draft context. Both caches roll back through the per-layer state protocol (``DecodeCache.commit``:
+each layer keeps the first a+1 tokens of the verify forward in its own way). With no draft (or a
+block of 1) the same loop is plain autoregressive decoding, the baseline of every comparison.
 
 Counting: the first token comes from the prefill; each verify step's acceptance length is the
 number of tokens it committed: a+1 (accepted drafts plus the bonus token, as in the paper), between 1
@@ -27,10 +28,11 @@ import numpy as np
 
 from dflash_jax import draft as draft_lib
 from dflash_jax import sharding
-from dflash_jax.cache import KVCache
-from dflash_jax.config import DraftConfig, TargetConfig
+from dflash_jax import target as target_lib
+from dflash_jax.config import DraftConfig
 from dflash_jax.sampling import SamplingParams, accepted_length, choose
-from dflash_jax.target import Target, Transformer, check_token_ids
+from dflash_jax.state import DecodeCache
+from dflash_jax.target import Target, check_token_ids
 
 FINISH_REASONS = ("running", "length", "stop")
 
@@ -39,7 +41,7 @@ FINISH_REASONS = ("running", "length", "stop")
 class EngineSpec:
     """Everything static about a compiled decode loop."""
 
-    target: TargetConfig
+    target: Any  # the target's config (any family)
     draft: DraftConfig | None
     block_size: int
     greedy: bool
@@ -67,8 +69,8 @@ class EngineSpec:
 @flax.struct.dataclass
 class DecodeState:
     tokens: jax.Array  # [B, S] tokens by position; tokens[b, n_b] is the pending (not yet cached) token
-    tcache: KVCache  # target K/V; lengths = n, the committed tokens whose K/V are cached
-    dcache: KVCache | None  # draft context K/V; lengths == tcache.lengths at every step
+    tcache: DecodeCache  # target layer states; lengths = n, the committed tokens they hold
+    dcache: DecodeCache | None  # draft context K/V; lengths == tcache.lengths at every step
     generated: jax.Array  # [B] tokens generated so far, the pending one included
     budget: jax.Array  # [B] most tokens the row may generate
     finish: jax.Array  # [B] int32 index into FINISH_REASONS
@@ -83,23 +85,23 @@ class DecodeState:
 
 def _prefill(spec: EngineSpec, tparams, dparams, prompts, lens, budget, stop_ids, sampling, key, cache_len: int):
     b, p = prompts.shape
-    tc = spec.target
     dtype = jax.tree_util.tree_leaves(tparams)[0].dtype
-    tcache = KVCache.for_model(tc, b, cache_len, dtype)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    logits, features, tcache = Transformer(tc).apply({"params": tparams}, prompts, positions, tcache,
-                                                     spec.feature_layer_ids, lens - 1)
+    tcache = target_lib.new_cache(spec.target, b, cache_len, dtype, max_block=spec.block_size)
+    offsets = jnp.arange(p, dtype=jnp.int32)
+    positions = jnp.where(offsets < lens[:, None], offsets, -1)  # padding: never cached, never attended
+    logits, features, tcache = target_lib.forward(spec.target, tparams, prompts, positions, tcache,
+                                                  spec.feature_layer_ids, lens - 1)
     key, sub = jax.random.split(key)
     first = choose(logits[:, 0], sub, *sampling, greedy=spec.greedy)
     rows = jnp.arange(b)
     tokens = jnp.zeros((b, cache_len), jnp.int32).at[:, :p].set(prompts).at[rows, lens].set(first)
     dcache = None
     if spec.speculative:
-        dcache = KVCache.for_model(spec.draft.layers, b, cache_len, dtype)
-        dcache = draft_lib.materialize(spec.draft, dparams, dcache, features, positions).replace(lengths=lens)
+        dcache = draft_lib.new_cache(spec.draft, b, cache_len, dtype)
+        dcache = draft_lib.materialize(spec.draft, dparams, dcache, features, positions).commit(lens)
     stopped = jnp.isin(first, stop_ids)
     finish = jnp.where(stopped, 2, jnp.where(budget <= 1, 1, 0)).astype(jnp.int32)
-    return spec.place(DecodeState(tokens=tokens, tcache=tcache.replace(lengths=lens), dcache=dcache,
+    return spec.place(DecodeState(tokens=tokens, tcache=tcache.commit(lens), dcache=dcache,
                                   generated=jnp.ones((b,), jnp.int32), budget=budget, finish=finish,
                                   acceptance=jnp.zeros((b, cache_len), jnp.int32), steps=jnp.zeros((b,), jnp.int32),
                                   key=key))
@@ -115,13 +117,13 @@ def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, samp
     if spec.speculative:
         block = jnp.concatenate([pending[:, None], jnp.full((b, k - 1), mask_token_id, jnp.int32)], axis=1)
         block = block.at[:, 1:].set(draft_lib.propose(spec.target, tparams, spec.draft, dparams, block, n[:, None],
-                                                      state.dcache.k, state.dcache.v))
+                                                      *draft_lib.cache_kv(state.dcache)))
     else:
         block = pending[:, None]
     offsets = jnp.arange(k, dtype=jnp.int32)
     positions = n[:, None] + offsets
-    logits, features, tcache = Transformer(spec.target).apply({"params": tparams}, block, positions, state.tcache,
-                                                              spec.feature_layer_ids)
+    logits, features, tcache = target_lib.forward(spec.target, tparams, block, positions, state.tcache,
+                                                  spec.feature_layer_ids)
     key, sub = jax.random.split(state.key)
     posterior = choose(logits, sub, *sampling, greedy=spec.greedy)  # p_0..p_{k-1}
     a = accepted_length(block[:, 1:], posterior) if k > 1 else jnp.zeros((b,), jnp.int32)
@@ -136,13 +138,13 @@ def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, samp
     tokens = state.tokens.at[rows[:, None], jnp.where(write, positions + 1, cache_len)].set(posterior, mode="drop")
     generated = state.generated + jnp.where(active, keep, 0)
     finish = jnp.where(active & hit_stop, 2, jnp.where(active & (generated >= state.budget), 1, state.finish))
-    n_new = jnp.where(active, n + a + 1, n)
+    kept = jnp.where(active, a + 1, 0)  # verified tokens whose state every layer keeps: x_n, d_1..d_a
     dcache = state.dcache
     if spec.speculative:  # the verified tokens' features (slots past n+a are masked until overwritten)
-        ctx_positions = jnp.where(active[:, None], positions, cache_len)
-        dcache = draft_lib.materialize(spec.draft, dparams, dcache, features, ctx_positions).replace(lengths=n_new)
+        ctx_positions = jnp.where(active[:, None], positions, -1)
+        dcache = draft_lib.materialize(spec.draft, dparams, dcache, features, ctx_positions).commit(kept)
     acceptance = state.acceptance.at[rows, jnp.where(active, state.steps, cache_len)].set(keep, mode="drop")
-    return spec.place(DecodeState(tokens=tokens, tcache=tcache.replace(lengths=n_new), dcache=dcache,
+    return spec.place(DecodeState(tokens=tokens, tcache=tcache.commit(kept), dcache=dcache,
                                   generated=generated, budget=state.budget, finish=finish.astype(jnp.int32),
                                   acceptance=acceptance, steps=state.steps + active.astype(jnp.int32), key=key))
 

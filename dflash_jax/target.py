@@ -1,13 +1,14 @@
-"""The target model: a Qwen3 / LLaMA-3.x decoder returning logits and selected layer outputs.
+"""The target model, family-independent: load, save, forward (logits + selected-layer features), caches.
 
-One forward serves prefill, verification and plain full-sequence scoring: with a cache, new K/V are
-written at the tokens' positions and queries see every slot at a position <= their own (offset-causal:
-committed context plus the causal part of the new block); without a cache, plain causal attention.
+Everything here goes through the family registry (``dflash_jax.families``), so the engine, the draft
+and the trainer work for any registered ``model_type`` without knowing its layers.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 from typing import Any
 
 import flax.linen as nn
@@ -15,129 +16,88 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.attention import attend, position_mask
-from dflash_jax.cache import KVCache
-from dflash_jax.config import TargetConfig
-from dflash_jax.layers import MLP, AttentionProjections, Embed, Linear, RMSNorm
+from dflash_jax.checkpoints import export_params, load_params, resolve_path, save_safetensors
+from dflash_jax.families import config_from_hf, family_of
+from dflash_jax.layers import random_params
+from dflash_jax.state import DecodeCache
 
 
-class DecoderLayer(nn.Module):
-    cfg: TargetConfig
-    index: int
-
-    def setup(self):
-        c = self.cfg
-        self.self_attn = AttentionProjections(c)
-        self.mlp = MLP(c)
-        self.input_layernorm = RMSNorm(c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.rms_norm_eps)
-
-    def __call__(self, x, positions, cache: KVCache | None):
-        window = self.cfg.layer_window(self.index)
-        h = self.input_layernorm(x)
-        q = self.self_attn.queries(h, positions)
-        k, v = self.self_attn.keys_values(h, positions)
-        if cache is None:
-            mask = position_mask(positions, positions, causal=True, sliding_window=window)
-        else:
-            cache = cache.write(self.index, k, v, positions)
-            k, v = cache.k[self.index], cache.v[self.index]
-            mask = position_mask(positions, cache.slot_positions(), causal=True, sliding_window=window)
-        x = x + self.self_attn.output(attend(q, k, v, mask))
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, cache
-
-
-class Transformer(nn.Module):
-    """Decoder with Hugging Face parameter names (``embed_tokens``, ``layers_N``, ``norm``, ``lm_head``)."""
-
-    cfg: TargetConfig
-
-    def setup(self):
-        c = self.cfg
-        self.embed_tokens = Embed(c.vocab_size, c.hidden_size)
-        self.layers = [DecoderLayer(c, i) for i in range(c.num_hidden_layers)]
-        self.norm = RMSNorm(c.rms_norm_eps)
-        if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.vocab_size, False, ("embed", "vocab"))
-
-    def embed(self, ids):
-        return self.embed_tokens(ids)
-
-    def head(self, h):
-        """Logits (float32) of already-normalised hidden states; the draft reuses it."""
-        if self.cfg.tie_word_embeddings:
-            return self.embed_tokens.attend(h)
-        return self.lm_head(h).astype(jnp.float32)
-
-    def __call__(self, input_ids, positions, cache: KVCache | None = None, feature_layer_ids: tuple = (),
-                 logits_index=None):
-        """input_ids, positions [B, T] -> (logits [B, T or 1, V] float32, features [B, T, n*D] or None, cache).
-
-        Features are Hugging Face ``hidden_states[id + 1]`` for each id in ``feature_layer_ids``,
-        concatenated in that order: the output of layer ``id``, except that for the LAST layer Hugging
-        Face (and so every released draft) sees it after the final norm. ``logits_index`` [B] keeps
-        only the logits at one position per row (prefill needs just the last prompt token's).
-        """
-        x = self.embed(input_ids)
-        hidden = []
-        for layer in self.layers:
-            x, cache = layer(x, positions, cache)
-            hidden.append(x)
-        last = self.cfg.num_hidden_layers - 1
-        if last in feature_layer_ids:
-            hidden[last] = self.norm(x)
-        features = jnp.concatenate([hidden[i] for i in feature_layer_ids], axis=-1) if feature_layer_ids else None
-        if logits_index is not None:
-            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
-        return self.head(self.norm(x)), features, cache
+def decoder(cfg) -> nn.Module:
+    """The family's Flax decoder for ``cfg``."""
+    return family_of(cfg).decoder(cfg)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Target:
-    """A loaded target: config + parameter pytree (+ tokenizer path, when the checkpoint has one)."""
+    """A loaded target: config + parameter pytree (+ the checkpoint directory, for its tokenizer)."""
 
-    config: TargetConfig
+    config: Any
     params: Any
     path: str | None = None
 
-    @property
-    def module(self) -> Transformer:
-        return Transformer(self.config)
-
-    def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, dtype=None, max_block: int = 16) -> DecodeCache:
+        """Empty decode state of every layer; ``max_block``: the most tokens of a forward that may be rolled back."""
         dtype = dtype or jax.tree_util.tree_leaves(self.params)[0].dtype
-        return KVCache.for_model(self.config, batch, max_len, dtype)
+        return new_cache(self.config, batch, max_len, dtype, max_block)
 
 
-def init_params(cfg: TargetConfig, seed: int = 0, dtype=jnp.float32):
-    """Random parameters (unboxed), e.g. for tests and pretraining from scratch."""
-    ids = jnp.zeros((1, 2), jnp.int32)
-    variables = Transformer(cfg).init(jax.random.PRNGKey(seed), ids, jnp.arange(2)[None])
-    params = nn.meta.unbox(variables["params"])
-    return jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
+def new_cache(cfg, batch: int, max_len: int, dtype, max_block: int = 16) -> DecodeCache:
+    return DecodeCache.create(family_of(cfg).state_specs(cfg), batch, max_len, dtype, max_block)
+
+
+def abstract_variables(cfg):
+    """The decoder's boxed variables as ShapeDtypeStructs (shapes + logical axes; nothing allocated)."""
+    def init(key):
+        return decoder(cfg).init(key, jnp.zeros((1, 2), jnp.int32), jnp.arange(2)[None])
+
+    return jax.eval_shape(init, jax.ShapeDtypeStruct((2,), jnp.uint32))["params"]
+
+
+def param_shapes(cfg):
+    """ShapeDtypeStructs of every parameter."""
+    return nn.meta.unbox(abstract_variables(cfg))
+
+
+def init_params(cfg, seed: int = 0, dtype=jnp.float32):
+    """Random parameters (the library's initialisers), e.g. for tests and pretraining from scratch."""
+    return random_params(param_shapes(cfg), seed, dtype=dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "feature_layer_ids"))
-def forward(cfg: TargetConfig, params, input_ids, positions, cache=None, feature_layer_ids=(), logits_index=None):
-    """Jitted ``Transformer.__call__``; see there."""
-    return Transformer(cfg).apply({"params": params}, input_ids, positions, cache, feature_layer_ids, logits_index)
+def forward(cfg, params, input_ids, positions, cache=None, feature_layer_ids=(), logits_index=None):
+    """The family decoder's forward: (logits float32, features or None, cache); see ``dense.Decoder``."""
+    return decoder(cfg).apply({"params": params}, input_ids, positions, cache, feature_layer_ids, logits_index)
 
 
-def param_shapes(cfg: TargetConfig):
-    """ShapeDtypeStructs of every parameter, without allocating them."""
-    return jax.eval_shape(lambda: init_params(cfg))
+def embed(cfg, params, ids):
+    """Token embeddings [.., D] (the draft embeds its blocks with the target's table)."""
+    return decoder(cfg).apply({"params": params}, ids, method="embed")
+
+
+def head(cfg, params, h):
+    """Float32 logits of final-normed hidden states (the draft predicts through the target's head)."""
+    return decoder(cfg).apply({"params": params}, h, method="head")
 
 
 def load_target(path_or_hub_id, dtype="float32", place=None) -> Target:
-    """Load a Hugging Face Qwen3 / LLaMA-3.x checkpoint (directory or hub id)."""
-    from dflash_jax.checkpoints import load_params, resolve_path
-
+    """Load a Hugging Face checkpoint of any supported family (directory or hub id)."""
     path = resolve_path(path_or_hub_id)
-    cfg = TargetConfig.from_hf(path)
-    ignore = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    params = load_params(path, param_shapes(cfg), prefix="model.", dtype=dtype, place=place, ignore=ignore)
+    cfg = config_from_hf(path)
+    params = load_params(path, param_shapes(cfg), family_of(cfg).checkpoint(cfg), dtype=dtype, place=place)
     return Target(cfg, params, path)
+
+
+def save_target(target: Target, out_dir: str, dtype=None) -> str:
+    """Write ``config.json`` + ``model.safetensors`` in the Hugging Face layout of the target's family."""
+    os.makedirs(out_dir, exist_ok=True)
+    hf = target.config.to_hf()
+    if dtype is not None:
+        hf["torch_dtype"] = hf["dtype"] = str(np.dtype(jnp.dtype(dtype)))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    table = family_of(target.config).checkpoint(target.config)
+    save_safetensors(os.path.join(out_dir, "model.safetensors"), export_params(target.params, table, dtype))
+    return out_dir
 
 
 def check_token_ids(ids, vocab_size: int, what: str = "input_ids"):

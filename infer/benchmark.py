@@ -58,7 +58,7 @@ def time_forwards(target, draft, block_sizes=(4, 8, 16), context: int = 256, ite
     import jax.numpy as jnp
 
     from dflash_jax import draft as draft_lib
-    from dflash_jax.target import Transformer
+    from dflash_jax import target as target_lib
 
     out = {}
     tcfg = target.config
@@ -80,15 +80,15 @@ def time_forwards(target, draft, block_sizes=(4, 8, 16), context: int = 256, ite
     def verify(carry, tp):
         ids, cache = carry
         pos = context + jnp.arange(ids.shape[1])[None]
-        logits, _, cache = Transformer(tcfg).apply({"params": tp}, ids, pos, cache, ())
+        logits, _, cache = target_lib.forward(tcfg, tp, ids, pos, cache)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
-    tcache = target.new_cache(1, context + 32)
-    dcache = draft.new_cache(1, context + 32) if draft is not None else None
+    tcache = target.new_cache(1, context + 32, max_block=max(block_sizes))
+    dcache = draft_lib.cache_kv(draft.new_cache(1, context + 32)) if draft is not None else None
     for k in sorted(set(block_sizes) | {1}):
         ids = jnp.zeros((1, k), jnp.int32)
         if draft is not None and 1 < k <= draft.config.block_size:
-            out[f"draft_forward_s_block{k}"] = timed(draft_fwd, ids, target.params, draft.params, dcache.k, dcache.v)
+            out[f"draft_forward_s_block{k}"] = timed(draft_fwd, ids, target.params, draft.params, *dcache)
         out[f"verify_forward_s_block{k}"] = timed(verify, (ids, tcache), target.params)
     return out
 

@@ -33,21 +33,17 @@ def trained_pair(root, vocab: int = 64, block_size: int = 16, steps: int = 60, s
 
     import numpy as np
 
-    from dflash_jax.checkpoints import export_params, save_safetensors
-    from dflash_jax.target import load_target, param_shapes
+    from dflash_jax.layers import random_params
+    from dflash_jax.target import load_target, param_shapes, save_target
     from train.config import TrainConfig
-    from train.loop import random_params, train
+    from train.loop import train
     from train.make_data import make_data
 
     quiet = lambda *a, **k: None  # noqa: E731
     tcfg = tiny_target_config(vocab, eos_token_id=(vocab - 2,))
     params = random_params(param_shapes(tcfg), seed)
     params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 30  # peaked next-token distributions
-    tdir = os.path.join(root, "target")
-    os.makedirs(tdir, exist_ok=True)
-    with open(os.path.join(tdir, "config.json"), "w") as f:
-        json.dump(tcfg.to_hf(), f)
-    save_safetensors(os.path.join(tdir, "model.safetensors"), export_params(params, prefix="model."))
+    tdir = save_target(Target(tcfg, params), os.path.join(root, "target"))
     target = load_target(tdir)
     rng = np.random.RandomState(seed)
     prompts = [rng.randint(2, vocab - 2, rng.randint(3, 12)).tolist() for _ in range(24)]
@@ -68,21 +64,17 @@ def pair_dirs(root: str, vocab: int = 320):
     """A tiny random Qwen3 target with a byte-level BPE tokenizer and a random block-8 draft for it, saved
     in the Hugging Face layouts under ``root`` with the project's own exporters; returns
     (target_dir, draft_dir, target)."""
-    import json
     import os
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from dflash_jax.checkpoints import export_params, save_safetensors
     from dflash_jax.draft import save_draft
+    from dflash_jax.target import save_target
 
     tdir, ddir = os.path.join(root, "target"), os.path.join(root, "draft")
-    os.makedirs(tdir, exist_ok=True)
     target, draft = random_pair(vocab=vocab, block_size=8, eos_token_id=(0,))
-    with open(os.path.join(tdir, "config.json"), "w") as f:
-        json.dump(target.config.to_hf(), f)
-    save_safetensors(os.path.join(tdir, "model.safetensors"), export_params(target.params, prefix="model."))
+    save_target(target, tdir)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -163,11 +163,11 @@ def test_cached_chunks_equal_one_pass(target):
         pos = np.broadcast_to(np.arange(lo, hi), (2, hi - lo))
         cache = materialize(draft.params, cache, feats[:, lo:hi], pos)
     logits = jax.jit(lambda tp, dp, ids, a, k, v: D.block_logits(tcfg, tp, dcfg, dp, ids, a, k, v))
-    got = logits(target.params, draft.params, block, jnp.full((2, 1), 13), cache.k, cache.v)
+    got = logits(target.params, draft.params, block, jnp.full((2, 1), 13), *D.cache_kv(cache))
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
     # the engine's proposals: argmax of the same logits at positions 1.. (lm_head skips the anchor row)
     propose = jax.jit(lambda tp, dp, ids, a, k, v: D.propose(tcfg, tp, dcfg, dp, ids, a, k, v))
-    tokens = propose(target.params, draft.params, block, jnp.full((2, 1), 13), cache.k, cache.v)
+    tokens = propose(target.params, draft.params, block, jnp.full((2, 1), 13), *D.cache_kv(cache))
     np.testing.assert_array_equal(np.asarray(tokens), want[:, 1:].argmax(-1))
 
 
@@ -242,7 +242,7 @@ def test_released_layout_loads_from_disk(tmp_path):
     draft = D.Draft(dcfg, D.init_draft_params(dcfg))
     from dflash_jax.checkpoints import export_params
 
-    safetensors.numpy.save_file({k: np.asarray(v, np.float32) for k, v in export_params(draft.params, prefix="").items()},
+    safetensors.numpy.save_file({k: np.asarray(v, np.float32) for k, v in export_params(draft.params, D.CHECKPOINT).items()},
                                 str(tmp_path / "model.safetensors"))
     loaded = dj.load_draft(str(tmp_path))
     assert loaded.config.block_size == 16 and loaded.config.layers.rope.theta == 1e6
@@ -270,5 +270,5 @@ def test_training_forward_equals_per_block_inference(target, impl):
         if a:
             cache = D.materialize(dcfg, draft.params, cache, feats[:, :a], pos[:, :a])
         alone = D.block_logits(tcfg, target.params, dcfg, draft.params, blocks[:, 4 * b:4 * b + 4],
-                               jnp.full((1, 1), a), cache.k, cache.v)
+                               jnp.full((1, 1), a), *D.cache_kv(cache))
         np.testing.assert_allclose(together[:, 4 * b:4 * b + 4], np.asarray(alone), atol=2e-5, rtol=2e-5)

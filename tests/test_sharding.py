@@ -9,7 +9,6 @@ another and training continues.
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import numpy as np
@@ -20,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import dflash_jax as dj
 from dflash_jax import sharding as sh
 from dflash_jax import speculative as S
+from dflash_jax.target import save_target
 from pairs import random_pair, tiny_target_config
 
 MAX_NEW = 24
@@ -151,7 +151,7 @@ def test_speculative_sharded_equals_single_device(pair, prompts, single, spec):
     req = S._prepare(ts, ds, prompts, MAX_NEW, None, S.SamplingParams(0.0, 0, 1.0), [], 0, None)
     state = S._executable(req).output_shardings
     cache = NamedSharding(mesh, sh.cache_spec(mesh, 4))
-    assert state.tcache.k[0].is_equivalent_to(cache, 4) and state.dcache.v[0].is_equivalent_to(cache, 4)
+    assert state.tcache.layers[0].k.is_equivalent_to(cache, 4) and state.dcache.layers[0].v.is_equivalent_to(cache, 4)
     assert state.tokens.is_equivalent_to(sh.batch_sharding(mesh, 2), 2)
 
     # a batch that is not a multiple of data*fsdp is padded (extra rows finish at prefill), results unchanged
@@ -169,21 +169,11 @@ def test_mixed_placement_is_an_error(pair, prompts):
         S.speculative_generate(ts, draft, prompts, max_new_tokens=4)
 
 
-def _save_target(target, out_dir):
-    from dflash_jax.checkpoints import export_params, save_safetensors
-
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(target.config.to_hf(), f)
-    save_safetensors(os.path.join(out_dir, "model.safetensors"), export_params(target.params, prefix="model."))
-    return out_dir
-
-
 @pytest.fixture(scope="module")
 def saved_pair(pair, tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded_pair")
     target, draft = pair
-    tdir = _save_target(target, str(root / "target"))
+    tdir = save_target(target, str(root / "target"))
     ddir = dj.save_draft(draft, str(root / "draft"), dtype="float32")
     return tdir, ddir
 

@@ -194,7 +194,7 @@ def test_logits_index_keeps_one_position_per_row(saved):
 SEQ, MAX_LEN, PREFILL = 12, 24, 5
 
 
-def decode_in_chunks(target, seqs, start_lengths, chunk):
+def decode_in_chunks(target, seqs, start_lengths, chunk, max_block=16):
     """Prefill each row's first ``start_lengths[r]`` tokens, then feed the rest ``chunk`` at a time.
 
     All rows go through one call per step, each at its own offset (positions = lengths[:, None] +
@@ -207,7 +207,7 @@ def decode_in_chunks(target, seqs, start_lengths, chunk):
     lengths = np.asarray(start_lengths, np.int32)
     out = np.full((b, SEQ, V), np.nan, np.float32)
     out_feats = np.full((b, SEQ, L * TINY["hidden_size"]), np.nan, np.float32)
-    cache = target.new_cache(b, MAX_LEN)
+    cache = target.new_cache(b, MAX_LEN, max_block=max_block)
     assert not np.asarray(cache.lengths).any() and cache.max_len == MAX_LEN
 
     ids = seqs[:, :PREFILL].copy()
@@ -238,14 +238,15 @@ def decode_in_chunks(target, seqs, start_lengths, chunk):
     return out, out_feats, steps
 
 
-@pytest.mark.parametrize("case,starts,chunk", [
-    ("qwen3", [PREFILL], 1),
-    ("qwen3", [PREFILL], 7),
-    ("qwen3", [PREFILL, 2], 1),  # ragged: the rows sit at different offsets in every call
-    ("qwen3", [PREFILL, 2], 7),
-    ("qwen3_sliding", [PREFILL, 2], 7),  # window 4 < chunk 7: the window applies inside a chunk too
+@pytest.mark.parametrize("case,starts,chunk,max_block", [
+    ("qwen3", [PREFILL], 1, 16),
+    ("qwen3", [PREFILL], 7, 16),
+    ("qwen3", [PREFILL, 2], 1, 16),  # ragged: the rows sit at different offsets in every call
+    ("qwen3", [PREFILL, 2], 7, 16),
+    ("qwen3_sliding", [PREFILL, 2], 7, 16),  # window 4 < chunk 7: the window applies inside a chunk too
+    ("qwen3_sliding", [PREFILL, 2], 7, 1),  # ring of window + 1 = 5 slots: chunks longer than the ring wrap it
 ])
-def test_incremental_decoding_equals_full_forward(saved, case, starts, chunk):
+def test_incremental_decoding_equals_full_forward(saved, case, starts, chunk, max_block):
     assert CASES[case][2] == SEQ
     _, _, target = saved(case)
     seqs = random_ids(2, SEQ, seed=2)
@@ -253,7 +254,10 @@ def test_incremental_decoding_equals_full_forward(saved, case, starts, chunk):
                                   feature_layer_ids=ALL_LAYERS)
     full, full_feats = np.asarray(full), np.asarray(full_feats)
     b = len(starts)
-    got, got_feats, steps = decode_in_chunks(target, seqs[:b], starts, chunk)
+    kinds = [type(s).__name__ for s in target.new_cache(b, MAX_LEN, max_block=max_block).layers]
+    cfg = target.config
+    assert kinds == ["SlidingKV" if cfg.layer_window(i) else "FullKV" for i in range(cfg.num_hidden_layers)]
+    got, got_feats, steps = decode_in_chunks(target, seqs[:b], starts, chunk, max_block)
     assert steps == -(-(SEQ - min(starts)) // chunk)
     assert max_diff(got, full[:b]) <= 1e-5
     assert max_diff(got_feats, full_feats[:b]) <= 1e-5
@@ -268,7 +272,7 @@ def test_bf16_load(saved):
     target16 = dj.load_target(path, dtype="bfloat16")
     dtypes = {x.dtype for x in jax.tree_util.tree_leaves(target16.params)}
     assert dtypes == {jnp.dtype(jnp.bfloat16)}
-    assert target16.new_cache(1, 8).k[0].dtype == jnp.bfloat16
+    assert target16.new_cache(1, 8).layers[0].k.dtype == jnp.bfloat16
     ids = random_ids(2, 12, seed=1)
     l32 = dj.target_logits(target32, ids)
     l16 = dj.target_logits(target16, ids)

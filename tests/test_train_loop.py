@@ -16,15 +16,15 @@ import jax
 import numpy as np
 import pytest
 
-from dflash_jax.checkpoints import export_params, save_safetensors
 from dflash_jax.config import DraftConfig, TargetConfig
-from dflash_jax.draft import Draft, draft_param_shapes, load_draft, save_draft
+from dflash_jax.draft import Draft, draft_param_shapes, init_draft_params, load_draft, save_draft
+from dflash_jax.layers import random_params
 from dflash_jax.speculative import speculative_generate
-from dflash_jax.target import load_target, param_shapes
+from dflash_jax.target import Target, load_target, param_shapes, save_target
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig, parse_args
 from train.data import DataError, TrainData, read_records, write_manifest, write_shard
-from train.loop import TrainingError, init_draft, random_params, train
+from train.loop import TrainingError, train
 from train.make_data import make_data
 
 EOS = 95
@@ -45,8 +45,7 @@ def env(tmp_path_factory):
     params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 30
     tdir = root / "target"
     tdir.mkdir()
-    (tdir / "config.json").write_text(json.dumps(tcfg.to_hf()))
-    save_safetensors(str(tdir / "model.safetensors"), export_params(params, prefix="model."))
+    save_target(Target(tcfg, params), str(tdir))
     target = load_target(str(tdir))
     rng = np.random.RandomState(0)
     prompts = [rng.randint(0, 90, rng.randint(3, 8)).tolist() for _ in range(N_PROMPTS)]
@@ -155,7 +154,7 @@ def test_training_learns_and_decoding_stays_lossless(env, reference):
     target, draft = env["target"], reference["draft"]
     prompts = env["prompts"][:6]
     trained = speculative_generate(target, draft, prompts, max_new_tokens=32, stop_token_ids=[EOS])
-    untrained = speculative_generate(target, Draft(draft.config, init_draft(draft.config, 0)), prompts,
+    untrained = speculative_generate(target, Draft(draft.config, init_draft_params(draft.config, 0)), prompts,
                                      max_new_tokens=32, stop_token_ids=[EOS])
     tau_trained = np.mean([a for r in trained for a in r.acceptance_lengths])
     tau_untrained = np.mean([a for r in untrained for a in r.acceptance_lengths])

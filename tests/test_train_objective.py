@@ -15,9 +15,10 @@ import pytest
 
 from dflash_jax.config import DraftConfig, TargetConfig
 from dflash_jax.draft import draft_param_shapes
+from dflash_jax import target as target_lib
+from dflash_jax.layers import random_params
 from dflash_jax.target import param_shapes
 from train import objective as O
-from train.loop import random_params
 from train.config import TrainConfig, default_gamma, shallow_target_layer_ids
 
 MASK = 63
@@ -116,13 +117,19 @@ ANCHORS = [0, 3, 5, 8]  # anchor 0 sees no context; blocks 3..6 and 5..8 overlap
 @pytest.fixture(scope="module")
 def logits_fn(models):
     tcfg, tp, dcfg, dp = models
-    fn = jax.jit(lambda ids, anchors, feats: O.draft_logits(tcfg, tp, dcfg, dp, ids, anchors, feats,
-                                                            impl="reference"))
+    fn = jax.jit(lambda ids, anchors, feats: draft_logits(tcfg, tp, dcfg, dp, ids, anchors, feats))
     rng = np.random.RandomState(0)
     ids = jnp.asarray(rng.randint(0, 60, (1, S)), jnp.int32)
     feats = jnp.asarray(rng.randn(1, S, 3 * 32), jnp.float32)
     anchors = jnp.array([ANCHORS], jnp.int32)
     return fn, ids, feats, anchors, fn(ids, anchors, feats)
+
+
+def draft_logits(tcfg, tp, dcfg, dp, ids, anchors, feats):
+    """Full logits [B, N, Bk, V] of every block (the training forward, through the target head)."""
+    block_ids, _, _ = O.make_blocks(ids, jnp.ones_like(ids), anchors, dcfg.block_size, dcfg.mask_token_id)
+    h = O.hidden_from_features(tcfg, tp, dcfg, dp, block_ids, anchors, feats, impl="reference")
+    return target_lib.head(tcfg, tp, h).reshape(*anchors.shape, dcfg.block_size, -1)
 
 
 def _changed(base, new):

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import DraftConfig, TargetConfig
-from dflash_jax.draft import DFlashDraft
-from dflash_jax.target import Transformer
+from dflash_jax import draft as draft_lib
+from dflash_jax import target as target_lib
+from dflash_jax.config import DraftConfig
 
 
 # --- anchors, blocks, labels ------------------------------------------------------------------------
@@ -98,14 +98,14 @@ def position_weights(block_size: int, gamma: float) -> np.ndarray:
 # --- forward pieces -------------------------------------------------------------------------------------
 
 
-def target_features(tcfg: TargetConfig, tparams, input_ids, layer_ids: tuple[int, ...]):
+def target_features(tcfg, tparams, input_ids, layer_ids: tuple[int, ...]):
     """Frozen target forward: [B, S] ids -> features [B, S, n*D] (outputs of ``layer_ids``), no gradient.
 
     Logits are taken at one position only (the features are all we need)."""
     b, s = input_ids.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    _, feats, _ = Transformer(tcfg).apply({"params": tparams}, input_ids, positions, None, tuple(layer_ids),
-                                          jnp.zeros((b,), jnp.int32))
+    _, feats, _ = target_lib.forward(tcfg, tparams, input_ids, positions, None, tuple(layer_ids),
+                                     jnp.zeros((b,), jnp.int32))
     return jax.lax.stop_gradient(feats)
 
 
@@ -115,29 +115,20 @@ def cast_tree(tree, dtype):
     return jax.tree_util.tree_map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def draft_hidden(tcfg: TargetConfig, tparams, dcfg: DraftConfig, dparams, block_ids, anchors, features, *,
-                 impl: str = "auto", dtype=None):
-    """Final-normed draft hidden states [B, N*Bk, D] of the blocks, context K/V from ``features`` [B, S, n*D]."""
+def hidden_from_features(tcfg, tparams, dcfg: DraftConfig, dparams, block_ids, anchors, features, *, impl: str = "auto",
+                 dtype=None):
+    """``dflash_jax.draft.draft_hidden`` in the compute ``dtype`` (default: the features'), the context K/V
+    computed from ``features`` [B, S, n*D] at positions 0..S-1."""
     dtype = dtype or features.dtype
     dparams = cast_tree(dparams, dtype)
     features = features.astype(dtype)
     b, s = features.shape[:2]
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    draft = DFlashDraft(dcfg)
-    k_ctx, v_ctx = draft.apply({"params": dparams}, features, positions, method=DFlashDraft.context_kv)
-    x = Transformer(tcfg).apply({"params": tparams}, block_ids, method=Transformer.embed).astype(dtype)
-    return draft.apply({"params": dparams}, x, anchors, k_ctx, v_ctx, impl)
+    k_ctx, v_ctx = draft_lib.context_kv(dcfg, dparams, features, positions)
+    return draft_lib.draft_hidden(tcfg, tparams, dcfg, dparams, block_ids, anchors, k_ctx, v_ctx, impl)
 
 
-def draft_logits(tcfg, tparams, dcfg, dparams, input_ids, anchors, features, *, impl="auto", dtype=None):
-    """Full logits [B, N, Bk, V] (float32) of every block; for tests and small vocabularies."""
-    block_ids, _, _ = make_blocks(input_ids, jnp.ones_like(input_ids), anchors, dcfg.block_size, dcfg.mask_token_id)
-    h = draft_hidden(tcfg, tparams, dcfg, dparams, block_ids, anchors, features, impl=impl, dtype=dtype)
-    logits = Transformer(tcfg).apply({"params": tparams}, h, method=Transformer.head)
-    return logits.reshape(*anchors.shape, dcfg.block_size, -1)
-
-
-def chunked_cross_entropy(tcfg: TargetConfig, tparams, hidden, labels, chunk: int):
+def chunked_cross_entropy(tcfg, tparams, hidden, labels, chunk: int):
     """hidden [M, D], labels [M] -> (CE [M] float32, correct [M] bool) through the target head,
     ``chunk`` rows at a time; the chunk's logits are recomputed in the backward pass."""
     m, d = hidden.shape
@@ -145,11 +136,9 @@ def chunked_cross_entropy(tcfg: TargetConfig, tparams, hidden, labels, chunk: in
     pad = -m % c
     h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, c, d)
     y = jnp.pad(labels, (0, pad)).reshape(-1, c)
-    head = Transformer(tcfg)
-
     @jax.checkpoint
     def one(hc, yc):
-        logits = head.apply({"params": tparams}, hc, method=Transformer.head).astype(jnp.float32)
+        logits = target_lib.head(tcfg, tparams, hc).astype(jnp.float32)
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, yc[:, None], axis=-1)[:, 0]
         return lse - picked, jnp.argmax(logits, axis=-1) == yc
@@ -161,7 +150,7 @@ def chunked_cross_entropy(tcfg: TargetConfig, tparams, hidden, labels, chunk: in
 # --- the loss ------------------------------------------------------------------------------------------
 
 
-def loss_sums(tcfg: TargetConfig, tparams, dcfg: DraftConfig, dparams, input_ids, loss_mask, anchors, features,
+def loss_sums(tcfg, tparams, dcfg: DraftConfig, dparams, input_ids, loss_mask, anchors, features,
               *, weights, impl: str = "auto", chunk: int = 1024, dtype=None) -> dict:
     """Unnormalised sums of one micro-batch (so micro-batches add up exactly):
 
@@ -172,7 +161,7 @@ def loss_sums(tcfg: TargetConfig, tparams, dcfg: DraftConfig, dparams, input_ids
     """
     bk = dcfg.block_size
     block_ids, labels, label_mask = make_blocks(input_ids, loss_mask, anchors, bk, dcfg.mask_token_id)
-    h = draft_hidden(tcfg, tparams, dcfg, dparams, block_ids, anchors, features, impl=impl, dtype=dtype)
+    h = hidden_from_features(tcfg, tparams, dcfg, dparams, block_ids, anchors, features, impl=impl, dtype=dtype)
     ce, correct = chunked_cross_entropy(tcfg, tparams, h.reshape(-1, h.shape[-1]), labels.reshape(-1), chunk)
     ce = ce.reshape(labels.shape)
     correct = correct.reshape(labels.shape) & label_mask

@@ -1,0 +1,51 @@
+"""Target-model families: ``model_type`` -> the module that implements it.
+
+A family module exports one ``Family``: its config dataclass (``from_hf`` / ``to_hf``), its Flax decoder,
+its checkpoint name table, the per-layer decode-state kinds and any extra logical-axis rules. The
+engine, the trainer and the CLIs only ever go through ``family_of(config)``.
+
+Adding a target family
+----------------------
+1. Write ``dflash_jax/families/<name>.py`` with a config dataclass (``model_type`` field, ``from_hf``
+   reading a Hugging Face ``config.json`` dict, ``to_hf``; the fields the rest of the library reads are
+   ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+   ``num_key_value_heads``, ``max_position_embeddings``, ``tie_word_embeddings``, ``eos_token_id``,
+   ``bos_token_id``, ``pad_token_id``), a Flax decoder with ``__call__(input_ids, positions, cache,
+   feature_layer_ids, logits_index) -> (logits, features, cache)``, ``embed(ids)`` and ``head(h)``
+   (features are Hugging Face ``hidden_states[id + 1]``), and ``FAMILY = Family(...)``.
+2. Add one line to ``_REGISTRY`` below per ``model_type`` it serves (and import the module).
+3. Test it against transformers' own PyTorch class (see tests/test_target.py).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_jax.config import read_config_json
+from dflash_jax.families import dense
+from dflash_jax.families.family import Family
+
+_REGISTRY: dict[str, Family] = {
+    "qwen3": dense.FAMILY,
+    "llama": dense.FAMILY,
+}
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def family_for(model_type: str) -> Family:
+    """The family serving ``model_type``, or a ValueError listing the supported ones."""
+    if model_type not in _REGISTRY:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(_REGISTRY)}")
+    return _REGISTRY[model_type]
+
+
+def family_of(cfg) -> Family:
+    return family_for(cfg.model_type)
+
+
+def config_from_hf(path_or_dict) -> Any:
+    """A target config of whichever family the ``config.json`` (path, directory or dict) names."""
+    d = read_config_json(path_or_dict)
+    return family_for(d.get("model_type")).config.from_hf(d)

@@ -1,0 +1,107 @@
+"""The dense family: Qwen3 (q/k norm) and LLaMA-3.x decoders; GQA, optional sliding-window layers.
+
+One forward serves prefill, verification and plain full-sequence scoring: with a cache, each layer's
+decode state (``dflash_jax.state``) takes the new K/V and returns the keys the queries may see; queries
+see keys at positions <= their own (offset-causal: committed context plus the causal part of the new
+tokens); without a cache, plain causal attention over the given tokens.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from dflash_jax.attention import attend, position_mask
+from dflash_jax.checkpoints import NameTable
+from dflash_jax.config import TargetConfig
+from dflash_jax.families.family import Family
+from dflash_jax.layers import MLP, AttentionProjections, Embed, Linear, RMSNorm
+from dflash_jax.state import DecodeCache, KVSpec
+
+
+class DecoderLayer(nn.Module):
+    cfg: TargetConfig
+    index: int
+
+    def setup(self):
+        c = self.cfg
+        self.self_attn = AttentionProjections(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.rms_norm_eps)
+
+    def __call__(self, x, positions, state):
+        """x [B, T, D] at ``positions`` [B, T] -> (x, new layer state or None)."""
+        h = self.input_layernorm(x)
+        q = self.self_attn.queries(h, positions)
+        k, v = self.self_attn.keys_values(h, positions)
+        if state is None:
+            k_pos, exists = positions, positions >= 0
+        else:
+            state, k, v, k_pos, exists = state.update(k, v, positions)
+        mask = position_mask(positions, k_pos, causal=True, sliding_window=self.cfg.layer_window(self.index),
+                             k_valid=exists)
+        x = x + self.self_attn.output(attend(q, k, v, mask))
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, state
+
+
+class Decoder(nn.Module):
+    """Decoder with Hugging Face parameter names (``embed_tokens``, ``layers_N``, ``norm``, ``lm_head``)."""
+
+    cfg: TargetConfig
+
+    def setup(self):
+        c = self.cfg
+        self.embed_tokens = Embed(c.vocab_size, c.hidden_size)
+        self.layers = [DecoderLayer(c, i) for i in range(c.num_hidden_layers)]
+        self.norm = RMSNorm(c.rms_norm_eps)
+        if not c.tie_word_embeddings:
+            self.lm_head = Linear(c.vocab_size, False, ("embed", "vocab"))
+
+    def embed(self, ids):
+        return self.embed_tokens(ids)
+
+    def head(self, h):
+        """Logits (float32) of already-normalised hidden states; the draft reuses it."""
+        if self.cfg.tie_word_embeddings:
+            return self.embed_tokens.attend(h)
+        return self.lm_head(h).astype(jnp.float32)
+
+    def __call__(self, input_ids, positions, cache: DecodeCache | None = None, feature_layer_ids: tuple = (),
+                 logits_index=None):
+        """input_ids, positions [B, T] -> (logits [B, T or 1, V] float32, features [B, T, n*D] or None, cache).
+
+        Features are Hugging Face ``hidden_states[id + 1]`` for each id in ``feature_layer_ids``,
+        concatenated in that order: the output of layer ``id``, except that for the LAST layer Hugging
+        Face (and so every released draft) sees it after the final norm. ``logits_index`` [B] keeps
+        only the logits at one position per row (prefill needs just the last prompt token's).
+        """
+        x = self.embed(input_ids)
+        hidden, states = [], []
+        for i, layer in enumerate(self.layers):
+            x, s = layer(x, positions, None if cache is None else cache.layers[i])
+            hidden.append(x)
+            states.append(s)
+        last = self.cfg.num_hidden_layers - 1
+        if last in feature_layer_ids:
+            hidden[last] = self.norm(x)
+        features = jnp.concatenate([hidden[i] for i in feature_layer_ids], axis=-1) if feature_layer_ids else None
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
+        if cache is not None:
+            cache = cache.replace(layers=tuple(states))
+        return self.head(self.norm(x)), features, cache
+
+
+def checkpoint(cfg: TargetConfig) -> NameTable:
+    """``model.``-prefixed names; a tied checkpoint may still carry an ``lm_head.weight`` copy."""
+    tied = (r"^lm_head\.weight$",) if cfg.tie_word_embeddings else ()
+    return NameTable(prefix="model.", ignored=NameTable.ignored + tied)
+
+
+def state_specs(cfg: TargetConfig) -> tuple[KVSpec, ...]:
+    return tuple(KVSpec(cfg.num_key_value_heads, cfg.head_dim, cfg.layer_window(i))
+                 for i in range(cfg.num_hidden_layers))
+
+
+FAMILY = Family(name="dense", config=TargetConfig, decoder=Decoder, checkpoint=checkpoint, state_specs=state_specs)

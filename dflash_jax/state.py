@@ -1,0 +1,183 @@
+"""Per-layer decode state and the one rollback protocol, as static-shaped pytrees.
+
+Every layer of a model carries one state object between forwards; ``DecodeCache`` holds them plus each
+row's committed length. A forward writes ALL its new tokens into every layer's state; the engine then
+calls ``DecodeCache.commit(kept)`` with the number of those tokens each row keeps (accepted drafts +
+bonus; 0 for a finished row), and every state rolls back in its own way:
+
+* ``FullKV`` (full attention): slot == position. Nothing to undo: slots past the committed length are
+  masked by position and overwritten before any query can see them.
+* ``SlidingKV`` (sliding-window attention): a ring of ``window + max_block`` slots that remember their
+  positions. Rejected slots hold positions >= the committed length, which the next forward ignores;
+  the ring is large enough that they never overwrite a key still inside the window.
+* ``Recurrent`` (linear attention, conv windows): the state after each new token of the last forward
+  (when it had at most ``max_block`` tokens); ``commit`` keeps the one after the last kept token.
+
+A token at a position < 0 is padding: never written, never attended to, never advancing a recurrence.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+_FAR = jnp.iinfo(jnp.int32).max
+
+
+def _rows(positions):
+    return jnp.arange(positions.shape[0])[:, None]
+
+
+@flax.struct.dataclass
+class FullKV:
+    """Keys / values [B, S, K, H] of every position so far; slot s holds position s."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[1]
+
+    def write(self, k_new, v_new, positions) -> "FullKV":
+        """Store k_new / v_new [B, T, K, H] at ``positions`` [B, T] (padding and out-of-range are dropped)."""
+        slots = jnp.where(positions >= 0, positions, self.max_len)
+        rows = _rows(positions)
+        return FullKV(self.k.at[rows, slots].set(k_new.astype(self.k.dtype), mode="drop"),
+                      self.v.at[rows, slots].set(v_new.astype(self.v.dtype), mode="drop"))
+
+    def update(self, k_new, v_new, positions):
+        """-> (new state, keys, values [B, S', K, H], key positions [B, S'], key exists [B, S'])."""
+        new = self.write(k_new, v_new, positions)
+        slot_pos = jnp.broadcast_to(jnp.arange(self.max_len, dtype=jnp.int32), positions.shape[:1] + (self.max_len,))
+        return new, new.k, new.v, slot_pos, jnp.ones(slot_pos.shape, bool)
+
+    def commit(self, kept) -> "FullKV":
+        return self
+
+
+@flax.struct.dataclass
+class SlidingKV:
+    """A ring of R slots [B, R, K, H] holding the latest keys / values and their positions [B, R] (-1: empty).
+
+    A forward attends to [ring before it | its own new tokens]; then the newest R new tokens of each row
+    are written at slot position % R. Fully committed forwards may be any length; a forward that may be
+    rolled back must have at most R - window tokens.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+
+    def update(self, k_new, v_new, positions):
+        r = self.k.shape[1]
+        valid = positions >= 0
+        start = jnp.min(jnp.where(valid, positions, _FAR), axis=1, keepdims=True)
+        old = (self.pos >= 0) & (self.pos < start)  # rolled-back slots hold positions >= start
+        keys = jnp.concatenate([self.k, k_new.astype(self.k.dtype)], axis=1)
+        values = jnp.concatenate([self.v, v_new.astype(self.v.dtype)], axis=1)
+        key_pos = jnp.concatenate([self.pos, positions], axis=1)
+        exists = jnp.concatenate([old, valid], axis=1)
+        last = jnp.max(jnp.where(valid, positions, -1), axis=1, keepdims=True)
+        slots = jnp.where(valid & (positions > last - r), positions % r, r)  # newest R: distinct slots
+        rows = _rows(positions)
+        new = SlidingKV(self.k.at[rows, slots].set(k_new.astype(self.k.dtype), mode="drop"),
+                        self.v.at[rows, slots].set(v_new.astype(self.v.dtype), mode="drop"),
+                        self.pos.at[rows, slots].set(positions, mode="drop"))
+        return new, keys, values, key_pos, exists
+
+    def commit(self, kept) -> "SlidingKV":
+        return self
+
+
+@flax.struct.dataclass
+class Recurrent:
+    """A recurrent layer state ``value`` (a pytree of [B, ...] arrays) plus the last forward's snapshots
+    (each leaf [B, max_block + 1, ...]: index i = the state after i of its new tokens) and ``count`` [B],
+    the number of new tokens that forward had per row."""
+
+    value: Any
+    snapshots: Any
+    count: jax.Array
+
+    @property
+    def max_block(self) -> int:
+        return jax.tree_util.tree_leaves(self.snapshots)[0].shape[1] - 1
+
+    def advance(self, before, after_each, valid) -> "Recurrent":
+        """Record a forward: ``before`` the state it started from, ``after_each`` the state after each of its
+        T tokens (leaves [B, T, ...]), ``valid`` [B, T] (padding tokens must leave the state unchanged).
+        Snapshots are kept when T <= max_block; a longer forward (a prefill) can only be committed whole."""
+        t = valid.shape[1]
+        count = jnp.sum(valid, axis=1).astype(jnp.int32)
+        value = jax.tree_util.tree_map(lambda a: a[:, -1], after_each)
+        snaps = self.snapshots
+        if t <= self.max_block:
+            snaps = jax.tree_util.tree_map(
+                lambda s, b, a: s.at[:, 0].set(b).at[:, 1:t + 1].set(a), self.snapshots, before, after_each)
+        return Recurrent(value, snaps, count)
+
+    def commit(self, kept) -> "Recurrent":
+        whole = kept >= self.count
+        idx = jnp.clip(kept, 0, self.max_block)
+
+        def pick(v, s):
+            chosen = jnp.take_along_axis(s, idx.reshape((-1, 1) + (1,) * (s.ndim - 2)), axis=1)[:, 0]
+            return jnp.where(whole.reshape((-1,) + (1,) * (v.ndim - 1)), v, chosen)
+
+        return self.replace(value=jax.tree_util.tree_map(pick, self.value, self.snapshots),
+                            count=jnp.where(whole, self.count, kept))
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSpec:
+    """An attention layer's state: full, or sliding ``window`` (a ring when it saves memory)."""
+
+    kv_heads: int
+    head_dim: int
+    window: int | None = None
+
+    def init(self, batch: int, max_len: int, dtype, max_block: int):
+        ring = None if self.window is None else self.window + max_block
+        if ring is None or ring >= max_len:
+            shape = (batch, max_len, self.kv_heads, self.head_dim)
+            return FullKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        shape = (batch, ring, self.kv_heads, self.head_dim)
+        return SlidingKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.full((batch, ring), -1, jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentSpec:
+    """A recurrent layer's state: ``shapes`` maps each leaf name to its per-row shape (and dtype, or None
+    for the cache dtype)."""
+
+    shapes: tuple[tuple[str, tuple[int, ...], Any], ...]
+
+    def init(self, batch: int, max_len: int, dtype, max_block: int):
+        value = {n: jnp.zeros((batch,) + s, d or dtype) for n, s, d in self.shapes}
+        snaps = {n: jnp.zeros((batch, max_block + 1) + s, d or dtype) for n, s, d in self.shapes}
+        return Recurrent(value, snaps, jnp.zeros((batch,), jnp.int32))
+
+
+@flax.struct.dataclass
+class DecodeCache:
+    """One state per layer plus ``lengths`` [B], each row's committed tokens."""
+
+    layers: tuple
+    lengths: jax.Array
+    max_len: int = flax.struct.field(pytree_node=False, default=0)  # positions 0..max_len-1 fit
+
+    @classmethod
+    def create(cls, specs, batch: int, max_len: int, dtype, max_block: int = 16) -> "DecodeCache":
+        """Empty states for layers described by ``specs`` (``KVSpec`` / ``RecurrentSpec``, one per layer);
+        ``max_block``: the most tokens of a forward that may be rolled back (the block size)."""
+        return cls(tuple(s.init(batch, max_len, dtype, max_block) for s in specs), jnp.zeros((batch,), jnp.int32),
+                   max_len)
+
+    def commit(self, kept) -> "DecodeCache":
+        """Keep the first ``kept`` [B] tokens of the last forward of every row; the rest is rolled back."""
+        kept = kept.astype(jnp.int32)
+        return self.replace(layers=tuple(s.commit(kept) for s in self.layers), lengths=self.lengths + kept)
