@@ -1,52 +1,17 @@
-"""The one attention reference (dense, masked, GQA) and the position mask shared by target and draft.
+"""Attention for target and draft: the dense reference and position mask, and the draft's block attention.
 
-The Pallas block kernel in ``kernels/`` computes the same thing for the draft's training mask;
-``block_attention`` below dispatches to it on TPU/GPU and to this reference on CPU.
+``attend`` and ``position_mask`` (the one reference, shared by target and draft) live with the Pallas
+kernel in ``kernels/`` (installed as ``dflash_jax.kernels``) and are re-exported here;
+``block_attention`` below dispatches the draft's training attention to the kernel on TPU/GPU and to
+the dense reference on CPU.
 """
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
+from dflash_jax.kernels.block_attention import block_attention as block_attention_kernel
+from dflash_jax.kernels.block_attention import block_attention_reference, kernel_supported
+from dflash_jax.kernels.reference import attend, position_mask
 
-_MASKED = -1e30  # finite, so a row with no visible key gives a uniform softmax that we then zero
-
-
-def position_mask(q_pos, k_pos, *, causal: bool, sliding_window: int | None = None, k_valid=None):
-    """Visibility [B, T, S] from absolute positions.
-
-    q_pos [B, T], k_pos [B, S] (or [S]); ``k_valid`` [B, S] or [B, T, S] marks keys that exist.
-    Causal: key pos <= query pos. Sliding window W: |query pos - key pos| < W (one-sided when causal).
-    """
-    q = q_pos[:, :, None]
-    k = k_pos[None, None, :] if k_pos.ndim == 1 else k_pos[:, None, :]
-    visible = jnp.ones(jnp.broadcast_shapes(q.shape, k.shape), dtype=bool)
-    if causal:
-        visible &= k <= q
-    if sliding_window is not None:
-        visible &= jnp.abs(q - k) < sliding_window
-    if k_valid is not None:
-        visible &= k_valid if k_valid.ndim == 3 else k_valid[:, None, :]
-    return visible
-
-
-def attend(q, k, v, mask, *, scale: float | None = None):
-    """softmax(q k^T * scale, masked) v with grouped K/V heads.
-
-    q [B, T, N, H]; k, v [B, S, K, H] with N a multiple of K; mask [B, T, S] bool.
-    Logits and softmax in float32; a query with no visible key returns zeros.
-    """
-    b, t, n, h = q.shape
-    kv_heads = k.shape[2]
-    if n % kv_heads:
-        raise ValueError(f"{n} query heads is not a multiple of {kv_heads} key/value heads")
-    scale = h ** -0.5 if scale is None else scale
-    qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
-    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
-    m = mask[:, None, None, :, :]
-    probs = jax.nn.softmax(jnp.where(m, logits, _MASKED), axis=-1)
-    probs = jnp.where(m, probs, 0.0).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-    return out.reshape(b, t, n, h)
+__all__ = ["attend", "block_attention", "position_mask"]
 
 
 def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
@@ -56,20 +21,15 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
     q [B, N*Bk, Hq, D]; k_ctx, v_ctx [B, S, Hkv, D]; k_blk, v_blk [B, N*Bk, Hkv, D]; anchors [B, N] int32
     (negative = padding block). Block b sees context positions < anchor (within the window) and its own
     block bidirectionally. ``impl``: "auto" (Pallas kernel on TPU / GPU with compute capability >= 8.0,
-    this module's dense reference elsewhere), "kernel", "reference" or "interpret" (kernel on CPU).
+    the dense reference elsewhere), "kernel", "reference" or "interpret" (kernel on CPU).
     See ``kernels/block_attention.py``.
     """
-    import importlib
-
-    kba = importlib.import_module("kernels.block_attention")  # lazy: kernels imports this module
-
     if impl == "auto":
-        use = kba.kernel_supported(block_size=block_size, head_dim=q.shape[-1])
-        impl = "kernel" if use else "reference"
+        impl = "kernel" if kernel_supported(block_size=block_size, head_dim=q.shape[-1]) else "reference"
     if impl == "reference":
-        return kba.block_attention_reference(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size=block_size,
-                                             sliding_window=sliding_window, scale=scale)
+        return block_attention_reference(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size=block_size,
+                                         sliding_window=sliding_window, scale=scale)
     if impl not in ("kernel", "interpret"):
         raise ValueError(f"impl must be auto, kernel, reference or interpret, not {impl!r}")
-    return kba.block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size=block_size,
-                               sliding_window=sliding_window, scale=scale, interpret=impl == "interpret")
+    return block_attention_kernel(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size=block_size,
+                                  sliding_window=sliding_window, scale=scale, interpret=impl == "interpret")

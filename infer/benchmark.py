@@ -39,7 +39,7 @@ def parse_args(argv=None):
 
 
 def default_prompts(n: int) -> list[str]:
-    from train.corpus import code_prompts, heldout_files
+    from dflash_jax.demo.corpus import code_prompts, heldout_files
 
     return code_prompts(heldout_files(), n, seed=1234)
 

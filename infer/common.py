@@ -6,9 +6,7 @@ import json
 import os
 import sys
 
-DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dflash_jax", "demo")
-DEMO_TARGET = os.path.join(DEMO_DIR, "target")
-DEMO_DRAFT = os.path.join(DEMO_DIR, "draft")
+from dflash_jax.demo import DEMO_DIR, DEMO_DRAFT, DEMO_TARGET
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

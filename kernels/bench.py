@@ -3,6 +3,7 @@
     python -m kernels.bench                       # skip table at S 1024/3072/4096, N 512; small timing
     python -m kernels.bench --time-seq 3072 --time-blocks 512 --heads 32 --kv-heads 8 --head-dim 128
     python -m kernels.bench --json
+    (from the repository root; installed, anywhere: python -m dflash_jax.kernels.bench)
 
 The skip figure needs no device: from the anchors and the tiles it counts the score entries the
 compiled kernel evaluates (whole context tiles in each query tile's [lo, hi) plus one own-block tile
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.block_attention import block_attention, block_attention_reference, skipped_fraction
+from .block_attention import block_attention, block_attention_reference, skipped_fraction
 
 
 def draw_anchors(rng, batch, n, s):

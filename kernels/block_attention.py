@@ -54,7 +54,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dflash_jax.attention import attend, position_mask
+from .reference import attend, position_mask
 
 _MASK = -1e30  # finite: exp(_MASK - m) underflows to 0 without inf - inf
 _BIG = 1 << 30
@@ -81,7 +81,7 @@ def block_mask(anchors, ctx_len: int, *, block_size: int, sliding_window: int | 
 
 def block_attention_reference(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
                               sliding_window: int | None = None, scale: float | None = None):
-    """Dense [T, S+T] mask + the project's one attention reference (``dflash_jax.attention.attend``)."""
+    """Dense [T, S+T] mask + the project's one attention reference (``reference.attend``)."""
     _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size)
     mask = block_mask(anchors, k_ctx.shape[1], block_size=block_size, sliding_window=sliding_window)
     k = jnp.concatenate([k_ctx, k_blk], axis=1)

@@ -2,6 +2,7 @@
 
     python -m kernels.check            # compiled on TPU/GPU; Pallas interpret mode on CPU
     python -m kernels.check --json
+    (from the repository root; installed, anywhere: python -m dflash_jax.kernels.check)
 
 For each case (dtype, GQA, sliding window, anchor pattern, tiles) fresh random inputs go through the
 kernel and through the dense reference run in float32 at HIGHEST matmul precision on upcast inputs;
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.block_attention import block_attention, block_attention_reference
+from .block_attention import block_attention, block_attention_reference
 
 TOL = {"float32": 1e-3, "bfloat16": 3e-2}
 CASES = [  # name, batch, N, Bk, S, Hq, Hkv, D, window, dtype, anchors, q_tile, k_tile

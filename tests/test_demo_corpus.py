@@ -5,9 +5,10 @@ import jax
 import numpy as np
 import pytest
 
-from train import corpus
-from train.pretrain import (EOS_TOKEN, MASK_TOKEN, TrainHParams, check_export, evaluate, export_hf,
-                            init_params_jit, model_config, pretrain, tokenize_files, train_tokenizer, PackedBatches)
+from dflash_jax.demo import corpus
+from train.demo.pretrain import (EOS_TOKEN, MASK_TOKEN, TrainHParams, check_export, evaluate, export_hf,
+                                 init_params_jit, model_config, pretrain, tokenize_files, train_tokenizer,
+                                 PackedBatches)
 
 
 def test_listing_excludes_tests_and_is_deterministic():
@@ -116,7 +117,7 @@ def test_tiny_pretraining_lowers_loss_resumes_exactly_and_exports(tiny_data):
 
 
 def test_demo_draft_bad_init_draft_fails_before_any_work(tmp_path, capsys):
-    from train.demo import main
+    from train.demo.__main__ import main
 
     assert main(["draft", "--init-draft", str(tmp_path / "none"), "--work", str(tmp_path / "w")]) == 2
     assert "--init-draft" in capsys.readouterr().err
@@ -124,7 +125,7 @@ def test_demo_draft_bad_init_draft_fails_before_any_work(tmp_path, capsys):
 
 
 def test_demo_draft_prompt_chars_option(capsys):
-    from train.demo import build_parser
+    from train.demo.__main__ import build_parser
 
     assert build_parser().parse_args(["draft", "--prompt-chars", "200,600"]).prompt_chars == (200, 600)
     assert build_parser().parse_args(["draft"]).prompt_chars == (120, 400)

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import Phase, given, settings, strategies as st
 
 from dflash_jax import attention
-from kernels import block_attention, block_attention_reference, block_mask, skipped_fraction
-from kernels.check import anchor_pattern, value_and_grads
+from dflash_jax.kernels import block_attention, block_attention_reference, block_mask, skipped_fraction
+from dflash_jax.kernels.check import anchor_pattern, value_and_grads
 
 # Interpret-mode kernels are large XLA programs; optimisation level 0 halves their compile time.
 _fast_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
@@ -222,7 +222,7 @@ def test_lowers_for_accelerators(platform, backend, window):
 def test_check_cli_reports_and_exits_nonzero_on_failure(monkeypatch, capsys):
     """`python -m kernels.check`: one line per case, exit status 0 when all pass, 1 when any fails (here a
     case whose shapes the kernel rejects: Hq not a multiple of Hkv)."""
-    from kernels import check
+    from dflash_jax.kernels import check
 
     small = ("fp32 tiny", 1, 3, 4, 20, 2, 1, 16, None, "float32", "ragged", 8, 16)
     monkeypatch.setattr(check, "CASES", [small])

@@ -3,11 +3,11 @@
   python -m train.demo target [--minutes 45] [--out DIR] [--work DIR]
 
 ``target``: the demo target model, end to end on the CPU:
-  1. corpus: the Python standard library (``train/corpus.py``: test code and data modules excluded,
+  1. corpus: the Python standard library (``dflash_jax/demo/corpus.py``: test code and data modules excluded,
      a fixed ~5% of the modules held out);
   2. a byte-level BPE tokenizer (vocab 4096, ``<|endoftext|>`` = EOS/pad, ``<|MASK|>`` = mask) trained
      on the training modules;
-  3. pretraining of a Qwen3-architecture model from scratch (``train/pretrain.py``), resumable:
+  3. pretraining of a Qwen3-architecture model from scratch (``train/demo/pretrain.py``), resumable:
      rerunning the same command continues from the last checkpoint in the work directory;
   4. export in the Hugging Face layout (config.json, bf16 model.safetensors, tokenizer files,
      training.json) to ``dflash_jax/demo/target/`` and a reload check with transformers and
@@ -36,9 +36,8 @@ import time
 
 import numpy as np
 
-PACKAGE_DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dflash_jax", "demo")
-DEFAULT_TARGET_OUT = os.path.join(PACKAGE_DEMO_DIR, "target")
-DEFAULT_DRAFT_OUT = os.path.join(PACKAGE_DEMO_DIR, "draft")
+from dflash_jax.demo import DEMO_DRAFT, DEMO_TARGET
+
 DEFAULT_WORK = os.path.join("runs", "demo")
 
 
@@ -53,8 +52,8 @@ def _log(msg: str) -> None:
 
 def prepare_data(work: str, vocab_size: int, log=_log):
     """Tokenizer + token streams in ``work`` (reused when present); returns (tokenizer_dir, train, heldout)."""
-    from train import corpus
-    from train.pretrain import tokenize_files, train_tokenizer
+    from dflash_jax.demo import corpus
+    from train.demo.pretrain import tokenize_files, train_tokenizer
 
     train_files, heldout_files = corpus.train_files(), corpus.heldout_files()
     train_texts = [corpus.read_text(f) for f in train_files]
@@ -93,8 +92,8 @@ def prepare_data(work: str, vocab_size: int, log=_log):
 def cmd_target(args) -> int:
     import jax
 
-    from train import corpus
-    from train.pretrain import TrainHParams, check_export, count_params, export_hf, model_config, pretrain
+    from dflash_jax.demo import corpus
+    from train.demo.pretrain import TrainHParams, check_export, count_params, export_hf, model_config, pretrain
 
     work = os.path.join(args.work, "target")
     os.makedirs(work, exist_ok=True)
@@ -153,7 +152,7 @@ def _write_prompts(path: str, prompts: list[str]) -> None:
 
 def cmd_draft(args) -> int:
     import dflash_jax as dj
-    from train import corpus
+    from dflash_jax.demo import corpus
     from train.config import TrainConfig
     from train.export import export
     from train.loop import train
@@ -217,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the step count and cosine schedule are planned to end with it")
     t.add_argument("--steps", type=int, default=None, help="train exactly this many steps (with --minutes: "
                                                           "whichever comes first)")
-    t.add_argument("--out", default=DEFAULT_TARGET_OUT, help="where the Hugging Face model directory goes")
+    t.add_argument("--out", default=DEMO_TARGET, help="where the Hugging Face model directory goes")
     t.add_argument("--work", default=DEFAULT_WORK, help="work files go to WORK/target (delete it to start over)")
     t.add_argument("--vocab-size", type=int, default=4096)
     t.add_argument("--layers", type=int, default=6)
@@ -242,8 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("draft", help="data from the demo target + DFlash draft training + export (resumable)",
                        description="Train the demo draft end to end (rerun to resume).",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d.add_argument("--target", default=DEFAULT_TARGET_OUT, help="the demo target (Hugging Face directory)")
-    d.add_argument("--out", default=DEFAULT_DRAFT_OUT, help="where the exported draft goes")
+    d.add_argument("--target", default=DEMO_TARGET, help="the demo target (Hugging Face directory)")
+    d.add_argument("--out", default=DEMO_DRAFT, help="where the exported draft goes")
     d.add_argument("--work", default=DEFAULT_WORK, help="work files go to WORK/draft (delete it to start over)")
     d.add_argument("--num-prompts", type=int, default=1500, help="training prompts cut from the training modules")
     d.add_argument("--prompt-chars", type=_char_range, default=(120, 400), metavar="MIN,MAX",
