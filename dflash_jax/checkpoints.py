@@ -28,8 +28,9 @@ _LEAVES = {"kernel": ("weight", True), "embedding": ("weight", False), "weight":
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
-          "fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+# The supported parameter / compute / storage dtypes by name: every --dtype flag's choices.
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +52,12 @@ class NameTable:
 
 
 def resolve_dtype(dtype):
+    """A dtype name of ``DTYPES`` (or its short alias: fp32, bf16, fp16), or a dtype -> the jnp scalar type."""
     if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES)}")
-        return DTYPES[dtype]
+        name = _DTYPE_ALIASES.get(dtype, dtype)
+        if name not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(DTYPES) + sorted(_DTYPE_ALIASES)}")
+        return DTYPES[name]
     return jnp.dtype(dtype).type
 
 

@@ -221,6 +221,40 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> tuple
     return tuple(int(round(1 + i * (num_target_layers - 4) / (num_features - 1))) for i in range(num_features))
 
 
+def shallow_target_layer_ids(num_target_layers: int, num_features: int) -> tuple[int, ...]:
+    """Evenly spaced layer ids from 1 to L-1 (both included), at most L-1 distinct ids.
+
+    The released formula ``round(1 + i*(L-4)/(n-1))`` was designed for deep targets (e.g. 1..33 of
+    36 layers): it skips the last three layers, whose outputs are already close to the logits. On a
+    shallow target (< 12 layers) it collapses (L=4 gives layer 1 five times) and misses the layers
+    that carry most of the next-token information, so there we span the whole depth instead.
+    """
+    L, n = num_target_layers, num_features
+    if L < 2:
+        return (0,)
+    n = max(1, min(n, L - 1))
+    if n == 1:
+        return (L - 1,)
+    ids = []
+    for i in range(n):
+        v = int(1 + (i * (L - 2) + (n - 1) // 2) // (n - 1))  # round half up, exact in integers
+        if v not in ids:
+            ids.append(v)
+    return tuple(ids)
+
+
+def choose_target_layer_ids(num_target_layers: int, num_features: int) -> tuple[int, ...]:
+    """The target layers a new draft reads: the released default for targets with >= 12 layers,
+    ``shallow_target_layer_ids`` below."""
+    if num_target_layers < 12:
+        return shallow_target_layer_ids(num_target_layers, num_features)
+    return default_target_layer_ids(num_target_layers, num_features)
+
+
+# The mask token's name in a tokenizer that has one (the demo's; a new draft's default mask id, see train.loop).
+MASK_TOKEN = "<|MASK|>"
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
     """A DFlash draft: its own Qwen3 layer stack (``layers``) plus the block-diffusion settings."""

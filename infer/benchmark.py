@@ -25,8 +25,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m infer.benchmark", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--prompts-file", help="JSONL with a 'prompt' field per line, or plain text one per line "
-                                          "(default: code prompts cut from the demo's held-out stdlib modules)")
+    p.add_argument("--prompts-file", help="JSONL with a 'prompt' (text) or 'prompt_ids' field per line, or plain "
+                                          "text one per line (\\n = newline) (default: code prompts cut from the "
+                                          "demo's held-out stdlib modules)")
     p.add_argument("--num-prompts", type=int, default=16, help="number of default prompts (default 16)")
     p.add_argument("--json", action="store_true", help="per-prompt rows, then one summary object")
     p.add_argument("--plot", help="write a PNG: acceptance-length histogram and tau per prompt (needs matplotlib)")
@@ -42,6 +43,15 @@ def default_prompts(n: int) -> list[str]:
     from dflash_jax.demo.corpus import code_prompts, heldout_files
 
     return code_prompts(heldout_files(), n, seed=1234)
+
+
+def prompt_ids(args, tokenizer) -> list[list[int]]:
+    """The prompts of the run: ``--prompts-file``, or the demo's code prompts for the demo target."""
+    if args.prompts_file:
+        return encode(tokenizer, read_prompts_file(args.prompts_file))
+    if args.target is None or args.target == DEMO_TARGET:
+        return encode(tokenizer, [{"prompt": t} for t in default_prompts(args.num_prompts)])
+    die("pass --prompts-file (the default prompts are stdlib code for the demo target)")
 
 
 def distinct_4grams(ids: list[int]) -> float:
@@ -133,13 +143,7 @@ def main(argv=None) -> int:
     target, draft, tokenizer = load_models(args)
     if draft is None:
         die("the benchmark compares plain and DFlash decoding: pass --draft")
-    if args.prompts_file:
-        texts = read_prompts_file(args.prompts_file)
-    elif args.target is None or args.target == DEMO_TARGET:
-        texts = default_prompts(args.num_prompts)
-    else:
-        die("pass --prompts-file (the default prompts are stdlib code for the demo target)")
-    prompts = encode(tokenizer, texts)
+    prompts = prompt_ids(args, tokenizer)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, stop_token_ids=stop_ids(args, target), seed=args.seed, max_length=args.max_length)
     block = args.block_size or draft.config.block_size

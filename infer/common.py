@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
+from dflash_jax.checkpoints import DTYPES
 from dflash_jax.demo import DEMO_DIR, DEMO_DRAFT, DEMO_TARGET
+from dflash_jax.prompts import PromptError, encode_prompt, read_prompts
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -14,7 +15,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", help="Hugging Face Qwen3/LLaMA target: directory or hub id (default: embedded demo)")
     g.add_argument("--draft", help="DFlash draft: directory or hub id (default: embedded demo draft when the "
                                    "target is the demo; none otherwise = plain decoding)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    g.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="parameter/compute dtype (default float32)")
     g.add_argument("--mesh", default=None,
                    help="shard over devices: 'data=2,tensor=4' (axes data, fsdp, tensor; omitted = 1, one may be -1 "
@@ -76,44 +77,24 @@ def stop_ids(args, target) -> list[int]:
     return list(target.config.eos_token_id)
 
 
-def read_prompts_file(path: str) -> list[str]:
-    """JSONL with a "prompt" field per line, or plain text with one prompt per line."""
-    if not os.path.isfile(path):
-        die(f"prompts file {path} does not exist")
-    prompts = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if line.lstrip().startswith("{"):
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    die(f"{path}:{i}: bad JSON ({e})")
-                if not isinstance(row.get("prompt"), str):
-                    die(f"{path}:{i}: JSONL rows need a string 'prompt' field")
-                prompts.append(row["prompt"])
-            else:
-                prompts.append(line.rstrip("\n").replace("\\n", "\n"))
-    if not prompts:
-        die(f"prompts file {path} has no prompts")
-    return prompts
+def read_prompts_file(path: str) -> list[dict]:
+    """The records of a prompts file (``dflash_jax.prompts.read_prompts``); a bad file exits with its message."""
+    try:
+        return read_prompts(path)
+    except PromptError as e:
+        die(str(e))
 
 
-def encode(tokenizer, texts: list[str], chat: bool = False) -> list[list[int]]:
-    if tokenizer is None:
-        die("text prompts need a tokenizer in the target directory; use --prompt-ids instead")
+def encode(tokenizer, records: list[dict], chat: bool = False) -> list[list[int]]:
+    """Prompt ids of ``records`` by the one rule of ``dflash_jax.prompts`` (as training encodes them); a
+    prompt that cannot be encoded, or encodes to no tokens, exits with the reason."""
     out = []
-    for t in texts:
-        if chat:
-            if not getattr(tokenizer, "chat_template", None):
-                die("--chat: the tokenizer has no chat template")
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        else:
-            ids = tokenizer(t, add_special_tokens=False)["input_ids"]
+    for r in records:
+        try:
+            ids = encode_prompt(r, tokenizer, chat)
+        except PromptError as e:
+            die(str(e))
         if not ids:
-            die(f"prompt {t!r} encodes to no tokens")
-        out.append(list(ids))
+            die(f"prompt {r.get('prompt', r.get('prompt_ids'))!r} encodes to no tokens")
+        out.append(ids)
     return out

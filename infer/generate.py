@@ -21,7 +21,8 @@ def parse_args(argv=None):
     add_model_args(p)
     g = p.add_argument_group("prompts (default: a demo code prompt)")
     g.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
-    g.add_argument("--prompts-file", help="one prompt per line, or JSONL with a 'prompt' field")
+    g.add_argument("--prompts-file", help="one prompt per line (\\n = newline), or JSONL with a 'prompt' "
+                                          "(text) or 'prompt_ids' field")
     g.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template")
     o = p.add_argument_group("output")
@@ -42,11 +43,13 @@ def prompt_ids(args, tokenizer) -> list[list[int]]:
         if not row:
             die("--prompt-ids: empty prompt")
         ids.append(row)
-    texts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
-    if texts:
-        ids += encode(tokenizer, texts, args.chat)
+    records = [{"prompt": t} for t in args.prompt]
+    if args.prompts_file:
+        records += read_prompts_file(args.prompts_file)
+    if records:
+        ids += encode(tokenizer, records, args.chat)
     if not ids:
-        ids = encode(tokenizer, [DEMO_PROMPT])
+        ids = encode(tokenizer, [{"prompt": DEMO_PROMPT}])
     return ids
 
 

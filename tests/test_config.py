@@ -8,7 +8,8 @@ import warnings
 import pytest
 import transformers
 
-from dflash_jax.config import DraftConfig, RopeConfig, TargetConfig, default_target_layer_ids
+from dflash_jax.config import (DraftConfig, RopeConfig, TargetConfig, choose_target_layer_ids,
+                               default_target_layer_ids, shallow_target_layer_ids)
 
 BASE = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=96, hidden_size=32,
             intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -217,6 +218,14 @@ def test_draft_config_like_released():
 ])
 def test_default_target_layer_ids(num_target_layers, n, expected):
     assert default_target_layer_ids(num_target_layers, n) == expected
+
+
+def test_shallow_target_layer_ids():
+    assert shallow_target_layer_ids(4, 5) == (1, 2, 3)  # at most L-1 distinct ids, ending at the last layer
+    assert shallow_target_layer_ids(8, 5) == (1, 3, 4, 6, 7)
+    assert shallow_target_layer_ids(6, 1) == (5,)
+    assert choose_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # the released formula for deep targets
+    assert choose_target_layer_ids(4, 3) == (1, 2, 3)
 
 
 def test_draft_config_without_target_layer_ids_uses_default():

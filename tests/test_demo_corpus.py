@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from dflash_jax.demo import corpus
+from dflash_jax.target import init_params
 from train.demo.pretrain import (EOS_TOKEN, MASK_TOKEN, TrainHParams, check_export, evaluate, export_hf,
-                                 init_params_jit, model_config, pretrain, tokenize_files, train_tokenizer,
+                                 model_config, pretrain, tokenize_files, train_tokenizer,
                                  PackedBatches)
 
 
@@ -80,7 +81,7 @@ def test_tiny_pretraining_lowers_loss_resumes_exactly_and_exports(tiny_data):
     batches = PackedBatches(train, hp.seq_len, hp.batch_size, hp.seed)
     assert np.array_equal(batches.batch(5), PackedBatches(train, 32, 4, 0).batch(5))
     seen = np.concatenate([batches.batch(s) for s in range(8)])
-    before = evaluate(cfg, init_params_jit(cfg, hp.seed), seen, hp.batch_size)
+    before = evaluate(cfg, init_params(cfg, hp.seed), seen, hp.batch_size)
 
     params, summary = pretrain(cfg, train, held, str(tmp / "a"), hp=hp, steps=8, progress=False, log=lambda s: None)
     assert summary["finished"] and summary["step"] == 8 and summary["heldout_loss"] is not None

@@ -23,7 +23,7 @@ from dflash_jax.speculative import speculative_generate
 from dflash_jax.target import Target, load_target, param_shapes, save_target
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig, parse_args
-from train.data import DataError, TrainData, read_records, write_manifest, write_shard
+from train.data import DataError, TrainData, write_manifest, write_shard
 from train.loop import TrainingError, train
 from train.make_data import make_data
 
@@ -322,20 +322,6 @@ def test_sequences_shorter_than_a_block(tmp_path):
     assert len(d) == 1
     with pytest.raises(DataError, match="fewer than one optimizer step"):
         d.steps_per_epoch(2)
-
-
-def test_bad_prompt_files(tmp_path):
-    (tmp_path / "e.txt").write_text("\n\n")
-    with pytest.raises(DataError, match="is empty"):
-        read_records(str(tmp_path / "e.txt"))
-    (tmp_path / "m.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
-    with pytest.raises(DataError, match="line 2 is not valid JSON"):
-        read_records(str(tmp_path / "m.jsonl"))
-    (tmp_path / "k.jsonl").write_text('{"question": "a"}\n')
-    with pytest.raises(DataError, match="\"prompt\" or \"prompt_ids\""):
-        read_records(str(tmp_path / "k.jsonl"))
-    (tmp_path / "t.txt").write_text("hello\nworld\n")
-    assert read_records(str(tmp_path / "t.txt")) == [{"prompt": "hello"}, {"prompt": "world"}]
 
 
 def test_draft_target_mismatch(env, tmp_path):

@@ -19,7 +19,7 @@ from dflash_jax import target as target_lib
 from dflash_jax.layers import random_params
 from dflash_jax.target import param_shapes
 from train import objective as O
-from train.config import TrainConfig, default_gamma, shallow_target_layer_ids
+from train.config import TrainConfig, default_gamma
 
 MASK = 63
 BK = 4
@@ -95,16 +95,6 @@ def test_position_weights_and_gamma():
     assert default_gamma(4) == 2.0 and default_gamma(2) == 1.0 and abs(default_gamma(32) - 37 / 3) < 1e-9
     assert default_gamma(9) == 4.5 and abs(default_gamma(12) - 17 / 3) < 1e-9
     assert TrainConfig(block_size=16).gamma_value == 7.0 and TrainConfig(block_size=8, gamma=2.5).gamma_value == 2.5
-
-
-def test_shallow_target_layer_ids():
-    from train.config import choose_target_layer_ids
-
-    assert shallow_target_layer_ids(4, 5) == (1, 2, 3)  # at most L-1 distinct ids, ending at the last layer
-    assert shallow_target_layer_ids(8, 5) == (1, 3, 4, 6, 7)
-    assert shallow_target_layer_ids(6, 1) == (5,)
-    assert choose_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # the released formula for deep targets
-    assert choose_target_layer_ids(4, 3) == (1, 2, 3)
 
 
 # --- the mask: what each block can see ------------------------------------------------------------------

@@ -12,6 +12,8 @@ import json
 import types
 import typing
 
+from dflash_jax.checkpoints import DTYPES
+
 # Loss-weight decay gamma of the paper per block size (w_k = exp(-(k-1)/gamma)).
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -32,37 +34,6 @@ def default_gamma(block_size: int) -> float:
         (x0, y0), (x1, y1) = next(((p, q) for p, q in zip(pts, pts[1:]) if p[0] <= b <= q[0]))
         g = y0 + (b - x0) * (y1 - y0) / (x1 - x0)
     return max(1.0, g)
-
-
-def shallow_target_layer_ids(num_target_layers: int, num_features: int) -> tuple[int, ...]:
-    """Evenly spaced layer ids from 1 to L-1 (both included), at most L-1 distinct ids.
-
-    The released formula ``round(1 + i*(L-4)/(n-1))`` was designed for deep targets (e.g. 1..33 of
-    36 layers): it skips the last three layers, whose outputs are already close to the logits. On a
-    shallow target (< 12 layers) it collapses (L=4 gives layer 1 five times) and misses the layers
-    that carry most of the next-token information, so there we span the whole depth instead.
-    """
-    L, n = num_target_layers, num_features
-    if L < 2:
-        return (0,)
-    n = max(1, min(n, L - 1))
-    if n == 1:
-        return (L - 1,)
-    ids = []
-    for i in range(n):
-        v = int(1 + (i * (L - 2) + (n - 1) // 2) // (n - 1))  # round half up, exact in integers
-        if v not in ids:
-            ids.append(v)
-    return tuple(ids)
-
-
-def choose_target_layer_ids(num_target_layers: int, num_features: int) -> tuple[int, ...]:
-    """The released default for targets with >= 12 layers, ``shallow_target_layer_ids`` below."""
-    from dflash_jax.config import default_target_layer_ids
-
-    if num_target_layers < 12:
-        return shallow_target_layer_ids(num_target_layers, num_features)
-    return default_target_layer_ids(num_target_layers, num_features)
 
 
 def _help(text: str, **kw):
@@ -156,8 +127,8 @@ class TrainConfig:
         if self.impl not in ("auto", "kernel", "reference", "interpret"):
             errors.append(f"--impl must be auto, kernel, reference or interpret, got {self.impl!r}")
         for name in ("dtype", "param_dtype", "feature_dtype"):
-            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
-                errors.append(f"--{name.replace('_', '-')} must be float32, bfloat16 or float16")
+            if getattr(self, name) not in DTYPES:
+                errors.append(f"--{name.replace('_', '-')} must be one of {', '.join(DTYPES)}")
         if self.target_layer_ids:
             try:
                 self.layer_ids()

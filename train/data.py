@@ -1,4 +1,4 @@
-"""Training data on disk: sharded token ids + loss masks with a manifest; prompt files; batching.
+"""Training data on disk: sharded token ids + loss masks with a manifest; prompt + response pairs; batching.
 
 Layout of a data directory (written by ``python -m train.make_data``)::
 
@@ -22,12 +22,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dflash_jax.prompts import PromptError, chat_ids, encode_prompt, token_ids
+
 FORMAT = "dflash-jax-train-data"
 MANIFEST = "manifest.json"
 
 
-class DataError(ValueError):
-    """Bad training data: missing, empty or malformed files, unusable sequences."""
+class DataError(PromptError):
+    """Bad training data: missing, empty or malformed files, unusable sequences (a ``PromptError``, so
+    one ``except`` covers the data and the prompt files it is made from)."""
 
 
 # --- writing ------------------------------------------------------------------------------------
@@ -50,32 +53,43 @@ def write_shard(path: str, sequences: list[tuple[np.ndarray, np.ndarray]]) -> di
             "num_supervised": int(mask.sum())}
 
 
-def write_manifest(data_dir: str, manifest: dict) -> None:
-    tmp = os.path.join(data_dir, MANIFEST + ".tmp")
+def write_manifest(directory: str, manifest: dict) -> None:
+    """Write ``directory/manifest.json`` atomically (tmp + rename): a reader never sees half of one."""
+    tmp = os.path.join(directory, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=2)
-    os.replace(tmp, os.path.join(data_dir, MANIFEST))
+    os.replace(tmp, os.path.join(directory, MANIFEST))
 
 
-def read_manifest(data_dir: str) -> dict:
-    path = os.path.join(data_dir, MANIFEST)
-    if not os.path.isdir(data_dir):
-        raise DataError(f"data directory {data_dir!r} does not exist (write one with `python -m train.make_data`)")
-    if not os.path.isfile(path):
-        raise DataError(f"{path} is missing: {data_dir!r} is not a data directory written by "
-                        "`python -m train.make_data`")
-    with open(path) as f:
-        text = f.read()
+def load_manifest(directory: str, fmt: str, fix: str = "") -> dict:
+    """``directory/manifest.json``, checked to be a ``fmt`` manifest (a "format" and a "shards" list);
+    a ``DataError`` naming the file (and ``fix``, what to do about it) otherwise."""
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise DataError(f"{path} cannot be read ({e}){fix}") from None
     if not text.strip():
-        raise DataError(f"{path} is empty")
+        raise DataError(f"{path} is empty{fix}")
     try:
         manifest = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(
+        raise DataError(f"{path} is not valid JSON ({e}){fix}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt or not isinstance(
             manifest.get("shards"), list):
-        raise DataError(f"{path} is not a {FORMAT} manifest (needs \"format\": \"{FORMAT}\" and a \"shards\" list)")
+        raise DataError(f"{path} is not a {fmt} manifest (needs \"format\": \"{fmt}\" and a \"shards\" list){fix}")
     return manifest
+
+
+def read_manifest(data_dir: str) -> dict:
+    """The manifest of a data directory written by ``python -m train.make_data``."""
+    if not os.path.isdir(data_dir):
+        raise DataError(f"data directory {data_dir!r} does not exist (write one with `python -m train.make_data`)")
+    if not os.path.isfile(os.path.join(data_dir, MANIFEST)):
+        raise DataError(f"{os.path.join(data_dir, MANIFEST)} is missing: {data_dir!r} is not a data directory "
+                        "written by `python -m train.make_data`")
+    return load_manifest(data_dir, FORMAT)
 
 
 def read_shard(path: str, vocab_size: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -108,65 +122,7 @@ def read_shard(path: str, vocab_size: int | None = None) -> list[tuple[np.ndarra
     return [(ids[a:b], mask[a:b]) for a, b in zip(off[:-1], off[1:])]
 
 
-# --- prompts ------------------------------------------------------------------------------------
-
-
-def read_records(path: str) -> list[dict]:
-    """A prompt / text file -> list of records.
-
-    JSONL (``.jsonl`` / ``.json`` or lines starting with ``{``): one object per line with ``prompt``
-    (text) or ``prompt_ids`` (token ids), optionally ``response`` / ``response_ids``. Otherwise one
-    prompt per non-empty line ({"prompt": line}).
-    """
-    if not os.path.isfile(path):
-        raise DataError(f"prompt file {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-        lines = [ln.rstrip("\n") for ln in f]
-    lines = [ln for ln in lines if ln.strip()]
-    if not lines:
-        raise DataError(f"prompt file {path} is empty")
-    jsonl = path.endswith((".jsonl", ".json")) or lines[0].lstrip().startswith("{")
-    if not jsonl:
-        return [{"prompt": ln} for ln in lines]
-    records = []
-    for n, ln in enumerate(lines, 1):
-        try:
-            r = json.loads(ln)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path} line {n} is not valid JSON ({e}); expected one object per line with a "
-                            "\"prompt\" (or \"prompt_ids\") field") from None
-        if not isinstance(r, dict) or not ({"prompt", "prompt_ids"} & r.keys()):
-            raise DataError(f"{path} line {n}: expected an object with a \"prompt\" or \"prompt_ids\" field, "
-                            f"got {ln[:80]!r}")
-        for key in ("prompt_ids", "response_ids"):
-            if key in r and not (isinstance(r[key], list) and all(isinstance(t, int) for t in r[key])):
-                raise DataError(f"{path} line {n}: {key} must be a list of integers")
-        records.append(r)
-    return records
-
-
-def _ids(x) -> list[int]:
-    if hasattr(x, "keys") and "input_ids" in x:
-        x = x["input_ids"]
-    if hasattr(x, "tolist"):
-        x = x.tolist()
-    if x and isinstance(x[0], list):
-        x = x[0]
-    return [int(t) for t in x]
-
-
-def encode_prompt(record: dict, tokenizer, chat: bool, chat_kwargs: dict | None = None) -> list[int]:
-    if "prompt_ids" in record:
-        return list(record["prompt_ids"])
-    if tokenizer is None:
-        raise DataError("text prompts need the target's tokenizer, and the target directory has none; "
-                        "give token ids instead (JSONL with a \"prompt_ids\" field)")
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise DataError("--chat given but the target's tokenizer has no chat template")
-        return _ids(tokenizer.apply_chat_template([{"role": "user", "content": record["prompt"]}],
-                                                  add_generation_prompt=True, tokenize=True, **(chat_kwargs or {})))
-    return _ids(tokenizer(record["prompt"])["input_ids"])
+# --- prompt / response pairs ----------------------------------------------------------------------
 
 
 def encode_pair(record: dict, tokenizer, chat: bool, chat_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
@@ -180,12 +136,11 @@ def encode_pair(record: dict, tokenizer, chat: bool, chat_kwargs: dict | None = 
     if tokenizer is None:
         raise DataError("text responses need the target's tokenizer, and the target directory has none")
     if chat and "prompt" in record:
-        full = _ids(tokenizer.apply_chat_template(
-            [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}],
-            tokenize=True, **(chat_kwargs or {})))
+        full = chat_ids(tokenizer, [{"role": "user", "content": record["prompt"]},
+                                    {"role": "assistant", "content": record["response"]}], chat_kwargs)
         if full[:len(prompt)] == prompt and len(full) > len(prompt):
             return prompt, full[len(prompt):]
-    resp = _ids(tokenizer(record["response"], add_special_tokens=False)["input_ids"])
+    resp = token_ids(tokenizer(record["response"], add_special_tokens=False))
     eos = tokenizer.eos_token_id
     return prompt, resp + ([eos] if eos is not None else [])
 

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 
+from dflash_jax.checkpoints import DTYPES
 from dflash_jax.config import DraftConfig
 from dflash_jax.draft import Draft, draft_param_shapes, save_draft
 from train.checkpoint import Checkpointer, find_checkpoint
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True, help="training out dir, its checkpoints/ dir, or checkpoints/<step>")
     p.add_argument("--out", required=True, help="directory for config.json + model.safetensors")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                    help="dtype of the exported weights (the released drafts are bfloat16)")
     a = p.parse_args(argv)
     try:

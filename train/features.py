@@ -23,14 +23,16 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
-from train.data import DataError, TrainData
+from dflash_jax.checkpoints import DTYPES
+from train.data import MANIFEST, DataError, TrainData, load_manifest, write_manifest
+from train.progress import progress_bar
 
 FORMAT = "dflash-jax-features"
-_NP = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
-_STORE = {"bfloat16": np.uint16, "float32": np.float32, "float16": np.float16}
+_NP = {name: np.dtype(t) for name, t in DTYPES.items()}
+# .npy has no bfloat16: stored as its uint16 bit pattern (the manifest's "dtype" says how to view it)
+_STORE = {**_NP, "bfloat16": np.dtype(np.uint16)}
 
 
 def fingerprint(data: TrainData, layer_ids, target_path: str | None, target_dtype: str) -> str:
@@ -77,27 +79,6 @@ class FeatureStore:
         return int(sum(a.nbytes for a in self._shards))
 
 
-def _read_manifest(directory: str) -> dict | None:
-    path = os.path.join(directory, "manifest.json")
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            m = json.load(f)
-    except (json.JSONDecodeError, OSError) as e:
-        raise DataError(f"{path} is not a readable feature manifest ({e}); delete {directory} to recompute") from None
-    if m.get("format") != FORMAT:
-        raise DataError(f"{path} is not a {FORMAT} manifest; delete {directory} to recompute")
-    return m
-
-
-def _write_manifest(directory: str, manifest: dict) -> None:
-    tmp = os.path.join(directory, "manifest.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(tmp, os.path.join(directory, "manifest.json"))
-
-
 @functools.lru_cache(maxsize=8)
 def _features_fn(tcfg, layer_ids):
     from train.objective import target_features
@@ -116,8 +97,8 @@ def build_feature_store(target, layer_ids, data: TrainData, directory: str, *, b
     target_dtype = str(jax.tree_util.tree_leaves(target.params)[0].dtype)
     fp = fingerprint(data, layer_ids, target.path, target_dtype)
     width = len(layer_ids) * target.config.hidden_size
-    manifest = _read_manifest(directory)
-    if manifest is not None:
+    if os.path.isfile(os.path.join(directory, MANIFEST)):
+        manifest = load_manifest(directory, FORMAT, f"; delete {directory} to recompute")
         same = (manifest.get("fingerprint") == fp and manifest.get("dtype") == dtype
                 and manifest.get("width") == width and manifest.get("layer_ids") == list(layer_ids))
         if not same:
@@ -134,7 +115,7 @@ def build_feature_store(target, layer_ids, data: TrainData, directory: str, *, b
     if todo:
         fn = _features_fn(target.config, layer_ids)
         tokens_todo = sum(len(data.ids[i]) for f in todo for i in range(f, min(f + per, len(data))))
-        bar = _bar(tokens_todo, "features", progress)
+        bar = progress_bar(tokens_todo, "features", "tok", progress)
         for first in todo:
             idx = np.arange(first, min(first + per, len(data)))
             lens = [len(data.ids[i]) for i in idx]
@@ -156,28 +137,10 @@ def build_feature_store(target, layer_ids, data: TrainData, directory: str, *, b
             os.replace(tmp, os.path.join(directory, name))
             manifest["shards"].append({"file": name, "first": int(first), "count": len(idx), "tokens": int(sum(lens))})
             manifest["shards"].sort(key=lambda s: s["first"])
-            _write_manifest(directory, manifest)
+            write_manifest(directory, manifest)
         bar.close()
     elif log:
         log(f"features: reusing {directory}")
-    _write_manifest(directory, manifest)
+    write_manifest(directory, manifest)
     return FeatureStore(directory, data, manifest)
 
-
-def _bar(total, desc, enabled):
-    if enabled:
-        try:
-            from tqdm.auto import tqdm
-
-            return tqdm(total=total, desc=desc, unit="tok", dynamic_ncols=True)
-        except ImportError:
-            pass
-
-    class _Null:
-        def update(self, n):
-            pass
-
-        def close(self):
-            pass
-
-    return _Null()

@@ -31,22 +31,22 @@ import optax
 
 from dflash_jax import sharding
 from dflash_jax.checkpoints import load_tokenizer, resolve_dtype
-from dflash_jax.config import DraftConfig
-from dflash_jax.draft import Draft, check_fits, load_draft
+from dflash_jax.config import MASK_TOKEN, DraftConfig, choose_target_layer_ids
+from dflash_jax.draft import Draft, check_fits, draft_param_shapes, init_draft_params, load_draft
+from dflash_jax.prompts import encode_prompt, read_prompts
 from dflash_jax.target import Target, load_target
 from train import objective
 from train.checkpoint import CHECKPOINT_DIR, Checkpointer
-from train.config import TrainConfig, choose_target_layer_ids
-from train.data import TrainData, encode_prompt, read_records
+from train.config import TrainConfig
+from train.data import TrainData
+from train.optim import make_optimizer, warmup_cosine
+from train.progress import progress_bar
 
 # Config fields that must not change when resuming (they define the data order, the anchors, the
 # model or the objective); the others (steps, logging, evaluation, ...) may.
 _RESUME_FIXED = ("draft_layers", "block_size", "num_target_features", "target_layer_ids",
                  "mask_token_id", "num_anchors", "gamma", "seq_len", "batch_size", "grad_accum", "seed",
                  "param_dtype", "init_draft")
-
-
-MASK_TOKEN = "<|MASK|>"
 
 
 class TrainingError(RuntimeError):
@@ -95,54 +95,12 @@ def build_draft_config(cfg: TrainConfig, target: Target, tokenizer=None) -> Draf
     return dcfg
 
 
-def random_params(shapes, seed: int, *, std: float = 0.02, dtype=jnp.float32):
-    """Parameters shaped like ``shapes`` (ShapeDtypeStructs) with the library's initialisers -- normal(std)
-    matrices and embeddings, unit RMSNorm weights, zero biases -- drawn with numpy: no per-op compilation
-    (Flax's eager ``init`` compiles every op, seconds per model on a small CPU)."""
-    from flax import traverse_util
-
-    rng = np.random.default_rng(seed)
-    out = {}
-    for path, leaf in sorted(traverse_util.flatten_dict(shapes).items()):
-        if path[-1] == "weight":
-            v = np.ones(leaf.shape, np.float32)
-        elif path[-1] == "bias":
-            v = np.zeros(leaf.shape, np.float32)
-        else:
-            v = rng.standard_normal(leaf.shape, np.float32) * std
-        out[path] = jnp.asarray(v, dtype)
-    return traverse_util.unflatten_dict(out)
-
-
-def init_draft(dcfg: DraftConfig, seed: int, dtype=jnp.float32):
-    """Fresh draft parameters (same distribution as ``dflash_jax.draft.init_draft_params``)."""
-    from dflash_jax.draft import draft_param_shapes
-
-    return random_params(draft_param_shapes(dcfg), seed, dtype=dtype)
-
-
-def make_optimizer(cfg: TrainConfig):
-    """Global-norm clipping -> Adam moments -> decoupled weight decay (matrices only, not RMSNorm weights).
-    The learning rate is applied in the step (``-lr * update``, i.e. AdamW) and passed in per step from
-    ``lr_at``, so the compiled step does not depend on the schedule (changing --lr / --steps reuses it)."""
-    decay_mask = lambda p: jax.tree_util.tree_map(lambda x: x.ndim >= 2, p)  # noqa: E731
-    parts = [optax.clip_by_global_norm(cfg.clip)] if cfg.clip > 0 else []
-    parts.append(optax.scale_by_adam(b1=cfg.beta1, b2=cfg.beta2, eps=1e-8))
-    if cfg.weight_decay > 0:
-        parts.append(optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask))
-    return optax.chain(*parts)
-
-
 def lr_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
     """Learning rate of update ``step`` (0-based): linear warmup over round(warmup_frac * total) steps
     (reaching --lr at the last warmup step), then cosine decay to min_lr_frac * lr at the last step."""
     warmup = int(round(cfg.warmup_frac * total_steps))
-    if step < warmup:
-        return cfg.lr * (step + 1) / warmup
-    span = max(1, total_steps - warmup - 1)
-    progress = min(1.0, (step - warmup) / span)
-    end = cfg.lr * cfg.min_lr_frac
-    return end + (cfg.lr - end) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return warmup_cosine(step, peak=cfg.lr, warmup=warmup, cosine_steps=total_steps - warmup - 1,
+                         final_frac=cfg.min_lr_frac)
 
 
 _STEP_FIELDS = ("seed", "num_anchors", "block_size", "gamma", "impl", "loss_chunk", "dtype", "clip",
@@ -157,7 +115,7 @@ def cached_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, *, offline: boo
     if key not in _step_cache:
         if len(_step_cache) >= 8:
             _step_cache.pop(next(iter(_step_cache)))
-        optimizer = make_optimizer(cfg)
+        optimizer = make_optimizer(cfg.clip, cfg.beta1, cfg.beta2, cfg.weight_decay)
         _step_cache[key] = (optimizer, make_train_step(cfg, tcfg, dcfg, optimizer, offline=offline))
     return _step_cache[key]
 
@@ -219,7 +177,8 @@ def prompts_from_data(data: TrainData, n: int) -> list[list[int]]:
 
 
 def load_eval_prompts(path: str, tokenizer, n: int, chat: bool = False) -> list[list[int]]:
-    return [encode_prompt(r, tokenizer, chat) for r in read_records(path)[:n]]
+    """The first ``n`` prompts of a prompts file, encoded as ``infer.generate`` encodes them."""
+    return [encode_prompt(r, tokenizer, chat) for r in read_prompts(path)[:n]]
 
 
 def evaluate(target: Target, draft: Draft, prompts: list[list[int]], *, max_new_tokens: int,
@@ -249,16 +208,6 @@ def peak_memory_mb() -> float:
     return r / (1024 * 1024) if sys.platform == "darwin" else r / 1024
 
 
-def _progress(total, initial, enabled):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
-
-
 def _data_summary(data: TrainData) -> dict:
     return {"sequences": len(data), "tokens": data.num_tokens}
 
@@ -279,7 +228,7 @@ def _check_resume(meta: dict, cfg: TrainConfig, data: TrainData) -> None:
         raise TrainingError(
             "cannot resume exactly: the checkpoint was made with different " + ", ".join(
                 f"--{f.replace('_', '-')} ({getattr(old, f)!r} -> {getattr(cfg, f)!r})" for f in diff)
-            + f"; use the original values, or a new --out to start over")
+            + "; use the original values, or a new --out to start over")
     changed = [f.name for f in dataclasses.fields(TrainConfig)
                if f.name in ("steps", "epochs", "lr", "warmup_frac", "min_lr_frac", "clip", "weight_decay",
                              "beta1", "beta2") and getattr(old, f.name) != getattr(cfg, f.name)]
@@ -354,8 +303,6 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
         meta = ckpt.meta(latest)
         _check_resume(meta, cfg, data)
         dcfg = DraftConfig.from_hf(meta["draft_config"])
-        from dflash_jax.draft import draft_param_shapes
-
         params_like = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype),
                                              draft_param_shapes(dcfg))
     elif cfg.init_draft:
@@ -368,7 +315,7 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
         params = init.params
     else:
         dcfg = build_draft_config(cfg, target, tokenizer)
-        params = init_draft(dcfg, cfg.seed, param_dtype)
+        params = init_draft_params(dcfg, cfg.seed, param_dtype)
     if latest is None:
         check_fits(target, Draft(dcfg, params))
     else:
@@ -453,7 +400,7 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
             f"{rec['prompts']} prompts")
         return r
 
-    bar = _progress(total, start, cfg.progress and primary)
+    bar = progress_bar(total, "train", "step", cfg.progress and primary, initial=start)
     window, win_tokens, win_time, win_steps, last = None, 0, 0.0, 0, {}
     step, tokens_total, t_run, compile_s = start, 0, time.perf_counter(), None
     try:
@@ -494,10 +441,9 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
             if win_time > 0:
                 cur["tokens_per_s"] = win_tokens / win_time
             last = cur
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{cur['loss']:.3f}", acc=f"{cur['acc']:.3f}",
-                                tok_s=f"{cur.get('tokens_per_s', 0):.0f}")
+            bar.update(1)
+            bar.set_postfix(loss=f"{cur['loss']:.3f}", acc=f"{cur['acc']:.3f}",
+                            tok_s=f"{cur.get('tokens_per_s', 0):.0f}")
             if step % cfg.log_every == 0 or step == total:
                 rec = {"step": step, "epoch": epoch, "lr": cur["lr"], "grad_norm": cur["grad_norm"],
                        **(objective.summarize(window) if window is not None else cur),
@@ -527,8 +473,7 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
             "command to resume")
         raise
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
         ckpt.wait()
     if start < total or total not in ckpt.all_steps():
         ckpt.save(total, params, opt_state, meta_for(total, last))

@@ -10,7 +10,10 @@ template. Each sequence is prompt + response with only the response supervised.
 Output: ``DIR/manifest.json`` + ``DIR/shard_NNNNN.npz`` (see ``train/data.py``), one shard per
 ``--shard-size`` prompts. Resumable: rerunning the same command skips the shards already written.
 
-Prompt files: one prompt per line, or JSONL with a ``prompt`` (text) or ``prompt_ids`` field.
+Prompt files (``dflash_jax/prompts.py``, the one reader and encoder of training and serving): one prompt
+per line (``\\n`` stands for a newline), or JSONL with a ``prompt`` (text) or ``prompt_ids`` field. Text
+prompts are encoded with the tokenizer's special tokens (a LLaMA prompt starts with its BOS), as
+``infer.generate`` and ``infer.benchmark`` encode them.
 """
 from __future__ import annotations
 
@@ -23,8 +26,9 @@ import sys
 import numpy as np
 
 from dflash_jax.checkpoints import load_tokenizer
-from train.data import (FORMAT, DataError, encode_pair, encode_prompt, read_manifest, read_records,
-                        shard_name, write_manifest, write_shard)
+from dflash_jax.prompts import encode_prompt, read_prompts
+from train.data import FORMAT, DataError, encode_pair, read_manifest, shard_name, write_manifest, write_shard
+from train.progress import progress_bar
 
 
 def _file_digest(path: str) -> str:
@@ -39,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train.make_data", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", required=True, help="target checkpoint directory or hub id")
-    p.add_argument("--prompts", required=True, help="prompt file: text lines, or JSONL with prompt / prompt_ids "
-                   "(and optionally response / response_ids)")
+    p.add_argument("--prompts", required=True, help="prompt file: text lines (\\n = newline), or JSONL with "
+                   "prompt / prompt_ids (and optionally response / response_ids)")
     p.add_argument("--out", required=True, help="output data directory")
     p.add_argument("--responses", choices=["auto", "generate", "use"], default="auto",
                    help="generate: the target answers; use: take the file's responses; auto: use them when "
@@ -72,7 +76,7 @@ def make_data(target, prompts: str, out: str, *, responses: str = "auto", chat: 
     """Python API of the command; ``target`` is a loaded ``dflash_jax.target.Target``. Returns the manifest."""
     if batch_size < 1 or shard_size < 1 or max_new_tokens < 1:
         raise ValueError("--batch-size, --shard-size and --max-new-tokens must be >= 1")
-    records = read_records(prompts)
+    records = read_prompts(prompts)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target.path)
     has = ["response" in r or "response_ids" in r for r in records]
     if responses == "auto":
@@ -110,15 +114,8 @@ def make_data(target, prompts: str, out: str, *, responses: str = "auto", chat: 
     todo = [i for i in range(n_shards) if shard_name(i) not in done]
     if len(todo) < n_shards:
         log(f"resuming: {n_shards - len(todo)} of {n_shards} shards already in {out}")
-    bar = None
-    if progress:
-        try:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(records), initial=len(records) - sum(
-                min(shard_size, len(records) - i * shard_size) for i in todo), desc="make_data", unit="prompt")
-        except ImportError:
-            pass
+    bar = progress_bar(len(records), "make_data", "prompt", progress, initial=len(records) - sum(
+        min(shard_size, len(records) - i * shard_size) for i in todo))
     skipped = 0
     for si in todo:
         chunk = records[si * shard_size:(si + 1) * shard_size]
@@ -148,10 +145,9 @@ def make_data(target, prompts: str, out: str, *, responses: str = "auto", chat: 
         manifest["shards"].sort(key=lambda s: s["file"])
         manifest["complete"] = len(manifest["shards"]) == n_shards
         write_manifest(out, manifest)
-        if bar is not None and responses == "use":
+        if responses == "use":
             bar.update(len(chunk))
-    if bar is not None:
-        bar.close()
+    bar.close()
     manifest["complete"] = True
     write_manifest(out, manifest)
     n = sum(s["num_sequences"] for s in manifest["shards"])
@@ -183,8 +179,7 @@ def _generate(target, draft, prompts, *, batch_size, max_new_tokens, temperature
             gen = r.generated_ids
             out[i] = (np.asarray(r.output_ids, np.int32),
                       np.asarray([0] * r.prompt_length + [1] * len(gen), np.uint8))
-        if bar is not None:
-            bar.update(len(idx))
+        bar.update(len(idx))
     return out
 
 

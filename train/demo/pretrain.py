@@ -4,7 +4,8 @@ Pieces (``train/demo/__main__.py`` chains them into the demo target):
   * ``train_tokenizer``: a byte-level BPE (``tokenizers``) with ``<|endoftext|>`` (EOS and pad) and
     ``<|MASK|>`` (the DFlash mask token), saved as ``tokenizer.json`` + ``tokenizer_config.json``;
   * ``tokenize_files``: one flat uint16 token stream, EOS after every file;
-  * ``pretrain``: AdamW (decay on matrices only), linear warmup + cosine to 10%, global-norm clip 1.0,
+  * ``pretrain``: AdamW (``train/optim.py``: decay on Linear kernels only), linear warmup + cosine to
+    10%, global-norm clip 1.0,
     fp32, next-token cross entropy through ``dflash_jax.target.forward`` on packed windows of
     ``seq_len`` tokens. Resumable: every few minutes (and on SIGTERM / Ctrl-C) params, optimizer state
     and the run's metadata go to ``<work>/checkpoint.msgpack``; the batch of a step is a pure function
@@ -38,12 +39,12 @@ import numpy as np
 import optax
 from flax import serialization
 
-from dflash_jax.checkpoints import export_params, save_safetensors
-from dflash_jax.config import RopeConfig, TargetConfig
-from dflash_jax.target import forward, init_params
+from dflash_jax.config import MASK_TOKEN, RopeConfig, TargetConfig
+from dflash_jax.target import Target, forward, init_params, save_target
+from train.optim import make_optimizer, warmup_cosine
+from train.progress import progress_bar
 
 EOS_TOKEN = "<|endoftext|>"
-MASK_TOKEN = "<|MASK|>"
 SPECIAL_TOKENS = (EOS_TOKEN, MASK_TOKEN)  # ids 0 and 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -117,12 +118,6 @@ def model_config(vocab_size: int, *, hidden: int = 256, layers: int = 6, heads: 
                         pad_token_id=pad_token_id)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def init_params_jit(cfg: TargetConfig, seed: int = 0):
-    """``dflash_jax.target.init_params`` in float32, compiled (much faster than op by op on CPU)."""
-    return init_params(cfg, seed, jnp.float32)
-
-
 def count_params(params) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
 
@@ -194,16 +189,8 @@ class TrainHParams:
 
     @property
     def opt_hp(self):
-        return (self.weight_decay, self.b1, self.b2, self.clip)
-
-
-def make_optimizer(weight_decay: float, b1: float, b2: float, clip: float) -> optax.GradientTransformation:
-    """Clip -> Adam moments -> decoupled weight decay on ``kernel`` matrices; the caller scales by -lr."""
-    def decay_mask(params):
-        return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) == "kernel", params)
-
-    return optax.chain(optax.clip_by_global_norm(clip), optax.scale_by_adam(b1=b1, b2=b2, eps=1e-8),
-                       optax.add_decayed_weights(weight_decay, decay_mask))
+        """``train.optim.make_optimizer``'s arguments."""
+        return (self.clip, self.b1, self.b2, self.weight_decay)
 
 
 def warmup_for(total: int, hp: TrainHParams) -> int:
@@ -213,10 +200,7 @@ def warmup_for(total: int, hp: TrainHParams) -> int:
 def lr_at(step: int, total: int, hp: TrainHParams, warmup: int | None = None) -> float:
     """Linear warmup (default min(warmup_steps, total/10) steps), then cosine from lr to lr * min_lr_ratio."""
     warmup = warmup_for(total, hp) if warmup is None else warmup
-    if step < warmup:
-        return hp.lr * (step + 1) / warmup
-    p = min(1.0, (step - warmup) / max(1, total - warmup))
-    return hp.lr * (hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+    return warmup_cosine(step, peak=hp.lr, warmup=warmup, cosine_steps=total - warmup, final_frac=hp.min_lr_ratio)
 
 
 def _loss(cfg: TargetConfig, params, tokens):
@@ -327,7 +311,7 @@ def pretrain(cfg: TargetConfig, train_tokens: np.ndarray, heldout_tokens: np.nda
     run_key = {"model": cfg.to_hf(), "hparams": dataclasses.asdict(hp), "train_tokens": int(len(train_tokens)),
                "heldout_tokens": int(len(heldout_tokens))}
 
-    params = init_params_jit(cfg, hp.seed)
+    params = init_params(cfg, hp.seed)
     opt_state = make_optimizer(*hp.opt_hp).init(params)
     restored = load_checkpoint(work_dir, params, opt_state)
     if restored is not None:
@@ -370,8 +354,8 @@ def pretrain(cfg: TargetConfig, train_tokens: np.ndarray, heldout_tokens: np.nda
 
     tokens_per_step = hp.batch_size * hp.seq_len
     step = meta["step"]
-    pbar = tqdm(total=meta["total_steps"] or None, initial=step, disable=not progress, dynamic_ncols=True,
-                mininterval=1.0 if sys.stderr.isatty() else 30.0, desc="pretrain", unit="step")
+    pbar = progress_bar(meta["total_steps"] or None, "pretrain", "step", progress, initial=step,
+                        mininterval=1.0 if sys.stderr.isatty() else 30.0)
     t_loop = time.time()
     elapsed0 = meta["elapsed_s"]
     last_save = time.time()
@@ -485,15 +469,10 @@ def export_hf(cfg: TargetConfig, params, out_dir: str, tokenizer_dir: str, summa
               dtype: str = "bfloat16") -> str:
     """Write the Hugging Face layout: config.json, model.safetensors (``dtype``), tokenizer files,
     generation_config.json and (when given) ``training.json`` with the run summary."""
-    os.makedirs(out_dir, exist_ok=True)
-    hf = cfg.to_hf()
-    hf["torch_dtype"] = hf["dtype"] = dtype
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
+    save_target(Target(cfg, params), out_dir, dtype)
     eos = cfg.eos_token_id[0] if cfg.eos_token_id else None
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": eos, "pad_token_id": cfg.pad_token_id, "do_sample": False}, f, indent=2)
-    save_safetensors(os.path.join(out_dir, "model.safetensors"), export_params(params, prefix="model.", dtype=dtype))
     for name in TOKENIZER_FILES:
         src = os.path.join(tokenizer_dir, name)
         if os.path.isfile(src):

@@ -1,0 +1,10 @@
+"""The training tools' progress bar: one place that decides how a bar looks."""
+from __future__ import annotations
+
+from tqdm.auto import tqdm
+
+
+def progress_bar(total: int | None, desc: str, unit: str, enabled: bool = True, initial: int = 0, **kw) -> tqdm:
+    """A tqdm bar on stderr; when not ``enabled`` a disabled one (every method a no-op), so callers never
+    branch. ``kw`` goes to tqdm (e.g. ``mininterval``)."""
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=not enabled, dynamic_ncols=True, **kw)
