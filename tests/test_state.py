@@ -1,0 +1,88 @@
+"""The per-layer decode-state protocol (dflash_jax/state.py): a forward writes every new token, and
+``DecodeCache.commit(kept)`` keeps exactly each row's first ``kept`` of them, whatever the layer kind."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.state import DecodeCache, KVSpec, Recurrent, RecurrentSpec, SlidingKV
+
+D = 3  # width of the toy recurrent state
+MAX_BLOCK = 4
+
+
+def running_sum(state: Recurrent, x, positions) -> Recurrent:
+    """A toy recurrent layer: value["s"] += x_t for every real token (padding leaves it unchanged)."""
+    valid = positions >= 0
+    steps = jnp.where(valid[..., None], x, 0.0)
+    after_each = {"s": state.value["s"][:, None] + jnp.cumsum(steps, axis=1)}
+    return state.advance(state.value, after_each, valid)
+
+
+def test_recurrent_commit_keeps_exactly_the_accepted_prefix():
+    rng = np.random.RandomState(0)
+    b = 4
+    cache = DecodeCache.create([RecurrentSpec((("s", (D,), jnp.float32),))], b, 64, jnp.float32, MAX_BLOCK)
+    # a prefill longer than max_block with ragged lengths (padding at position -1), committed whole
+    lens = np.array([5, 2, 7, 1])
+    prompt = rng.randn(b, 7, D).astype(np.float32)
+    pos = np.where(np.arange(7) < lens[:, None], np.arange(7), -1)
+    cache = cache.replace(layers=(running_sum(cache.layers[0], prompt, pos),)).commit(jnp.asarray(lens))
+    want = np.stack([prompt[r, :lens[r]].sum(0) for r in range(b)])
+    np.testing.assert_allclose(cache.layers[0].value["s"], want, rtol=1e-6)
+    np.testing.assert_array_equal(cache.lengths, lens)
+
+    # verify-style forwards of MAX_BLOCK tokens, each row keeping a different prefix (0 = a finished row)
+    for kept in ([1, 4, 0, 2], [3, 0, 4, 1], [2, 2, 1, 4]):
+        block = rng.randn(b, MAX_BLOCK, D).astype(np.float32)
+        pos = np.asarray(cache.lengths)[:, None] + np.arange(MAX_BLOCK)
+        state = running_sum(cache.layers[0], block, pos)
+        np.testing.assert_allclose(state.value["s"], want + block.sum(1), rtol=1e-5)  # before commit: all of it
+        cache = cache.replace(layers=(state,)).commit(jnp.asarray(kept))
+        want = want + np.stack([block[r, :k].sum(0) for r, k in enumerate(kept)])
+        np.testing.assert_allclose(cache.layers[0].value["s"], want, rtol=1e-5)
+        lens = lens + np.asarray(kept)
+        np.testing.assert_array_equal(cache.lengths, lens)
+
+
+def test_recurrent_commit_is_traceable_in_a_while_loop():
+    """Static shapes: the commit runs inside lax.while_loop with runtime kept counts."""
+    cache = DecodeCache.create([RecurrentSpec((("s", (D,), jnp.float32),))], 2, 64, jnp.float32, MAX_BLOCK)
+    x = jnp.ones((2, MAX_BLOCK, D))
+
+    def body(carry):
+        i, c = carry
+        pos = c.lengths[:, None] + jnp.arange(MAX_BLOCK)
+        c = c.replace(layers=(running_sum(c.layers[0], x, pos),))
+        return i + 1, c.commit(jnp.array([1, 3]))
+
+    _, out = jax.jit(lambda c: jax.lax.while_loop(lambda s: s[0] < 5, body, (0, c)))(cache)
+    np.testing.assert_allclose(out.layers[0].value["s"], [[5.0] * D, [15.0] * D])
+    np.testing.assert_array_equal(out.lengths, [5, 15])
+
+
+@pytest.mark.parametrize("window,max_block", [(4, 3), (2, 1)])
+def test_sliding_ring_rollback_keeps_the_window(window, max_block):
+    """Rejected tokens written into the ring never replace a key the next forward needs: after any
+    sequence of forwards (<= max_block tokens) and commits, the visible keys are exactly the committed
+    positions inside the window, with their values."""
+    rng = np.random.RandomState(1)
+    spec = KVSpec(kv_heads=1, head_dim=1, window=window)
+    cache = DecodeCache.create([spec], 1, 64, jnp.float32, max_block)
+    assert isinstance(cache.layers[0], SlidingKV) and cache.layers[0].k.shape[1] == window + max_block
+    committed = {}  # position -> value of the token kept there
+    for _ in range(12):
+        t = rng.randint(1, max_block + 1)
+        n = int(cache.lengths[0])
+        pos = jnp.asarray(n + np.arange(t))[None]
+        vals = rng.randn(1, t, 1, 1).astype(np.float32)
+        state, keys, _, key_pos, exists = cache.layers[0].update(vals, vals, pos)
+        seen = {int(p): float(k) for p, k, e in zip(key_pos[0], keys[0, :, 0, 0], exists[0]) if e}
+        for p in range(max(0, n - window + 1), n):  # what the first new query's window needs
+            assert seen[p] == pytest.approx(committed[p])
+        assert all(p < n + t for p in seen) and all(p in committed or p >= n for p in seen)
+        kept = rng.randint(1, t + 1)
+        committed.update({n + i: float(vals[0, i, 0, 0]) for i in range(kept)})
+        cache = cache.replace(layers=(state,)).commit(jnp.asarray([kept]))
