@@ -1,7 +1,7 @@
 """Test-session setup shared by every test module.
 
 Runs before any test module imports jax or huggingface_hub:
-- 8 fake CPU devices (DESIGN.md: sharded == unsharded tests need a mesh), unless XLA_FLAGS already
+- 8 fake CPU devices (sharded == unsharded tests need a mesh), unless XLA_FLAGS already
   chooses a device count; single-device code still runs on device 0.
 - XLA's CPU backend skips its expensive LLVM passes: compiling dominates these tiny tests (about 3x
   faster to compile; numerics unchanged).

@@ -53,7 +53,7 @@ def target(target_dir):
     return dj.load_target(target_dir[0])
 
 
-# --- an independent NumPy statement of the draft forward, from REFERENCE.md -------------------------
+# --- an independent NumPy statement of the draft forward, from the released drafts' published layout ----
 
 
 def _rms(x, w, eps=1e-6):

@@ -1,4 +1,4 @@
-"""Sharding (DESIGN.md "Sharding"): sharded == single-device, on 8 fake CPU devices (tests/conftest.py).
+"""Sharding: sharded == single-device, on 8 fake CPU devices (tests/conftest.py).
 
 Inference: speculative generation on meshes (data, fsdp, tensor) = (1,1,8), (2,1,4), (8,1,1) gives exactly
 the single-device output; loading with ``place=`` puts every tensor straight onto its shards; bad mesh
@@ -240,18 +240,18 @@ def test_distributed_env_detection(monkeypatch):
     for var in ("DFLASH_DISTRIBUTED", "JAX_COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS",
                 "TPU_WORKER_HOSTNAMES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    assert sh._wants_distributed() is None
+    assert sh.mesh._wants_distributed() is None
     assert not sh.maybe_initialize_distributed()  # a single process: nothing to do
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")
-    assert sh._wants_distributed() is None  # one host
+    assert sh.mesh._wants_distributed() is None  # one host
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "10.0.0.1,10.0.0.2")
-    assert sh._wants_distributed() == "TPU_WORKER_HOSTNAMES"
+    assert sh.mesh._wants_distributed() == "TPU_WORKER_HOSTNAMES"
     monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
-    assert sh._wants_distributed() == "JAX_COORDINATOR_ADDRESS"
+    assert sh.mesh._wants_distributed() == "JAX_COORDINATOR_ADDRESS"
     monkeypatch.delenv("JAX_COORDINATOR_ADDRESS")
     monkeypatch.setenv("DFLASH_DISTRIBUTED", "1")
-    assert sh._wants_distributed() == "DFLASH_DISTRIBUTED"
+    assert sh.mesh._wants_distributed() == "DFLASH_DISTRIBUTED"
 
 
 # --- training (train.loop's jitted step; skipped if the trainer is not importable) -------------------

@@ -1,6 +1,6 @@
 """The DFlash training objective (train/objective.py): anchors, blocks, labels, weights, and the mask.
 
-The mask tests are the ones public trainers got wrong (REFERENCE.md, "Known pitfalls"): a block must
+The mask tests are the ones public trainers have got wrong: a block must
 never see its own anchor's target feature or any later context, nor another block (blocks overlap
 in position). They perturb the inputs and check which blocks' logits move.
 """
@@ -122,6 +122,14 @@ def draft_logits(tcfg, tp, dcfg, dp, ids, anchors, feats):
     return target_lib.head(tcfg, tp, h).reshape(*anchors.shape, dcfg.block_size, -1)
 
 
+def draft_loss(tcfg, tp, dcfg, dp, ids, mask, anchors, feats, *, weights, impl="auto", chunk=1024, dtype=None):
+    """The weighted loss of one micro-batch, normalised by its total weight (the trainer's normalisation
+    when there is one micro-batch)."""
+    sums = O.loss_sums(tcfg, tp, dcfg, dp, ids, mask, anchors, feats, weights=weights, impl=impl, chunk=chunk,
+                       dtype=dtype)
+    return sums["wce"] / jnp.maximum(sums["weight"], 1e-12), sums
+
+
 def _changed(base, new):
     """Per block: did any logit move?"""
     return [bool(np.abs(np.asarray(new[0, b]) - np.asarray(base[0, b])).max() > 1e-6) for b in range(len(ANCHORS))]
@@ -162,7 +170,7 @@ def test_loss_is_weighted_ce_normalised_by_total_weight(models, logits_fn):
 
     @jax.jit
     def variants(ids, mask, anchors, padded, feats):
-        run = lambda a, chunk: O.draft_loss(tcfg, tp, dcfg, dp, ids, mask, a, feats, weights=w, chunk=chunk,  # noqa
+        run = lambda a, chunk: draft_loss(tcfg, tp, dcfg, dp, ids, mask, a, feats, weights=w, chunk=chunk,  # noqa
                                             impl="reference")
         return run(anchors, 5), run(anchors, 1024)[0], run(padded, 5)
 
@@ -195,7 +203,7 @@ def test_gradient_reaches_only_draft_params_and_respects_mask(models):
     w = O.position_weights(BK, 2.0)
 
     def f(p, x):
-        return O.draft_loss(tcfg, tp, dcfg, p, ids, jnp.ones_like(ids), anchors, x, weights=w, impl="reference")[0]
+        return draft_loss(tcfg, tp, dcfg, p, ids, jnp.ones_like(ids), anchors, x, weights=w, impl="reference")[0]
 
     gp, gx = jax.jit(jax.grad(f, argnums=(0, 1)))(dp, feats)
     assert set(gp) == {"fc", "hidden_norm", "layers_0", "layers_1", "norm"}

@@ -193,11 +193,3 @@ def summarize(sums: dict) -> dict:
             "acc_k": [round(float(a), 4) for a in acc],
             "tau_proxy": 1.0 + float(s["accepted"]) / blocks,
             "label_tokens": int(s["tokens"])}
-
-
-def draft_loss(tcfg, tparams, dcfg, dparams, input_ids, loss_mask, anchors, features, *, weights, impl="auto",
-               chunk=1024, dtype=None):
-    """Weighted loss normalised by the total weight, and the sums it came from."""
-    sums = loss_sums(tcfg, tparams, dcfg, dparams, input_ids, loss_mask, anchors, features, weights=weights,
-                     impl=impl, chunk=chunk, dtype=dtype)
-    return sums["wce"] / jnp.maximum(sums["weight"], 1e-12), sums

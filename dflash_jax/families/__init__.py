@@ -30,10 +30,6 @@ _REGISTRY: dict[str, Family] = {
 }
 
 
-def supported_model_types() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
 def family_for(model_type: str) -> Family:
     """The family serving ``model_type``, or a ValueError listing the supported ones."""
     if model_type not in _REGISTRY:
