@@ -330,7 +330,7 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
     like = params_like if latest is not None else params
     opt_like = jax.eval_shape(optimizer.init, like)
     if mesh is not None:  # draft params and optimizer state over fsdp / tensor (any checkpoint restores onto it)
-        p_shard = sharding.param_shardings(dcfg, mesh, sharding.rules_for(mesh, target.config, dcfg), like)
+        p_shard = sharding.param_shardings(dcfg, mesh, sharding.model_rules(mesh, target.config, dcfg), like)
         o_shard = sharding.opt_state_shardings(opt_like, p_shard, mesh, like)
     if latest is not None:
         if mesh is not None:
