@@ -35,20 +35,33 @@ _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 @dataclasses.dataclass(frozen=True)
 class NameTable:
-    """How one model's parameter paths are named in its Hugging Face checkpoint."""
+    """How one model's parameter paths are named in its Hugging Face checkpoint.
+
+    ``leaves`` adds (flax leaf, Hugging Face leaf, stored transposed) entries to ``_LEAVES`` (e.g. stacked
+    expert tensors); "transposed" swaps the last two axes. ``rewrite`` maps a checkpoint's stream of
+    (name, array) to the tensors the table names (e.g. stacks one tensor per expert, dequantizes MXFP4);
+    it must raise a ValueError naming the tensor when the input cannot be converted."""
 
     prefix: str = ""  # prepended to every tensor name except those starting with ``unprefixed``
     unprefixed: tuple[str, ...] = ("lm_head.",)
     ignored: tuple[str, ...] = (r"(^|\.)rotary_emb\.inv_freq$",)  # regexes: checkpoint tensors with no parameter
+    leaves: tuple[tuple[str, str, bool], ...] = ()
+    rewrite: Callable[[Iterator[tuple[str, np.ndarray]]], Iterator[tuple[str, np.ndarray]]] | None = None
 
     def name(self, path: tuple[str, ...]) -> tuple[str, bool]:
         """Flax path -> (Hugging Face tensor name, stored transposed?)."""
-        leaf, transposed = _LEAVES[path[-1]]
+        extra = {f: (h, t) for f, h, t in self.leaves}
+        leaf, transposed = extra.get(path[-1]) or _LEAVES[path[-1]]
         name = ".".join([re.sub(r"^layers_(\d+)$", r"layers.\1", p) for p in path[:-1]] + [leaf])
         return (name if name.startswith(self.unprefixed) else self.prefix + name), transposed
 
     def is_ignored(self, name: str) -> bool:
         return any(re.search(p, name) for p in self.ignored)
+
+
+def _swap(a, transposed: bool):
+    """Our [.., in, out] <-> PyTorch's [.., out, in] (the last two axes)."""
+    return np.swapaxes(a, -1, -2) if transposed else a
 
 
 def resolve_dtype(dtype):
@@ -164,20 +177,25 @@ def load_params(directory: str, shapes, table: NameTable, *, dtype=jnp.float32,
     for path, leaf in traverse_util.flatten_dict(shapes).items():
         name, transposed = table.name(path)
         expected[name] = (path, transposed, tuple(leaf.shape))
-    found, unexpected = {}, []
-    for filename in weight_files(directory):
-        for name, array in iter_safetensors(filename):
-            if name not in expected:
-                if not table.is_ignored(name):
-                    unexpected.append(name)
-                continue
-            path, transposed, shape = expected[name]
-            hf_shape = shape[::-1] if transposed else shape
-            if tuple(array.shape) != hf_shape:
-                raise ValueError(f"{filename}: tensor {name} has shape {list(array.shape)} but the config implies "
-                                 f"{list(hf_shape)}")
-            value = np.asarray(array.T if transposed else array).astype(dtype)
-            found[path] = place(path, value)
+    found, unexpected, where = {}, [], {}
+
+    def tensors():  # every file's tensors, remembering which file each came from
+        for filename in weight_files(directory):
+            where["file"] = filename
+            yield from iter_safetensors(filename)
+
+    stream = tensors()
+    for name, array in (table.rewrite(stream) if table.rewrite else stream):
+        if name not in expected:
+            if not table.is_ignored(name):
+                unexpected.append(name)
+            continue
+        path, transposed, shape = expected[name]
+        hf_shape = shape[:-2] + shape[:-3:-1] if transposed else shape
+        if tuple(array.shape) != hf_shape:
+            raise ValueError(f"{where['file']}: tensor {name} has shape {list(array.shape)} but the config implies "
+                             f"{list(hf_shape)}")
+        found[path] = place(path, np.asarray(_swap(array, transposed)).astype(dtype))
     missing = sorted(n for n, (p, _, _) in expected.items() if p not in found)
     if missing:
         raise ValueError(f"checkpoint {directory} lacks {len(missing)} tensors the config needs, e.g. {missing[:5]}")
@@ -195,7 +213,7 @@ def export_params(params, table: NameTable, dtype=None) -> dict[str, np.ndarray]
         a = np.asarray(jax.device_get(value))
         if dtype is not None:
             a = a.astype(resolve_dtype(dtype))
-        out[name] = np.ascontiguousarray(a.T if transposed else a)
+        out[name] = np.ascontiguousarray(_swap(a, transposed))
     return out
 
 

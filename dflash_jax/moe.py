@@ -1,0 +1,103 @@
+"""Routed experts shared by the mixture-of-experts families: tokens + their top-k (expert, weight) in,
+the weighted sum of those experts' gated MLPs out.
+
+Parameters are stacked over experts, ``[E, in, out]`` like every Linear kernel here: ``gate_up_proj``
+[E, D, 2I] (gate and up fused: ``concat`` = [gate | up] as Qwen3-MoE, ``interleave`` = gate, up
+alternating as gpt-oss), ``down_proj`` [E, I, D], optional biases ``gate_up_proj_bias`` [E, 2I] and
+``down_proj_bias`` [E, D]. Logical axes ``expert`` / ``embed`` / ``mlp`` shard them over the mesh.
+
+Dispatch, chosen statically from the shapes:
+  * few tokens (decode, verify: T * k <= E): each token gathers just its k experts' weights and runs
+    them as a batched matmul; no expert is computed for a token that did not pick it;
+  * many tokens (prefill, training): token copies are sorted by expert and multiplied group by group
+    with ``jax.lax.ragged_dot`` (a grouped matmul), then scattered back with their routing weights.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.layers import INIT_STD
+
+_init = nn.initializers.normal(INIT_STD)
+
+
+def silu_glu(gate, up):
+    """SwiGLU as Qwen3 / LLaMA: silu(gate) * up."""
+    return nn.silu(gate) * up
+
+
+def clamped_swiglu(gate, up, alpha: float, limit: float):
+    """gpt-oss: gate clamped above at ``limit``, up to [-limit, limit]; (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+class Experts(nn.Module):
+    """``num_experts`` gated MLPs; ``__call__(x [T, D], index [T, k], weight [T, k]) -> [T, D]``."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    use_bias: bool = False
+    gate_up_layout: str = "concat"  # "concat" | "interleave"
+    swiglu_alpha: float | None = None  # set (with swiglu_limit): gpt-oss's clamped SwiGLU, else silu(gate) * up
+    swiglu_limit: float | None = None
+
+    def setup(self):
+        e, d, i = self.num_experts, self.hidden_size, self.intermediate_size
+        box = nn.with_logical_partitioning
+        self.gate_up_proj = self.param("gate_up_proj", box(_init, ("expert", "embed", "mlp")), (e, d, 2 * i))
+        self.down_proj = self.param("down_proj", box(_init, ("expert", "mlp", "embed")), (e, i, d))
+        if self.use_bias:
+            zeros = nn.initializers.zeros
+            self.gate_up_proj_bias = self.param("gate_up_proj_bias", box(zeros, ("expert", "mlp")), (e, 2 * i))
+            self.down_proj_bias = self.param("down_proj_bias", box(zeros, ("expert", "embed")), (e, d))
+
+    def _act(self, h):
+        """[..., 2I] fused gate/up -> [..., I]."""
+        if self.gate_up_layout == "interleave":
+            gate, up = h[..., ::2], h[..., 1::2]
+        else:
+            gate, up = jnp.split(h, 2, axis=-1)
+        if self.swiglu_alpha is not None:
+            return clamped_swiglu(gate, up, self.swiglu_alpha, self.swiglu_limit)
+        return silu_glu(gate, up)
+
+    def __call__(self, x, index, weight):
+        t, k = index.shape
+        if t * k <= self.num_experts:
+            return self._gathered(x, index, weight)
+        return self._grouped(x, index, weight)
+
+    def _gathered(self, x, index, weight):
+        """Each token runs its own k experts: weights gathered per (token, choice)."""
+        dt = x.dtype
+        w_in = jnp.asarray(self.gate_up_proj, dt)[index]  # [T, k, D, 2I]
+        h = jnp.einsum("TD,TKDF->TKF", x, w_in)
+        if self.use_bias:
+            h = h + jnp.asarray(self.gate_up_proj_bias, dt)[index]
+        out = jnp.einsum("TKI,TKID->TKD", self._act(h), jnp.asarray(self.down_proj, dt)[index])
+        if self.use_bias:
+            out = out + jnp.asarray(self.down_proj_bias, dt)[index]
+        return jnp.einsum("TKD,TK->TD", out, weight.astype(dt))
+
+    def _grouped(self, x, index, weight):
+        """Token copies sorted by expert, one grouped matmul per projection (``ragged_dot``)."""
+        dt = x.dtype
+        t, k = index.shape
+        flat = index.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        expert = flat[order]
+        rows = x[order // k]  # [T*k, D]
+        sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
+        h = jax.lax.ragged_dot(rows, jnp.asarray(self.gate_up_proj, dt), sizes)
+        if self.use_bias:
+            h = h + jnp.asarray(self.gate_up_proj_bias, dt)[expert]
+        out = jax.lax.ragged_dot(self._act(h), jnp.asarray(self.down_proj, dt), sizes)
+        if self.use_bias:
+            out = out + jnp.asarray(self.down_proj_bias, dt)[expert]
+        out = out * weight.reshape(-1)[order][:, None].astype(dt)
+        return jnp.zeros_like(x).at[order // k].add(out)
