@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import traverse_util
+from safetensors import safe_open
 
 # flax leaf name -> (Hugging Face leaf name, stored transposed)
 _LEAVES = {"kernel": ("weight", True), "embedding": ("weight", False), "weight": ("weight", False),
@@ -110,10 +111,36 @@ def resolve_path(path_or_hub_id: str) -> str:
 
 
 def _read_header(filename: str) -> tuple[dict, int]:
+    """(header, data start) of a safetensors file that the official library validated (a JSON object of
+    entries with dtype / shape / data_offsets, offsets contiguous and inside the file, byte lengths
+    matching shape x dtype, header size capped); else a ValueError naming the file and the tensor."""
+    try:
+        with safe_open(filename, framework="numpy"):
+            pass
+    except Exception as e:  # SafetensorError for malformed files, OSError for unreadable ones
+        raise ValueError(f"{filename}: not a valid safetensors file: {_culprit(filename)}{e}") from None
     with open(filename, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return header, 8 + n
+        return json.loads(f.read(n)), 8 + n
+
+
+def _culprit(filename: str) -> str:
+    """'tensor NAME: ' for the first entry whose byte range cannot be right, when the header can be read."""
+    try:
+        with open(filename, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(min(n, 1 << 27)))
+        end, data_size = 0, os.path.getsize(filename) - 8 - n
+        for name, info in sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
+                                 key=lambda kv: kv[1]["data_offsets"][0]):
+            lo, hi = info["data_offsets"]
+            size = np.dtype(_ST_DTYPES[info["dtype"]]).itemsize * int(np.prod(info["shape"]))
+            if lo != end or hi - lo != size or hi > data_size:
+                return f"tensor {name}: "
+            end = hi
+    except Exception:
+        pass
+    return ""
 
 
 def iter_safetensors(filename: str) -> Iterator[tuple[str, np.ndarray]]:

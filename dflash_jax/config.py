@@ -29,7 +29,13 @@ def read_config_json(path_or_dict) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json at {path}")
     with open(path) as f:
-        return json.load(f)
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} must hold a JSON object, not a {type(d).__name__}")
+    return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +131,16 @@ class TargetConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.rms_norm_eps > 0:  # 0 divides by zero on a zero row; < 0 takes a NaN square root
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not self.rope.theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope.theta}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -148,11 +164,17 @@ class TargetConfig:
     @classmethod
     def _from_dict(cls, d: Mapping, model_type: str) -> "TargetConfig":
         try:
-            hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
-            n_layers = int(d["num_hidden_layers"])
-            vocab, inter = int(d["vocab_size"]), int(d["intermediate_size"])
+            return cls._read(d, model_type)
         except KeyError as e:
             raise ValueError(f"config.json is missing {e.args[0]!r}") from None
+        except TypeError as e:  # e.g. a null or a list where a number belongs
+            raise ValueError(f"config.json has a value of the wrong type ({e})") from None
+
+    @classmethod
+    def _read(cls, d: Mapping, model_type: str) -> "TargetConfig":
+        hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+        n_layers = int(d["num_hidden_layers"])
+        vocab, inter = int(d["vocab_size"]), int(d["intermediate_size"])
         max_pos = int(d.get("max_position_embeddings", 32768))
         eos = d.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
@@ -165,7 +187,7 @@ class TargetConfig:
             num_hidden_layers=n_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
+            head_dim=int(d.get("head_dim") or (hidden // heads if heads > 0 else 0)),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -255,6 +277,11 @@ def choose_target_layer_ids(num_target_layers: int, num_features: int) -> tuple[
 MASK_TOKEN = "<|MASK|>"
 
 
+def _first(*values):
+    """The first value that is set (not None): an explicit 0 stays 0 and is then rejected, never replaced."""
+    return next(v for v in values if v is not None)
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
     """A DFlash draft: its own Qwen3 layer stack (``layers``) plus the block-diffusion settings."""
@@ -270,6 +297,9 @@ class DraftConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids is empty")
+        if min(self.target_layer_ids) < 0 or self.mask_token_id < 0 or self.num_target_layers < 0:
+            raise ValueError(f"target_layer_ids {list(self.target_layer_ids)}, mask_token_id {self.mask_token_id} "
+                             f"and num_target_layers {self.num_target_layers} must be >= 0")
 
     @property
     def num_features(self) -> int:
@@ -278,12 +308,19 @@ class DraftConfig:
     @classmethod
     def from_hf(cls, path_or_dict) -> "DraftConfig":
         d = read_config_json(path_or_dict)
+        try:
+            return cls._read(d)
+        except TypeError as e:  # e.g. a number where the layer-id list belongs
+            raise ValueError(f"draft config.json has a value of the wrong type ({e})") from None
+
+    @classmethod
+    def _read(cls, d: Mapping) -> "DraftConfig":
         dflash = dict(d.get("dflash_config") or {})
         mask = dflash.get("mask_token_id", d.get("mask_token_id"))
         if mask is None:
             raise ValueError("draft config has no dflash_config.mask_token_id")
         layers = TargetConfig._from_dict(d, "qwen3")
-        n_target = int(d.get("num_target_layers") or dflash.get("num_target_layers") or 0)
+        n_target = int(_first(d.get("num_target_layers"), dflash.get("num_target_layers"), 0))
         ids = dflash.get("target_layer_ids", d.get("target_layer_ids"))
         if ids is None:
             if not n_target:
@@ -291,7 +328,7 @@ class DraftConfig:
             ids = default_target_layer_ids(n_target, layers.num_hidden_layers)
         return cls(
             layers=layers,
-            block_size=int(d.get("block_size") or dflash.get("block_size") or 16),
+            block_size=int(_first(d.get("block_size"), dflash.get("block_size"), 16)),
             num_target_layers=n_target,
             mask_token_id=int(mask),
             target_layer_ids=tuple(int(i) for i in ids),

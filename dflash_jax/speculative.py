@@ -217,6 +217,8 @@ def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, samplin
     vocab = target.config.vocab_size
     rows = [check_token_ids(np.asarray(p).reshape(1, -1) if len(p) else np.zeros((1, 0), np.int32), vocab,
                             f"prompt {i}")[0] for i, p in enumerate(prompts)]
+    if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 63:
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if draft is not None:

@@ -64,7 +64,7 @@ def load_models(args):
         if draft is not None:
             from dflash_jax.draft import check_fits
             check_fits(target, draft)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # missing / unreadable files, malformed checkpoints and configs
         die(str(e))
     return target, draft, load_tokenizer(target.path)
 
@@ -73,7 +73,10 @@ def stop_ids(args, target) -> list[int]:
     if args.ignore_eos:
         return []
     if args.stop_token_ids:
-        return [int(x) for x in args.stop_token_ids.split(",") if x.strip()]
+        try:
+            return [int(x) for x in args.stop_token_ids.split(",") if x.strip()]
+        except ValueError:
+            die(f"--stop-token-ids {args.stop_token_ids!r}: expected comma-separated integers")
     return list(target.config.eos_token_id)
 
 

@@ -32,7 +32,7 @@ _REGISTRY: dict[str, Family] = {
 
 def family_for(model_type: str) -> Family:
     """The family serving ``model_type``, or a ValueError listing the supported ones."""
-    if model_type not in _REGISTRY:
+    if not isinstance(model_type, str) or model_type not in _REGISTRY:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(_REGISTRY)}")
     return _REGISTRY[model_type]
 
