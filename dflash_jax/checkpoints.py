@@ -13,6 +13,7 @@ import json
 import os
 import re
 import struct
+import warnings
 from typing import Callable, Iterator
 
 import jax
@@ -22,6 +23,8 @@ import numpy as np
 from flax import traverse_util
 from safetensors import safe_open
 
+from dflash_jax.progress import progress_bar
+
 # flax leaf name -> (Hugging Face leaf name, stored transposed)
 _LEAVES = {"kernel": ("weight", True), "embedding": ("weight", False), "weight": ("weight", False),
            "bias": ("bias", False)}
@@ -29,6 +32,7 @@ _LEAVES = {"kernel": ("weight", True), "embedding": ("weight", False), "weight":
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+_PROGRESS_BYTES = 1 << 30  # checkpoints larger than this show a progress bar while loading
 # The supported parameter / compute / storage dtypes by name: every --dtype flag's choices.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -100,14 +104,14 @@ def resolve_path(path_or_hub_id: str) -> str:
             raise FileNotFoundError(
                 f"{path!r} is not a local directory nor in the Hugging Face cache, and the hub is offline "
                 f"(HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE is set; {type(e).__name__}). Download it where there is "
-                f"network (huggingface-cli download {path}) or pass a local directory.") from None
+                f"network (hf download {path}) or pass a local directory.") from None
     try:
         return snapshot_download(path, allow_patterns=patterns)
     except Exception as e:
         raise FileNotFoundError(
             f"could not get {path!r} from the Hugging Face hub ({type(e).__name__}: {e}); it is not in the local "
             "cache and the hub is unreachable (offline?). Download it where there is network "
-            f"(huggingface-cli download {path}) or pass a local directory.") from None
+            f"(hf download {path}) or pass a local directory.") from None
 
 
 def _read_header(filename: str) -> tuple[dict, int]:
@@ -211,6 +215,9 @@ def load_params(directory: str, shapes, table: NameTable, *, dtype=jnp.float32,
             where["file"] = filename
             yield from iter_safetensors(filename)
 
+    files = weight_files(directory)
+    big = sum(os.path.getsize(f) for f in files) > _PROGRESS_BYTES
+    bar = progress_bar(len(expected), f"loading {os.path.basename(os.path.normpath(directory))}", "tensor", big)
     stream = tensors()
     for name, array in (table.rewrite(stream) if table.rewrite else stream):
         if name not in expected:
@@ -223,6 +230,8 @@ def load_params(directory: str, shapes, table: NameTable, *, dtype=jnp.float32,
             raise ValueError(f"{where['file']}: tensor {name} has shape {list(array.shape)} but the config implies "
                              f"{list(hf_shape)}")
         found[path] = place(path, np.asarray(_swap(array, transposed)).astype(dtype))
+        bar.update(1)
+    bar.close()
     missing = sorted(n for n, (p, _, _) in expected.items() if p not in found)
     if missing:
         raise ValueError(f"checkpoint {directory} lacks {len(missing)} tensors the config needs, e.g. {missing[:5]}")
@@ -256,5 +265,7 @@ def load_tokenizer(path: str | None):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path)
-    except Exception:
+    except Exception as e:  # keep the model usable with token ids, but say why text will not work
+        warnings.warn(f"{path} has tokenizer files that transformers cannot load ({type(e).__name__}: {e}); "
+                      "text prompts will not work, token ids will", stacklevel=2)
         return None

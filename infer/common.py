@@ -12,7 +12,8 @@ from dflash_jax.prompts import PromptError, encode_prompt, read_prompts
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
-    g.add_argument("--target", help="Hugging Face Qwen3/LLaMA target: directory or hub id (default: embedded demo)")
+    g.add_argument("--target", help="Hugging Face target of a supported model_type (README): directory or hub id "
+                                    "(default: embedded demo)")
     g.add_argument("--draft", help="DFlash draft: directory or hub id (default: embedded demo draft when the "
                                    "target is the demo; none otherwise = plain decoding)")
     g.add_argument("--dtype", default="float32", choices=list(DTYPES),
@@ -23,14 +24,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "data-parallel. Multi-host: set DFLASH_DISTRIBUTED=1 (TPU pods) or JAX_COORDINATOR_ADDRESS. "
                         "Default: one device")
     d = p.add_argument_group("decoding")
-    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
     d.add_argument("--max-length", type=int, default=None,
                    help="cap on prompt + generated tokens per row (default: target max_position_embeddings)")
     d.add_argument("--block-size", type=int, default=None, help="draft block size (default: the draft's trained one)")
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     d.add_argument("--top-k", type=int, default=0, help="0 = off")
-    d.add_argument("--top-p", type=float, default=1.0)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off (default)")
+    d.add_argument("--seed", type=int, default=0, help="sampling seed (default 0; greedy ignores it)")
     d.add_argument("--stop-token-ids", default=None,
                    help="comma-separated stop ids (default: the target's eos_token_id)")
     d.add_argument("--ignore-eos", action="store_true", help="no stop tokens: always generate max-new-tokens")
@@ -53,6 +54,7 @@ def load_models(args):
             die(f"the embedded demo pair is missing ({DEMO_DIR}); pass --target and --draft")
         draft_path = draft_path or DEMO_DRAFT
     try:
+        check_before_loading(args, target_path, draft_path)
         if getattr(args, "mesh", None):
             from dflash_jax import sharding
 
@@ -69,7 +71,38 @@ def load_models(args):
     return target, draft, load_tokenizer(target.path)
 
 
+def check_before_loading(args, target_path: str, draft_path: str | None) -> None:
+    """Every option that the configs alone can check, before seconds (or minutes) of weight loading."""
+    import warnings
+
+    from dflash_jax.checkpoints import resolve_path
+    from dflash_jax.config import DraftConfig
+    from dflash_jax.families import config_from_hf
+    from dflash_jax.sampling import SamplingParams
+
+    SamplingParams(args.temperature, args.top_k, args.top_p)  # raises on a bad temperature / top-k / top-p
+    if args.max_new_tokens < 1:
+        die(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    tcfg = config_from_hf(resolve_path(target_path))
+    vocab = tcfg.vocab_size
+    bad = [i for i in stop_ids(args, tcfg) if not 0 <= i < vocab]
+    if bad:
+        die(f"--stop-token-ids {bad} are outside the target vocabulary [0, {vocab})")
+    if draft_path is None:
+        if args.block_size not in (None, 1):
+            die(f"--block-size {args.block_size} needs a draft (--draft); plain decoding uses a block of 1")
+        return
+    dcfg = DraftConfig.from_hf(resolve_path(draft_path))
+    with warnings.catch_warnings():  # the full check (and its warnings) runs again once the weights are in
+        warnings.simplefilter("ignore")
+        dcfg.check_fits(tcfg)
+    if args.block_size is not None and not 1 <= args.block_size <= dcfg.block_size:
+        die(f"--block-size must be in [1, {dcfg.block_size}] (the draft was trained with block_size "
+            f"{dcfg.block_size}), got {args.block_size}")
+
+
 def stop_ids(args, target) -> list[int]:
+    """The stop ids the options ask for (``target``: a Target or its config)."""
     if args.ignore_eos:
         return []
     if args.stop_token_ids:
@@ -77,7 +110,7 @@ def stop_ids(args, target) -> list[int]:
             return [int(x) for x in args.stop_token_ids.split(",") if x.strip()]
         except ValueError:
             die(f"--stop-token-ids {args.stop_token_ids!r}: expected comma-separated integers")
-    return list(target.config.eos_token_id)
+    return list(getattr(target, "config", target).eos_token_id)
 
 
 def read_prompts_file(path: str) -> list[dict]:

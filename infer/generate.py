@@ -55,6 +55,8 @@ def prompt_ids(args, tokenizer) -> list[list[int]]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.chat and not (args.prompt or args.prompts_file):
+        die("--chat applies to text prompts: pass --prompt or --prompts-file")
     from dflash_jax.speculative import generate, speculative_generate, stream_generate
 
     target, draft, tokenizer = load_models(args)

@@ -181,3 +181,25 @@ def test_fuzzed_headers_and_configs_give_only_value_errors(pair_dirs, tmp_path):
         except ValueError:
             outcomes["ValueError"] += 1
     assert outcomes["ValueError"] > 300  # most corruptions are caught, and nothing else escaped
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--block-size", "9"], "--block-size must be in [1, 8]"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--stop-token-ids", "99999"], "outside the target vocabulary"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--chat"], "--chat applies to text prompts"),
+])
+def test_cli_options_are_checked_before_any_weight_is_read(pair_dirs, capsys, monkeypatch, argv, match):
+    from infer import generate as g
+
+    def no_loading(*a, **k):
+        raise AssertionError("weights were read before the options were checked")
+
+    monkeypatch.setattr(dj, "load_target", no_loading)
+    monkeypatch.setattr(dj, "load_draft", no_loading)
+    with pytest.raises(SystemExit) as e:
+        g.main(["--target", pair_dirs[0], "--draft", pair_dirs[1], "--prompt-ids", "5,6", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and match in err

@@ -43,7 +43,7 @@ def _help(text: str, **kw):
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     # what to train on
-    target: str = _help("target checkpoint directory (Hugging Face Qwen3 / LLaMA-3.x) or hub id", default="")
+    target: str = _help("target checkpoint directory or hub id (any supported model_type, see README)", default="")
     data: str = _help("data directory written by `python -m train.make_data` (manifest.json + shards)", default="")
     out: str = _help("output directory: checkpoints/, config.json, metrics.jsonl", default="")
     # the draft
@@ -174,25 +174,34 @@ def _field_type(f: dataclasses.Field):
     return t
 
 
+_REQUIRED = ("target", "data", "out")
+
+
+def _choices(name: str):
+    if name in ("dtype", "param_dtype", "feature_dtype"):
+        return list(DTYPES)
+    return ["auto", "kernel", "reference", "interpret"] if name == "impl" else None
+
+
 def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Train a DFlash draft for a target model.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """One flag per TrainConfig field: required ones marked, choices listed, each default said once."""
+    p = argparse.ArgumentParser(prog=prog, description="Train a DFlash draft for a target model.")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        t = _field_type(f)
-        if t is bool:
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                           help=f.metadata.get("help", ""))
+        t, text = _field_type(f), f.metadata.get("help", "")
+        if t is bool:  # BooleanOptionalAction appends its own "(default: ...)"
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=text)
+        elif f.name in _REQUIRED:
+            p.add_argument(flag, dest=f.name, type=t, required=True, help=text + " (required)")
         else:
-            p.add_argument(flag, dest=f.name, type=t, default=f.default, help=f.metadata.get("help", ""))
+            shown = f" (default: {f.default})" if f.default not in ("", None) and "default" not in text else ""
+            p.add_argument(flag, dest=f.name, type=t, default=f.default, choices=_choices(f.name),
+                           help=text + shown)
     return p
 
 
 def parse_args(argv=None) -> TrainConfig:
     args = build_parser().parse_args(argv)
-    missing = [n for n in ("target", "data", "out") if not getattr(args, n)]
-    if missing:
-        build_parser().error("the following arguments are required: " + ", ".join("--" + m for m in missing))
     try:
         return TrainConfig(**vars(args))
     except ValueError as e:

@@ -27,7 +27,7 @@ import numpy as np
 
 from dflash_jax.checkpoints import DTYPES
 from train.data import MANIFEST, DataError, TrainData, load_manifest, write_manifest
-from train.progress import progress_bar
+from dflash_jax.progress import progress_bar
 
 FORMAT = "dflash-jax-features"
 _NP = {name: np.dtype(t) for name, t in DTYPES.items()}

@@ -40,7 +40,7 @@ from train.checkpoint import CHECKPOINT_DIR, Checkpointer
 from train.config import TrainConfig
 from train.data import TrainData
 from train.optim import make_optimizer, warmup_cosine
-from train.progress import progress_bar
+from dflash_jax.progress import progress_bar
 
 # Config fields that must not change when resuming (they define the data order, the anchors, the
 # model or the objective); the others (steps, logging, evaluation, ...) may.

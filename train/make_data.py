@@ -28,7 +28,7 @@ import numpy as np
 from dflash_jax.checkpoints import load_tokenizer
 from dflash_jax.prompts import encode_prompt, read_prompts
 from train.data import FORMAT, DataError, encode_pair, read_manifest, shard_name, write_manifest, write_shard
-from train.progress import progress_bar
+from dflash_jax.progress import progress_bar
 
 
 def _file_digest(path: str) -> str:

@@ -42,7 +42,7 @@ from flax import serialization
 from dflash_jax.config import MASK_TOKEN, RopeConfig, TargetConfig
 from dflash_jax.target import Target, forward, init_params, save_target
 from train.optim import make_optimizer, warmup_cosine
-from train.progress import progress_bar
+from dflash_jax.progress import progress_bar
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, MASK_TOKEN)  # ids 0 and 1

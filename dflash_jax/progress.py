@@ -1,4 +1,4 @@
-"""The training tools' progress bar: one place that decides how a bar looks."""
+"""The one progress bar of the project (weight loading, training, data and feature generation)."""
 from __future__ import annotations
 
 from tqdm.auto import tqdm
