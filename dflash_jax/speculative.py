@@ -172,6 +172,7 @@ class GenerationResult:
     finish_reason: str
     wall_time_s: float
     tokens_per_second: float
+    time_to_first_token_s: float | None = None  # streaming only: prefill until the first token reached the host
 
     @property
     def generated_ids(self) -> list[int]:
@@ -190,7 +191,8 @@ class GenerationResult:
                 "generated_ids": self.generated_ids, "num_generated": self.num_generated,
                 "acceptance_lengths": self.acceptance_lengths, "tau": self.mean_acceptance_length,
                 "target_forwards": self.target_forwards, "finish_reason": self.finish_reason,
-                "wall_time_s": self.wall_time_s, "tokens_per_second": self.tokens_per_second}
+                "wall_time_s": self.wall_time_s, "tokens_per_second": self.tokens_per_second,
+                "time_to_first_token_s": self.time_to_first_token_s}
 
 
 def _round_up(x: int, m: int) -> int:
@@ -316,19 +318,28 @@ def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int, bloc
                     stop_token_ids: Sequence[int] | None = None, seed: int = 0,
                     max_length: int | None = None) -> Iterator[list[list[int]] | list[GenerationResult]]:
     """Host loop over the same jitted step: yields, after prefill and each step, the new token ids of
-    every row (a list per row), and finally the list of ``GenerationResult``."""
+    every row (a list per row), and finally the list of ``GenerationResult`` (with the time to the first
+    token). Prefill and step are compiled and run once before the clock starts, so timings exclude
+    compilation as in ``speculative_generate``."""
     sampling = SamplingParams(temperature, top_k, top_p)
     req = _prepare(target, draft, prompts, max_new_tokens, block_size, sampling, stop_token_ids, seed, max_length)
     tparams, dparams, padded, lens, budget, stop_arr, samp, key, mask_id = req.args
+
+    def prefill():
+        return _prefill_jit(req.spec, tparams, dparams, padded, lens, budget, stop_arr, samp, key,
+                            cache_len=req.cache_len)
+
+    jax.block_until_ready(_step_jit(req.spec, tparams, dparams, prefill(), stop_arr, samp, mask_id))  # warm-up
     start = time.perf_counter()
-    state = _prefill_jit(req.spec, tparams, dparams, padded, lens, budget, stop_arr, samp, key,
-                         cache_len=req.cache_len)
+    state, first = prefill(), None
     seen = np.zeros(len(req.lens), np.int64)
     while True:
         tokens, generated, done = sharding.to_host((state.tokens, state.generated, state.done))
+        first = time.perf_counter() - start if first is None else first
         yield [tokens[i, n + seen[i]:n + generated[i]].tolist() for i, n in enumerate(req.lens)]
         seen = generated.astype(np.int64)
         if done.all():
             break
         state = _step_jit(req.spec, tparams, dparams, state, stop_arr, samp, mask_id)
-    yield _results(state, req, time.perf_counter() - start)
+    yield [dataclasses.replace(r, time_to_first_token_s=first)
+           for r in _results(state, req, time.perf_counter() - start)]

@@ -47,7 +47,14 @@ def test_generate_text_baseline_and_stream(pair_dirs, capsys):
     assert code == 0 and "speedup" in out.out and "identical output: True" in out.out and "tau" in out.out
     code, out = run(g, ["--target", tdir, "--draft", ddir, "--prompt", "def f(x):", "--max-new-tokens", "6",
                         "--stream"], capsys)
-    assert code == 0 and out.out.startswith("def f(x):")
+    assert code == 0 and out.out.startswith("def f(x):") and "time to first token" in out.out
+    code, out = run(g, ["--target", tdir, "--draft", ddir, "--prompt", "def f(x):", "--max-new-tokens", "6",
+                        "--stream", "--json", "--ignore-eos"], capsys)
+    row = json.loads(out.out)
+    assert code == 0 and 0 < row["time_to_first_token_s"] < row["wall_time_s"]  # compile excluded, prefill not
+    code, out = run(g, ["--target", tdir, "--draft", ddir, "--prompt", "def f(x):", "--max-new-tokens", "6",
+                        "--baseline", "--temperature", "1"], capsys)
+    assert code == 0 and "lossless means the same distribution" in out.out
 
 
 @pytest.mark.parametrize("argv,match", [
