@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 import numpy as np
 
+from dflash_jax.progress import progress_bar
 from infer.common import DEMO_TARGET, add_model_args, die, encode, load_models, read_prompts_file, stop_ids
 
 
@@ -30,7 +32,8 @@ def parse_args(argv=None):
                                           "demo's held-out stdlib modules)")
     p.add_argument("--num-prompts", type=int, default=16, help="number of default prompts (default 16)")
     p.add_argument("--json", action="store_true", help="per-prompt rows, then one summary object")
-    p.add_argument("--plot", help="write a PNG: acceptance-length histogram and tau per prompt (needs matplotlib)")
+    p.add_argument("--plot", help="write a PNG report: tau per prompt, acceptance per block position, tokens/s and "
+                                  "speedup, titled with target, draft, block and device (needs matplotlib)")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed runs per prompt and method, alternating, after one untimed warm-up run; "
                         "the fastest counts (default 3)")
@@ -115,23 +118,43 @@ def _fastest(repeats: int, plain, dflash):
     return tuple(min((r[m] for r in runs[1:]), key=lambda g: g.wall_time_s) for m in range(2))
 
 
-def plot(path: str, hist: np.ndarray, taus: list[float]) -> None:
-    try:
-        import matplotlib
+def machine() -> dict:
+    """Where the numbers were measured: backend, device, CPU count and load average (speedups are only
+    comparable at equal load: load slows plain decoding's many small steps more than DFlash's few)."""
+    import jax
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        die("--plot needs matplotlib: pip install 'dflash_jax[plot]'")
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
-    a.bar(np.arange(1, len(hist) + 1), hist)
-    a.set_xlabel("acceptance length")
-    a.set_ylabel("verify steps")
-    b.bar(np.arange(len(taus)), taus)
-    b.set_xlabel("prompt")
-    b.set_ylabel("tau")
+    load = os.getloadavg()
+    return {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
+            "cpu_count": os.cpu_count(), "load_average": [round(x, 2) for x in load]}
+
+
+def plot(summary: dict, rows: list[dict], path: str | None = None):
+    """The report figure: tau per prompt, acceptance rate per block position, tokens/s of both methods with the
+    speedup; titled with target, draft, block size and device. Saved to ``path`` (or returned to show)."""
+    import matplotlib.pyplot as plt
+
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
+    prompts = [r["prompt"] for r in rows]
+    a.bar(prompts, [r["tau"] for r in rows], color="tab:blue")
+    a.axhline(summary["tau"], color="k", ls="--", lw=1, label=f"mean tau {summary['tau']:.2f}")
+    a.set(xlabel="prompt", ylabel="tau (tokens per target forward)", xticks=prompts, title="acceptance length")
+    a.legend()
+    rates = summary["acceptance_rate_per_position"]
+    b.plot(range(1, len(rates) + 1), rates, marker="o")
+    b.set(xlabel="draft position k", ylabel="P(draft token k accepted)", ylim=(0, 1.02),
+          xticks=range(1, len(rates) + 1), title="acceptance per block position")
+    c.bar(["plain", "DFlash"], [summary["plain_tokens_per_s"], summary["dflash_tokens_per_s"]],
+          color=["tab:gray", "tab:green"])
+    c.set(ylabel="tokens / s", title=f"speedup {summary['speedup']:.2f}x (identical: {summary['identical']})")
+    m = summary["machine"]
+    fig.suptitle(f"target {os.path.basename(str(summary['target']).rstrip('/'))} | draft "
+                 f"{os.path.basename(str(summary['draft']).rstrip('/'))} | block {summary['block_size']} | "
+                 f"{m['device']} ({m['backend']}), load {m['load_average'][0]}")
     fig.tight_layout()
-    fig.savefig(path)
+    if path:
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+    return fig
 
 
 def main(argv=None) -> int:
@@ -147,6 +170,18 @@ def main(argv=None) -> int:
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, stop_token_ids=stop_ids(args, target), seed=args.seed, max_length=args.max_length)
     block = args.block_size or draft.config.block_size
+    if args.plot:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+        except ImportError:
+            die("--plot needs matplotlib: pip install 'dflash_jax[plot]'")
+    where = machine()
+    if where["backend"] == "cpu" and where["load_average"][0] > 0.5 * (where["cpu_count"] or 1):
+        print(f"warning: the machine is busy (load average {where['load_average'][0]} on {where['cpu_count']} CPUs): "
+              "speedups are only comparable at equal load", file=sys.stderr)
+    bar = progress_bar(len(prompts), "benchmark", "prompt", not args.json or sys.stderr.isatty())
     try:
         rows, plain_time, spec_time, plain_tokens, spec_tokens, all_acc = [], 0.0, 0.0, 0, 0, []
         for i, p in enumerate(prompts):
@@ -164,8 +199,11 @@ def main(argv=None) -> int:
                          "identical": spec.output_ids == base.output_ids,
                          "distinct_4grams": distinct_4grams(spec.generated_ids),
                          "acceptance_lengths": spec.acceptance_lengths})
+            bar.update(1)
     except ValueError as e:
         die(str(e))
+    finally:
+        bar.close()
     acc = np.array(all_acc)
     hist = np.bincount(acc, minlength=block + 1)[1:block + 1]
     per_position = [float((acc > k).mean()) for k in range(1, block)]  # draft token k accepted
@@ -177,7 +215,7 @@ def main(argv=None) -> int:
                "plain_tokens_per_s": plain_tps, "dflash_tokens_per_s": spec_tps, "speedup": spec_tps / plain_tps,
                "engine_efficiency": spec_tps / plain_tps / tau,
                "identical": all(r["identical"] for r in rows),
-               "distinct_4grams": float(np.mean([r["distinct_4grams"] for r in rows]))}
+               "distinct_4grams": float(np.mean([r["distinct_4grams"] for r in rows])), "machine": where}
     # wall time per target forward of each method, prefill included (plain: one per token)
     summary["plain_step_s"] = plain_time / plain_tokens
     summary["dflash_step_s"] = spec_time / (len(all_acc) + len(prompts))
@@ -202,10 +240,16 @@ def main(argv=None) -> int:
         print(f"one step: plain {summary['plain_step_s'] * 1e3:.2f} ms, DFlash {summary['dflash_step_s'] * 1e3:.2f} ms"
               + ("" if args.no_timing_split else " = " + " + ".join(
                   f"{k} {v * 1e3:.2f}" for k, v in summary["step_split_s"].items()) + " ms"))
-        for key in sorted(k for k in summary if "_forward_s_" in k):
-            print(f"{key}: {summary[key] * 1e3:.2f} ms")
+        for kind in ("draft", "verify"):
+            sizes = sorted(int(k.rsplit("block", 1)[1]) for k in summary if k.startswith(f"{kind}_forward_s_block"))
+            if sizes:
+                print(f"one {kind} forward: " + ", ".join(
+                    f"block {k} {summary[f'{kind}_forward_s_block{k}'] * 1e3:.2f} ms" for k in sizes))
+        m = where
+        print(f"measured on {m['device']} ({m['backend']}, {m['num_devices']} device(s)), {m['cpu_count']} CPUs, "
+              f"load average {m['load_average'][0]}")
     if args.plot:
-        plot(args.plot, hist, [r["tau"] for r in rows])
+        plot(summary, rows, args.plot)
     return 0
 
 
