@@ -147,8 +147,8 @@ def plot(summary: dict, rows: list[dict], path: str | None = None):
           color=["tab:gray", "tab:green"])
     c.set(ylabel="tokens / s", title=f"speedup {summary['speedup']:.2f}x (identical: {summary['identical']})")
     m = summary["machine"]
-    fig.suptitle(f"target {os.path.basename(str(summary['target']).rstrip('/'))} | draft "
-                 f"{os.path.basename(str(summary['draft']).rstrip('/'))} | block {summary['block_size']} | "
+    name = lambda p: "/".join(os.path.normpath(str(p)).split(os.sep)[-2:])  # noqa: E731  (e.g. demo/target)
+    fig.suptitle(f"target {name(summary['target'])} | draft {name(summary['draft'])} | block {summary['block_size']} | "
                  f"{m['device']} ({m['backend']}), load {m['load_average'][0]}")
     fig.tight_layout()
     if path:
