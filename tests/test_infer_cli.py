@@ -88,9 +88,10 @@ def test_benchmark_json_summary(pair_dirs, capsys, tmp_path):
     tdir, ddir, _ = pair_dirs
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n" + json.dumps({"prompt": "import os"}) + "\n")
+    png = tmp_path / "report.png"
     code, out = run(b, ["--target", tdir, "--draft", ddir, "--prompts-file", str(prompts), "--max-new-tokens", "10",
-                        "--json", "--ignore-eos", "--no-timing-split", "--repeats", "2"], capsys)
-    assert code == 0
+                        "--json", "--ignore-eos", "--no-timing-split", "--repeats", "2", "--plot", str(png)], capsys)
+    assert code == 0 and png.read_bytes()[:4] == b"\x89PNG"
     lines = [json.loads(x) for x in out.out.strip().splitlines()]
     rows, summary = lines[:-1], lines[-1]
     assert len(rows) == 2 and summary["identical"] is True
@@ -99,6 +100,8 @@ def test_benchmark_json_summary(pair_dirs, capsys, tmp_path):
     assert sum(summary["acceptance_histogram"]) == sum(len(r["acceptance_lengths"]) for r in rows)
     assert np.isclose(summary["tau"], np.mean([a for r in rows for a in r["acceptance_lengths"]]))
     assert summary["plain_step_s"] > 0 and summary["dflash_step_s"] > 0
+    m = summary["machine"]  # where it ran and how loaded the machine was: speedups compare at equal load only
+    assert m["backend"] == "cpu" and m["cpu_count"] >= 1 and len(m["load_average"]) == 3
 
 
 def test_benchmark_fastest_of_repeats():
