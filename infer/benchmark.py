@@ -20,7 +20,8 @@ import time
 import numpy as np
 
 from dflash_jax.progress import progress_bar
-from infer.common import DEMO_TARGET, add_model_args, die, encode, load_models, read_prompts_file, stop_ids
+from infer.common import (DEMO_TARGET, add_model_args, die, encode, load_models, param_dtype, read_prompts_file,
+                          stop_ids)
 
 
 def parse_args(argv=None):
@@ -215,7 +216,8 @@ def main(argv=None) -> int:
                "plain_tokens_per_s": plain_tps, "dflash_tokens_per_s": spec_tps, "speedup": spec_tps / plain_tps,
                "engine_efficiency": spec_tps / plain_tps / tau,
                "identical": all(r["identical"] for r in rows),
-               "distinct_4grams": float(np.mean([r["distinct_4grams"] for r in rows])), "machine": where}
+               "distinct_4grams": float(np.mean([r["distinct_4grams"] for r in rows])), "machine": where,
+               "dtype": param_dtype(target)}
     # wall time per target forward of each method, prefill included (plain: one per token)
     summary["plain_step_s"] = plain_time / plain_tokens
     summary["dflash_step_s"] = spec_time / (len(all_acc) + len(prompts))
@@ -247,7 +249,7 @@ def main(argv=None) -> int:
                     f"block {k} {summary[f'{kind}_forward_s_block{k}'] * 1e3:.2f} ms" for k in sizes))
         m = where
         print(f"measured on {m['device']} ({m['backend']}, {m['num_devices']} device(s)), {m['cpu_count']} CPUs, "
-              f"load average {m['load_average'][0]}")
+              f"load average {m['load_average'][0]}, {summary['dtype']}")
     if args.plot:
         plot(summary, rows, args.plot)
     return 0

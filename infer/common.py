@@ -16,8 +16,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                                     "(default: embedded demo)")
     g.add_argument("--draft", help="DFlash draft: directory or hub id (default: embedded demo draft when the "
                                    "target is the demo; none otherwise = plain decoding)")
-    g.add_argument("--dtype", default="float32", choices=list(DTYPES),
-                   help="parameter/compute dtype (default float32)")
+    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="parameter/compute dtype; auto (default): the checkpoint's dtype on TPU/GPU, float32 on "
+                        "CPU (where bfloat16 is emulated and slower); the dtype that ran is printed")
     g.add_argument("--mesh", default=None,
                    help="shard over devices: 'data=2,tensor=4' (axes data, fsdp, tensor; omitted = 1, one may be -1 "
                         "= the rest) or 'auto' (all devices on data). Params tensor-parallel, prompts and caches "
@@ -68,7 +69,17 @@ def load_models(args):
             check_fits(target, draft)
     except (OSError, ValueError) as e:  # missing / unreadable files, malformed checkpoints and configs
         die(str(e))
+    print(f"target {target.path} ({target.config.model_type}, {param_dtype(target)})"
+          + (f", draft {draft.path} ({param_dtype(draft)})" if draft is not None else ", no draft: plain decoding"),
+          file=sys.stderr)
     return target, draft, load_tokenizer(target.path)
+
+
+def param_dtype(model) -> str:
+    """The dtype a loaded model's parameters (and so its compute) are in."""
+    import jax
+
+    return str(jax.tree_util.tree_leaves(model.params)[0].dtype)
 
 
 def check_before_loading(args, target_path: str, draft_path: str | None) -> None:

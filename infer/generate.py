@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from infer.common import add_model_args, die, encode, load_models, read_prompts_file, stop_ids
+from infer.common import add_model_args, die, encode, load_models, param_dtype, read_prompts_file, stop_ids
 
 DEMO_PROMPT = 'import os\n\n\ndef read_lines(path):\n    """Return the lines of the text file at path."""\n'
 
@@ -94,6 +94,7 @@ def main(argv=None) -> int:
         return 0
     for i, r in enumerate(results):
         row = r.to_json()
+        row["dtype"] = param_dtype(target)
         if tokenizer is not None:
             row["text"] = tokenizer.decode(r.generated_ids)
         if baseline is not None:

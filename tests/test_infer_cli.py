@@ -36,6 +36,7 @@ def test_generate_json_prompt_ids(pair_dirs, capsys):
         assert len(row["output_ids"]) == len(ref.output_ids)
         assert all(1 <= a <= 8 for a in row["acceptance_lengths"])
         assert row["tokens_per_second"] > 0
+        assert row["dtype"] == "float32"  # --dtype auto: float32 on a CPU
 
 
 def test_generate_text_baseline_and_stream(pair_dirs, capsys):
@@ -138,3 +139,23 @@ def test_benchmark_forward_timing(pair_dirs):
     t = b.time_forwards(target, draft, block_sizes=(2,), context=16, iters=2, repeats=1)
     assert set(t) == {"draft_forward_s_block2", "verify_forward_s_block2", "verify_forward_s_block1"}
     assert all(0 < v < 10 for v in t.values())
+
+
+def test_auto_dtype_is_the_checkpoints_on_accelerators(pair_dirs, tmp_path, monkeypatch):
+    import shutil
+
+    import jax
+
+    from dflash_jax.checkpoints import auto_dtype
+
+    d = tmp_path / "t"
+    shutil.copytree(pair_dirs[0], d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+    assert auto_dtype(str(d)) == "float32"  # CPU: bfloat16 would be emulated
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert auto_dtype(str(d)) == "bfloat16"
+    (d / "config.json").write_text(json.dumps({**cfg, "dtype": "float16"}))
+    assert auto_dtype(str(d)) == "float16"
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert auto_dtype(str(d)) == "float32"  # nothing said: float32
