@@ -2,7 +2,8 @@
 
 A prompts file is JSONL (a ``.jsonl`` / ``.json`` name, or a first line starting with ``{``): one object
 per line with ``prompt`` (text) or ``prompt_ids`` (token ids), optionally ``response`` /
-``response_ids``. Otherwise it is plain text: one prompt per non-empty line, in which the two
+``response_ids``; or a conversation, ``messages``: [{"role": "system" | "user" | "assistant", "content":
+text}, ...] (ShareGPT / UltraChat style), always encoded with the chat template. Otherwise it is plain text: one prompt per non-empty line, in which the two
 characters ``\\n`` stand for a newline (JSONL carries any text exactly).
 
 The special-tokens rule, the same everywhere (as Hugging Face ``generate`` users and vLLM encode): a
@@ -37,9 +38,11 @@ def read_prompts(path: str) -> list[dict]:
         except json.JSONDecodeError as e:
             raise PromptError(f"{path} line {n} is not valid JSON ({e}); expected one object per line with a "
                               "\"prompt\" (or \"prompt_ids\") field") from None
-        if not isinstance(r, dict) or not ({"prompt", "prompt_ids"} & r.keys()):
-            raise PromptError(f"{path} line {n}: expected an object with a \"prompt\" or \"prompt_ids\" field, "
-                              f"got {ln[:80]!r}")
+        if not isinstance(r, dict) or not ({"prompt", "prompt_ids", "messages"} & r.keys()):
+            raise PromptError(f"{path} line {n}: expected an object with a \"prompt\", \"prompt_ids\" or "
+                              f"\"messages\" field, got {ln[:80]!r}")
+        if "messages" in r:
+            check_messages(r["messages"], f"{path} line {n}")
         for key in ("prompt", "response"):
             if key in r and not isinstance(r[key], str):
                 raise PromptError(f"{path} line {n}: {key} must be a string")
@@ -48,6 +51,19 @@ def read_prompts(path: str) -> list[dict]:
                 raise PromptError(f"{path} line {n}: {key} must be a list of integers")
         records.append(r)
     return records
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def check_messages(messages, where: str) -> None:
+    """A conversation: a non-empty list of {"role", "content"} objects with known roles and text content."""
+    if not isinstance(messages, list) or not messages:
+        raise PromptError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise PromptError(f"{where}: message {i} must be {{\"role\": one of {', '.join(ROLES)}, \"content\": "
+                              f"text}}, got {str(m)[:80]!r}")
 
 
 def token_ids(encoded) -> list[int]:
@@ -69,10 +85,15 @@ def chat_ids(tokenizer, messages: list[dict], chat_kwargs: dict | None = None, *
 
 
 def encode_prompt(record: dict, tokenizer, chat: bool = False, chat_kwargs: dict | None = None) -> list[int]:
-    """A record's prompt ids by the one rule: ``prompt_ids`` as given, else the text with special tokens
-    (``chat``: as the user turn of the chat template, with the assistant's turn opened)."""
+    """A record's prompt ids by the one rule: ``prompt_ids`` as given, ``messages`` through the chat template
+    with the assistant's turn opened, else the text with special tokens (``chat``: as the user turn of the
+    chat template)."""
     if "prompt_ids" in record:
         return list(record["prompt_ids"])
+    if "messages" in record:
+        if tokenizer is None:
+            raise PromptError("conversations need the target's tokenizer (its chat template)")
+        return chat_ids(tokenizer, record["messages"], chat_kwargs, add_generation_prompt=True)
     if tokenizer is None:
         raise PromptError("text prompts need the target's tokenizer, and the target directory has none; give "
                           "token ids instead (JSONL with a \"prompt_ids\" field, or infer.generate --prompt-ids)")

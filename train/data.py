@@ -145,6 +145,42 @@ def encode_pair(record: dict, tokenizer, chat: bool, chat_kwargs: dict | None = 
     return prompt, resp + ([eos] if eos is not None else [])
 
 
+def conversation_turns(record: dict, turns: str) -> list[dict]:
+    """A conversation -> prompt records for the target to answer: the history before each assistant turn
+    (``turns="all"``) or before the last one (``"last"``); a conversation ending with the user's turn is
+    one prompt as it is. Other records pass through."""
+    if "messages" not in record:
+        return [record]
+    msgs = record["messages"]
+    cuts = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and any(x["role"] == "user" for x in msgs[:i])]
+    if msgs[-1]["role"] == "user":
+        cuts.append(len(msgs))
+    if turns == "last":
+        cuts = cuts[-1:]
+    return [{"messages": msgs[:i]} for i in cuts]
+
+
+def encode_conversation(record: dict, tokenizer, chat_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
+    """A conversation as given -> (ids, loss mask): the whole chat template, only the assistant turns
+    supervised. Each assistant span is where the template of the conversation up to that turn extends
+    the template of the history with the assistant's turn opened; a template whose earlier turns change
+    when later ones are added (e.g. one that drops earlier reasoning) cannot be cut that way: an error."""
+    msgs = record["messages"]
+    full = chat_ids(tokenizer, msgs, chat_kwargs)
+    mask = [0] * len(full)
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        start = chat_ids(tokenizer, msgs[:i], chat_kwargs, add_generation_prompt=True)
+        end = chat_ids(tokenizer, msgs[:i + 1], chat_kwargs)
+        if full[:len(start)] != start or full[:len(end)] != end or len(end) <= len(start):
+            raise DataError(f"the chat template does not extend turn by turn at assistant message {i} of "
+                            f"{str(msgs[0]['content'])[:40]!r}...; give the conversation to the target to answer "
+                            "(--responses generate) instead")
+        mask[len(start):len(end)] = [1] * (len(end) - len(start))
+    return full, mask
+
+
 # --- loading for training -------------------------------------------------------------------------
 
 

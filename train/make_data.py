@@ -27,7 +27,8 @@ import numpy as np
 
 from dflash_jax.checkpoints import load_tokenizer
 from dflash_jax.prompts import encode_prompt, read_prompts
-from train.data import FORMAT, DataError, encode_pair, read_manifest, shard_name, write_manifest, write_shard
+from train.data import (FORMAT, DataError, conversation_turns, encode_conversation, encode_pair, read_manifest,
+                        shard_name, write_manifest, write_shard)
 from dflash_jax.progress import progress_bar
 
 
@@ -49,7 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--responses", choices=["auto", "generate", "use"], default="auto",
                    help="generate: the target answers; use: take the file's responses; auto: use them when "
                         "every record has one, else generate")
-    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompts")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompts "
+                   "(conversations, records with \"messages\", always use it)")
+    p.add_argument("--turns", choices=["last", "all"], default="last",
+                   help="conversations the target answers: regenerate only the last assistant turn, or every "
+                        "assistant turn (one training sequence each, the history as given); only the "
+                        "regenerated turn is supervised")
     p.add_argument("--chat-template-kwargs", default="{}", help="JSON kwargs for apply_chat_template, "
                    "e.g. '{\"enable_thinking\": false}'")
     p.add_argument("--max-new-tokens", type=int, default=512, help="response length limit when generating")
@@ -72,10 +78,12 @@ def make_data(target, prompts: str, out: str, *, responses: str = "auto", chat: 
               chat_kwargs: dict | None = None, max_new_tokens: int = 512, temperature: float = 0.0, top_k: int = 0,
               top_p: float = 1.0, seed: int = 0, batch_size: int = 8, shard_size: int = 256,
               max_prompt_len: int = 0, max_length: int = 0, draft=None, tokenizer=None, progress: bool = True,
-              log=print) -> dict:
+              turns: str = "last", log=print) -> dict:
     """Python API of the command; ``target`` is a loaded ``dflash_jax.target.Target``. Returns the manifest."""
     if batch_size < 1 or shard_size < 1 or max_new_tokens < 1:
         raise ValueError("--batch-size, --shard-size and --max-new-tokens must be >= 1")
+    if turns not in ("last", "all"):
+        raise ValueError(f"--turns must be last or all, got {turns!r}")
     records = read_prompts(prompts)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target.path)
     has = ["response" in r or "response_ids" in r for r in records]
@@ -87,14 +95,16 @@ def make_data(target, prompts: str, out: str, *, responses: str = "auto", chat: 
         else:
             raise DataError(f"{prompts}: {sum(has)} of {len(records)} records have a response; pass "
                             "--responses generate (the target answers all) or give every record a response")
-    elif responses == "use" and not all(has):
+    elif responses == "use" and not all(h or "messages" in r for h, r in zip(has, records)):
         raise DataError(f"{prompts}: --responses use, but {len(has) - sum(has)} records have no response")
+    if responses == "generate":  # conversations: the target answers the chosen assistant turns
+        records = [t for r in records for t in conversation_turns(r, turns)]
     vocab = target.config.vocab_size
     stop_ids = sorted(set(target.config.eos_token_id) | (
         {tokenizer.eos_token_id} if tokenizer is not None and tokenizer.eos_token_id is not None else set()))
     settings = {"prompts_sha1": _file_digest(prompts), "responses": responses, "chat": chat,
                 "chat_kwargs": chat_kwargs or {}, "shard_size": shard_size, "max_prompt_len": max_prompt_len,
-                "max_length": max_length}
+                "max_length": max_length, "turns": turns}
     if responses == "generate":
         settings.update(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         seed=seed, batch_size=batch_size)
@@ -122,12 +132,17 @@ def make_data(target, prompts: str, out: str, *, responses: str = "auto", chat: 
         if responses == "use":
             seqs = []
             for r in chunk:
-                p, resp = encode_pair(r, tokenizer, chat, chat_kwargs)
-                if (max_prompt_len and len(p) > max_prompt_len) or not resp:
+                if "messages" in r:
+                    ids, mask = encode_conversation(r, tokenizer, chat_kwargs)
+                    first = mask.index(1) if 1 in mask else len(ids)
+                else:
+                    p, resp = encode_pair(r, tokenizer, chat, chat_kwargs)
+                    ids, mask, first = p + resp, [0] * len(p) + [1] * len(resp), len(p)
+                if (max_prompt_len and first > max_prompt_len) or not any(mask):
                     skipped += 1
                     continue
-                ids = (p + resp)[:max_length] if max_length else p + resp
-                seqs.append((np.asarray(ids, np.int32), np.asarray([0] * len(p) + [1] * len(resp), np.uint8)[:len(ids)]))
+                cut = max_length or len(ids)
+                seqs.append((np.asarray(ids[:cut], np.int32), np.asarray(mask[:cut], np.uint8)))
         else:
             prompt_ids = [encode_prompt(r, tokenizer, chat, chat_kwargs) for r in chunk]
             keep = [i for i, p in enumerate(prompt_ids) if p and not (max_prompt_len and len(p) > max_prompt_len)]
@@ -202,7 +217,7 @@ def main(argv=None) -> int:
         make_data(target, a.prompts, a.out, responses=a.responses, chat=a.chat, chat_kwargs=chat_kwargs,
                   max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                   seed=a.seed, batch_size=a.batch_size, shard_size=a.shard_size, max_prompt_len=a.max_prompt_len,
-                  max_length=a.max_length, draft=draft, progress=a.progress)
+                  max_length=a.max_length, draft=draft, progress=a.progress, turns=a.turns)
     except (DataError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
