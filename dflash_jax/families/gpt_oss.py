@@ -56,13 +56,13 @@ class GptOssConfig(TargetConfig):
         if "layer_types" not in d and "num_hidden_layers" in d:  # transformers' default: sliding first
             d["layer_types"] = [("full_attention", "sliding_attention")[(i + 1) % 2]
                                 for i in range(int(d["num_hidden_layers"]))]
-        try:
-            experts = int(d.get("num_local_experts") or d["num_experts"])
-            per_token = int(d.get("num_experts_per_tok") or d["experts_per_token"])
-        except KeyError as e:
-            raise ValueError(f"config.json is missing {e.args[0]!r}") from None
-        return dataclasses.replace(cls._from_dict(d, "gpt_oss"), num_local_experts=experts,
-                                   num_experts_per_tok=per_token, swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
+        experts = d.get("num_local_experts", d.get("num_experts"))
+        per_token = d.get("num_experts_per_tok", d.get("experts_per_token"))  # the latter: early 4.x configs
+        for key, value in (("num_local_experts", experts), ("num_experts_per_tok", per_token)):
+            if value is None:
+                raise ValueError(f"config.json is missing {key!r}")
+        return dataclasses.replace(cls._from_dict(d, "gpt_oss"), num_local_experts=int(experts),
+                                   num_experts_per_tok=int(per_token), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
                                    swiglu_limit=float(d.get("swiglu_limit", 7.0)))
 
     def to_hf(self) -> dict:
