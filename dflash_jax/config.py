@@ -123,6 +123,7 @@ class TargetConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = True
+    attention_sinks: bool = False  # a learned per-head logit joins each softmax (gpt-oss)
     rope: RopeConfig = RopeConfig()
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None

@@ -162,7 +162,8 @@ class MLP(nn.Module):
 
 
 class AttentionProjections(nn.Module):
-    """q/k/v/o projections with optional per-head q/k RMSNorm (Qwen3) and RoPE; no attention itself.
+    """q/k/v/o projections with optional per-head q/k RMSNorm (Qwen3), RoPE and per-head attention sink
+    logits (gpt-oss); no attention itself.
 
     Target and draft layers both use it; they differ only in which keys the queries see.
     """
@@ -178,6 +179,12 @@ class AttentionProjections(nn.Module):
         if c.qk_norm:
             self.q_norm = RMSNorm(c.rms_norm_eps, axis_name="head_dim")
             self.k_norm = RMSNorm(c.rms_norm_eps, axis_name="head_dim")
+        if c.attention_sinks:
+            self.sinks = self.param("sinks", nn.with_logical_partitioning(_init, (None,)), (c.num_attention_heads,))
+
+    def sink_logits(self):
+        """[N] sink logits for ``attend``, or None without sinks."""
+        return self.sinks if self.cfg.attention_sinks else None
 
     def queries(self, x, positions):
         """[B, T, D] -> rotated queries [B, T, N, H]."""

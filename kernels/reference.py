@@ -29,10 +29,11 @@ def position_mask(q_pos, k_pos, *, causal: bool, sliding_window: int | None = No
     return visible
 
 
-def attend(q, k, v, mask, *, scale: float | None = None):
+def attend(q, k, v, mask, *, scale: float | None = None, sinks=None):
     """softmax(q k^T * scale, masked) v with grouped K/V heads.
 
-    q [B, T, N, H]; k, v [B, S, K, H] with N a multiple of K; mask [B, T, S] bool.
+    q [B, T, N, H]; k, v [B, S, K, H] with N a multiple of K; mask [B, T, S] bool; ``sinks`` [N] (gpt-oss):
+    one learned logit per query head that joins the softmax denominator and carries no value.
     Logits and softmax in float32; a query with no visible key returns zeros.
     """
     b, t, n, h = q.shape
@@ -43,7 +44,13 @@ def attend(q, k, v, mask, *, scale: float | None = None):
     qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
     logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
     m = mask[:, None, None, :, :]
-    probs = jax.nn.softmax(jnp.where(m, logits, _MASKED), axis=-1)
+    logits = jnp.where(m, logits, _MASKED)
+    if sinks is None:
+        probs = jax.nn.softmax(logits, axis=-1)
+    else:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, n // kv_heads, 1, 1),
+                                logits.shape[:-1] + (1,))
+        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
     probs = jnp.where(m, probs, 0.0).astype(v.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
     return out.reshape(b, t, n, h)

@@ -10,7 +10,8 @@ TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_laye
 
 def hf_config(model_type: str = "qwen3", **overrides):
     kw = {**TINY, **overrides}
-    cls = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}[model_type]
+    cls = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig,
+           "gpt_oss": transformers.GptOssConfig}[model_type]
     return cls(**kw)
 
 
@@ -18,12 +19,13 @@ def save_tiny(path, model_type: str = "qwen3", seed: int = 0, dtype=torch.float3
     """Build a random tiny causal LM, save it to ``path``; returns the torch model (eval, fp32)."""
     cfg = hf_config(model_type, **overrides)
     torch.manual_seed(seed)
-    cls = {"qwen3": transformers.Qwen3ForCausalLM, "llama": transformers.LlamaForCausalLM}[model_type]
+    cls = {"qwen3": transformers.Qwen3ForCausalLM, "llama": transformers.LlamaForCausalLM,
+           "gpt_oss": transformers.GptOssForCausalLM}[model_type]
     model = cls(cfg).eval()
-    with torch.no_grad():  # norms start at 1; perturb them so a mis-mapped norm weight is caught
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    with torch.no_grad():  # norms start at 1, gpt-oss's biases at 0 and its sinks near 0: perturb them so a
+        for name, p in model.named_parameters():  # mis-mapped one is caught
+            if "norm" in name or (model_type == "gpt_oss" and (name.endswith("bias") or "sinks" in name)):
+                p.add_((1.0 if "sinks" in name else 0.1) * torch.randn_like(p))
     model.to(dtype).save_pretrained(path)
     return model.float()
 

@@ -24,6 +24,17 @@ def random_pair(vocab: int = 96, block_size: int = 16, seed: int = 0, draft_laye
     return Target(tcfg, init_params(tcfg, seed)), Draft(dcfg, init_draft_params(dcfg, seed + 1))
 
 
+def random_draft(tcfg, block_size: int = 16, draft_layers: int = 1, target_layer_ids=(0, 2, 3), seed: int = 1) -> Draft:
+    """A random draft for a target of any family: a Qwen3 stack with the target's hidden size, heads and rope."""
+    layers = TargetConfig(model_type="qwen3", vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size,
+                          intermediate_size=tcfg.intermediate_size, num_hidden_layers=draft_layers,
+                          num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
+                          head_dim=tcfg.head_dim, rope=tcfg.rope)
+    dcfg = DraftConfig(layers=layers, block_size=block_size, num_target_layers=tcfg.num_hidden_layers,
+                       mask_token_id=tcfg.vocab_size - 1, target_layer_ids=tuple(target_layer_ids))
+    return Draft(dcfg, init_draft_params(dcfg, seed))
+
+
 def trained_pair(root, vocab: int = 64, block_size: int = 16, steps: int = 60, seed: int = 0):
     """A tiny random target with a peaked head and a draft trained for ``steps`` steps on the target's
     own greedy continuations of random prompts (the project's make_data + train); returns

@@ -25,9 +25,13 @@ class DecoderLayer(nn.Module):
     def setup(self):
         c = self.cfg
         self.self_attn = AttentionProjections(c)
-        self.mlp = MLP(c)
+        self.mlp = self.feed_forward()
         self.input_layernorm = RMSNorm(c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps)
+
+    def feed_forward(self) -> nn.Module:
+        """The block after attention: the gated MLP (a family with another one overrides this)."""
+        return MLP(self.cfg)
 
     def __call__(self, x, positions, state):
         """x [B, T, D] at ``positions`` [B, T] -> (x, new layer state or None)."""
@@ -40,7 +44,7 @@ class DecoderLayer(nn.Module):
             state, k, v, k_pos, exists = state.update(k, v, positions)
         mask = position_mask(positions, k_pos, causal=True, sliding_window=self.cfg.layer_window(self.index),
                              k_valid=exists)
-        x = x + self.self_attn.output(attend(q, k, v, mask))
+        x = x + self.self_attn.output(attend(q, k, v, mask, sinks=self.self_attn.sink_logits()))
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, state
 
@@ -49,11 +53,12 @@ class Decoder(nn.Module):
     """Decoder with Hugging Face parameter names (``embed_tokens``, ``layers_N``, ``norm``, ``lm_head``)."""
 
     cfg: TargetConfig
+    layer_type = DecoderLayer  # a family with other layers overrides this
 
     def setup(self):
         c = self.cfg
         self.embed_tokens = Embed(c.vocab_size, c.hidden_size)
-        self.layers = [DecoderLayer(c, i) for i in range(c.num_hidden_layers)]
+        self.layers = [self.layer_type(c, i) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps)
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.vocab_size, False, ("embed", "vocab"))
