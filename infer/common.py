@@ -94,6 +94,8 @@ def check_before_loading(args, target_path: str, draft_path: str | None) -> None
     SamplingParams(args.temperature, args.top_k, args.top_p)  # raises on a bad temperature / top-k / top-p
     if args.max_new_tokens < 1:
         die(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not 0 <= args.seed < 2 ** 63:
+        die(f"--seed must be an integer in [0, 2**63), got {args.seed}")
     tcfg = config_from_hf(resolve_path(target_path))
     vocab = tcfg.vocab_size
     bad = [i for i in stop_ids(args, tcfg) if not 0 <= i < vocab]

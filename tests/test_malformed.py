@@ -119,7 +119,7 @@ def test_draft_block_size_zero_is_an_error_not_16(pair_dirs):
 
 @pytest.mark.parametrize("argv,match", [
     (["--stop-token-ids", "a,b"], "--stop-token-ids 'a,b': expected comma-separated integers"),
-    (["--seed", str(10 ** 23)], "seed must be an integer in"),
+    (["--seed", str(10 ** 23)], "--seed must be an integer in"),
 ])
 def test_cli_bad_options_are_one_line_errors(pair_dirs, capsys, argv, match):
     from infer import generate as g
