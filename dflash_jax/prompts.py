@@ -3,8 +3,9 @@
 A prompts file is JSONL (a ``.jsonl`` / ``.json`` name, or a first line starting with ``{``): one object
 per line with ``prompt`` (text) or ``prompt_ids`` (token ids), optionally ``response`` /
 ``response_ids``; or a conversation, ``messages``: [{"role": "system" | "user" | "assistant", "content":
-text}, ...] (ShareGPT / UltraChat style), always encoded with the chat template. Otherwise it is plain text: one prompt per non-empty line, in which the two
-characters ``\\n`` stand for a newline (JSONL carries any text exactly).
+text}, ...] (ShareGPT / UltraChat style), always encoded with the chat template. Otherwise it is plain
+text: one prompt per non-empty line, in which the two characters ``\\n`` stand for a newline (JSONL
+carries any text exactly).
 
 The special-tokens rule, the same everywhere (as Hugging Face ``generate`` users and vLLM encode): a
 text prompt is ``tokenizer(text)``, with the tokenizer's special tokens (a LLaMA prompt starts with

@@ -30,7 +30,7 @@ from dflash_jax import draft as draft_lib
 from dflash_jax import sharding
 from dflash_jax import target as target_lib
 from dflash_jax.config import DraftConfig
-from dflash_jax.sampling import SamplingParams, accepted_length, choose
+from dflash_jax.sampling import SamplingParams, accepted_length, choose, filtered_scores, rejection_sample
 from dflash_jax.state import DecodeCache
 from dflash_jax.target import Target, check_token_ids
 
@@ -57,9 +57,15 @@ class EngineSpec:
                              tcache=sharding.constrain_cache(state.tcache, self.mesh),
                              dcache=sharding.constrain_cache(state.dcache, self.mesh))
 
+    acceptance: str = "match"  # "match" | "rejection" (sampling.py); greedy decoding always matches
+
     @property
     def speculative(self) -> bool:
         return self.draft is not None and self.block_size > 1
+
+    @property
+    def rejection(self) -> bool:
+        return self.speculative and not self.greedy and self.acceptance == "rejection"
 
     @property
     def feature_layer_ids(self) -> tuple[int, ...]:
@@ -114,19 +120,28 @@ def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, samp
     rows = jnp.arange(b)
     n = state.tcache.lengths
     pending = state.tokens[rows, n]
+    key, k_draft, k_target = jax.random.split(state.key, 3)
     if spec.speculative:
         block = jnp.concatenate([pending[:, None], jnp.full((b, k - 1), mask_token_id, jnp.int32)], axis=1)
-        block = block.at[:, 1:].set(draft_lib.propose(spec.target, tparams, spec.draft, dparams, block, n[:, None],
-                                                      *draft_lib.cache_kv(state.dcache)))
+        context = (block, n[:, None], *draft_lib.cache_kv(state.dcache))
+        if spec.rejection:  # drafts sampled from the draft's own processed distribution
+            draft_scores = filtered_scores(draft_lib.block_logits(spec.target, tparams, spec.draft, dparams, *context,
+                                                                  drop_anchor=True), *sampling)
+            drafts = jax.random.categorical(k_draft, draft_scores, axis=-1).astype(jnp.int32)
+        else:
+            drafts = draft_lib.propose(spec.target, tparams, spec.draft, dparams, *context)
+        block = block.at[:, 1:].set(drafts)
     else:
         block = pending[:, None]
     offsets = jnp.arange(k, dtype=jnp.int32)
     positions = n[:, None] + offsets
     logits, features, tcache = target_lib.forward(spec.target, tparams, block, positions, state.tcache,
                                                   spec.feature_layer_ids)
-    key, sub = jax.random.split(state.key)
-    posterior = choose(logits, sub, *sampling, greedy=spec.greedy)  # p_0..p_{k-1}
-    a = accepted_length(block[:, 1:], posterior) if k > 1 else jnp.zeros((b,), jnp.int32)
+    if spec.rejection:  # posterior: d_1..d_a, then the residual / bonus token
+        a, posterior = rejection_sample(draft_scores, drafts, filtered_scores(logits, *sampling), k_target)
+    else:
+        posterior = choose(logits, k_target, *sampling, greedy=spec.greedy)  # p_0..p_{k-1}
+        a = accepted_length(block[:, 1:], posterior) if k > 1 else jnp.zeros((b,), jnp.int32)
 
     # Commit p_0..p_a, cut at the budget and just after the first stop token.
     limit = jnp.minimum(a + 1, state.budget - state.generated)
@@ -251,7 +266,8 @@ def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, samplin
     stop_arr[:len(stops)] = stops
     dparams = draft.params if draft is not None and block_size > 1 else None
     mesh = sharding.mesh_of(target.params, dparams)
-    spec = EngineSpec(target.config, draft.config if draft is not None else None, block_size, sampling.greedy, mesh)
+    spec = EngineSpec(target.config, draft.config if draft is not None else None, block_size, sampling.greedy, mesh,
+                      sampling.acceptance)
     mask_id = np.int32(draft.config.mask_token_id if draft is not None else 0)
     samp = (np.float32(max(sampling.temperature, 1e-6)), np.int32(sampling.top_k), np.float32(sampling.top_p))
     batch = (padded, lens, budget)
@@ -293,14 +309,15 @@ def _executable(req: _Request):
 def speculative_generate(target: Target, draft, prompts, *, max_new_tokens: int, block_size: int | None = None,
                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                          stop_token_ids: Sequence[int] | None = None, seed: int = 0,
-                         max_length: int | None = None) -> list[GenerationResult]:
+                         max_length: int | None = None, acceptance: str = "match") -> list[GenerationResult]:
     """Generate for a batch of prompts (lists of ids, ragged) in one device call.
 
     ``draft=None`` (or ``block_size=1``) is plain autoregressive decoding with the same engine.
+    ``acceptance``: "match" or "rejection" (speculative sampling; ``dflash_jax.sampling``) at temperature > 0.
     ``max_length`` caps prompt + generated tokens per row (default: the target's
     max_position_embeddings). Returns one ``GenerationResult`` per prompt; wall time excludes compilation.
     """
-    sampling = SamplingParams(temperature, top_k, top_p)
+    sampling = SamplingParams(temperature, top_k, top_p, acceptance)
     req = _prepare(target, draft, prompts, max_new_tokens, block_size, sampling, stop_token_ids, seed, max_length)
     run = _executable(req)
     start = time.perf_counter()
@@ -316,12 +333,13 @@ def generate(target: Target, prompts, *, max_new_tokens: int, **kw) -> list[Gene
 def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int, block_size: int | None = None,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     stop_token_ids: Sequence[int] | None = None, seed: int = 0,
-                    max_length: int | None = None) -> Iterator[list[list[int]] | list[GenerationResult]]:
+                    max_length: int | None = None,
+                    acceptance: str = "match") -> Iterator[list[list[int]] | list[GenerationResult]]:
     """Host loop over the same jitted step: yields, after prefill and each step, the new token ids of
     every row (a list per row), and finally the list of ``GenerationResult`` (with the time to the first
     token). Prefill and step are compiled and run once before the clock starts, so timings exclude
     compilation as in ``speculative_generate``."""
-    sampling = SamplingParams(temperature, top_k, top_p)
+    sampling = SamplingParams(temperature, top_k, top_p, acceptance)
     req = _prepare(target, draft, prompts, max_new_tokens, block_size, sampling, stop_token_ids, seed, max_length)
     tparams, dparams, padded, lens, budget, stop_arr, samp, key, mask_id = req.args
 

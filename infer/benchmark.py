@@ -169,7 +169,8 @@ def main(argv=None) -> int:
         die("the benchmark compares plain and DFlash decoding: pass --draft")
     prompts = prompt_ids(args, tokenizer)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, stop_token_ids=stop_ids(args, target), seed=args.seed, max_length=args.max_length)
+              top_p=args.top_p, acceptance=args.acceptance, stop_token_ids=stop_ids(args, target), seed=args.seed,
+              max_length=args.max_length)
     block = args.block_size or draft.config.block_size
     if args.plot:
         try:

@@ -31,6 +31,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--block-size", type=int, default=None, help="draft block size (default: the draft's trained one)")
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     d.add_argument("--top-k", type=int, default=0, help="0 = off")
+    d.add_argument("--acceptance", default="match", choices=["match", "rejection"],
+                   help="at temperature > 0: match (accept a greedy draft token while it equals the target's "
+                        "sample; the reference rule) or rejection (speculative sampling: drafts sampled from the "
+                        "draft, accepted with probability min(1, p/q)); both keep the target's distribution")
     d.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off (default)")
     d.add_argument("--seed", type=int, default=0, help="sampling seed (default 0; greedy ignores it)")
     d.add_argument("--stop-token-ids", default=None,
@@ -91,7 +95,7 @@ def check_before_loading(args, target_path: str, draft_path: str | None) -> None
     from dflash_jax.families import config_from_hf
     from dflash_jax.sampling import SamplingParams
 
-    SamplingParams(args.temperature, args.top_k, args.top_p)  # raises on a bad temperature / top-k / top-p
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.acceptance)  # raises on bad values
     if args.max_new_tokens < 1:
         die(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not 0 <= args.seed < 2 ** 63:

@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     target, draft, tokenizer = load_models(args)
     prompts = prompt_ids(args, tokenizer)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-              stop_token_ids=stop_ids(args, target), seed=args.seed, max_length=args.max_length)
+              acceptance=args.acceptance, stop_token_ids=stop_ids(args, target), seed=args.seed,
+              max_length=args.max_length)
     try:
         if args.stream:
             results = []
