@@ -4,15 +4,31 @@
 data position (epoch, step in epoch), the seed the anchors and the data order derive from, the
 training config and the draft's Hugging Face config, so a run resumes exactly and a checkpoint
 exports without the command line that made it.
+
+A checkpoint that cannot be read (a truncated or deleted file, a corrupt ``meta``) raises a
+``CheckpointError`` naming its step directory, never orbax's / tensorstore's own exception.
 """
 from __future__ import annotations
 
 import os
+import shutil
 
 import jax
 import orbax.checkpoint as ocp
 
 CHECKPOINT_DIR = "checkpoints"
+META_KEYS = ("step", "config", "draft_config")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read (corrupt, truncated, incomplete); the message names its directory."""
+
+
+def _reason(e: BaseException) -> str:
+    """One short line about ``e`` (tensorstore's messages run over many lines)."""
+    text = str(e).strip().splitlines()
+    line = text[0] if text else ""
+    return f"{type(e).__name__}: {line[:200]}" if line else type(e).__name__
 
 
 def _abstract(tree):
@@ -22,8 +38,11 @@ def _abstract(tree):
 class Checkpointer:
     def __init__(self, directory: str, keep: int = 3, create: bool = True):
         self.directory = os.path.abspath(directory)
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=create))
+        self.options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
+        self.manager = ocp.CheckpointManager(self.directory, options=self.options)
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -43,15 +62,43 @@ class Checkpointer:
 
     def meta(self, step: int | None = None) -> dict:
         step = self.latest_step() if step is None else step
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        except Exception as e:  # JSON, missing file, orbax metadata errors
+            raise CheckpointError(f"checkpoint {self.step_dir(step)} is unreadable: its meta cannot be read "
+                                  f"({_reason(e)})") from None
+        missing = [k for k in META_KEYS if k not in meta] if isinstance(meta, dict) else list(META_KEYS)
+        if missing:
+            raise CheckpointError(f"checkpoint {self.step_dir(step)} is unreadable: its meta lacks {missing}")
+        return meta
 
     def restore(self, step: int, params_like, opt_state_like=None):
         """-> (params, opt_state or None, meta); ``*_like`` give the structure (arrays or ShapeDtypeStructs)."""
         items = {"params": ocp.args.StandardRestore(_abstract(params_like)), "meta": ocp.args.JsonRestore()}
         if opt_state_like is not None:
             items["opt_state"] = ocp.args.StandardRestore(_abstract(opt_state_like))
-        r = self.manager.restore(step, args=ocp.args.Composite(**items))
+        try:
+            r = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # tensorstore read errors of truncated / deleted array files, bad metadata
+            raise CheckpointError(f"checkpoint {self.step_dir(step)} is unreadable: corrupt or missing files "
+                                  f"({_reason(e)})") from None
         return r.params, (r.opt_state if opt_state_like is not None else None), r.meta
+
+    def set_aside(self, step: int, where: str) -> str:
+        """Move the directory of ``step`` into ``where`` (out of the manager's sight, kept for inspection);
+        returns its new path. Call ``reload`` afterwards."""
+        os.makedirs(where, exist_ok=True)
+        dest, n = os.path.join(where, str(step)), 1
+        while os.path.exists(dest):
+            n += 1
+            dest = os.path.join(where, f"{step}.{n}")
+        shutil.move(self.step_dir(step), dest)
+        return dest
+
+    def reload(self) -> None:
+        """Re-read the step directories (after ``set_aside``)."""
+        self.close()
+        self.manager = ocp.CheckpointManager(self.directory, options=self.options)
 
     def close(self) -> None:
         self.wait()
