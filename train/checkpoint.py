@@ -10,8 +10,12 @@ A checkpoint that cannot be read (a truncated or deleted file, a corrupt ``meta`
 """
 from __future__ import annotations
 
+import gc
+import inspect
+import logging
 import os
 import shutil
+import sys
 
 import jax
 import orbax.checkpoint as ocp
@@ -25,14 +29,39 @@ class CheckpointError(RuntimeError):
 
 
 def _reason(e: BaseException) -> str:
-    """One short line about ``e`` (tensorstore's messages run over many lines)."""
-    text = str(e).strip().splitlines()
-    line = text[0] if text else ""
-    return f"{type(e).__name__}: {line[:200]}" if line else type(e).__name__
+    """One short line about ``e``: the innermost exception of its chain that has a message (orbax wraps
+    tensorstore's "OUT_OF_RANGE: Error reading ... in local file ..." in a many-line generic one)."""
+    chain = [e]
+    while len(chain) < 10 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    for x in reversed(chain):
+        lines = str(x).strip().splitlines()
+        line = lines[0].split(" See full TensorStore details")[0] if lines else ""
+        if line:
+            return f"{type(x).__name__}: {line[:300]}"
+    return type(e).__name__
 
 
 def _abstract(tree):
     return jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)
+
+
+def _drop_failed_reads() -> None:
+    """Collect the read coroutines / tasks a failed restore leaves behind, quietly: otherwise Python prints
+    "Exception ignored in: <coroutine ...>" or asyncio logs "Task exception was never retrieved", each with
+    a traceback, when they are collected (later, or at exit). The error itself is reported once, by us."""
+    def hook(u, previous=sys.unraisablehook):
+        if not inspect.iscoroutine(u.object):
+            previous(u)
+
+    saved, sys.unraisablehook = sys.unraisablehook, hook
+    aio = logging.getLogger("asyncio")
+    was_disabled, aio.disabled = aio.disabled, True
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = saved
+        aio.disabled = was_disabled
 
 
 class Checkpointer:
@@ -80,9 +109,12 @@ class Checkpointer:
         try:
             r = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # tensorstore read errors of truncated / deleted array files, bad metadata
-            raise CheckpointError(f"checkpoint {self.step_dir(step)} is unreadable: corrupt or missing files "
-                                  f"({_reason(e)})") from None
-        return r.params, (r.opt_state if opt_state_like is not None else None), r.meta
+            err = CheckpointError(f"checkpoint {self.step_dir(step)} is unreadable: corrupt or missing files "
+                                  f"({_reason(e)})")
+        else:
+            return r.params, (r.opt_state if opt_state_like is not None else None), r.meta
+        _drop_failed_reads()
+        raise err
 
     def set_aside(self, step: int, where: str) -> str:
         """Move the directory of ``step`` into ``where`` (out of the manager's sight, kept for inspection);
