@@ -93,7 +93,7 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         try:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-        except Exception as e:  # JSON, missing file, orbax metadata errors
+        except Exception as e:  # noqa: BLE001 -- JSON, missing file, orbax metadata errors: all "unreadable"
             raise CheckpointError(f"checkpoint {self.step_dir(step)} is unreadable: its meta cannot be read "
                                   f"({_reason(e)})") from None
         missing = [k for k in META_KEYS if k not in meta] if isinstance(meta, dict) else list(META_KEYS)
@@ -108,7 +108,7 @@ class Checkpointer:
             items["opt_state"] = ocp.args.StandardRestore(_abstract(opt_state_like))
         try:
             r = self.manager.restore(step, args=ocp.args.Composite(**items))
-        except Exception as e:  # tensorstore read errors of truncated / deleted array files, bad metadata
+        except Exception as e:  # noqa: BLE001 -- tensorstore errors of truncated / deleted files, bad metadata
             err = CheckpointError(f"checkpoint {self.step_dir(step)} is unreadable: corrupt or missing files "
                                   f"({_reason(e)})")
         else:

@@ -20,7 +20,7 @@ import sys
 from dflash_jax.checkpoints import DTYPES
 from dflash_jax.config import DraftConfig
 from dflash_jax.draft import Draft, draft_param_shapes, save_draft
-from train.checkpoint import CheckpointError, Checkpointer, find_checkpoint
+from train.checkpoint import Checkpointer, CheckpointError, find_checkpoint
 
 DRAFT_ARCHITECTURES = ["DFlashDraftModel"]
 EXPORT_FILES = ("config.json", "model.safetensors", "training_info.json")
