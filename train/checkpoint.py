@@ -11,7 +11,6 @@ A checkpoint that cannot be read (a truncated or deleted file, a corrupt ``meta`
 from __future__ import annotations
 
 import gc
-import inspect
 import logging
 import os
 import shutil
@@ -46,22 +45,37 @@ def _abstract(tree):
     return jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)
 
 
-def _drop_failed_reads() -> None:
-    """Collect the read coroutines / tasks a failed restore leaves behind, quietly: otherwise Python prints
-    "Exception ignored in: <coroutine ...>" or asyncio logs "Task exception was never retrieved", each with
-    a traceback, when they are collected (later, or at exit). The error itself is reported once, by us."""
-    def hook(u, previous=sys.unraisablehook):
-        if not inspect.iscoroutine(u.object):
-            previous(u)
+_ORBAX_READ_ERROR = "Encountered error while reading array index"
+_quieted = False
 
-    saved, sys.unraisablehook = sys.unraisablehook, hook
-    aio = logging.getLogger("asyncio")
-    was_disabled, aio.disabled = aio.disabled, True
-    try:
-        gc.collect()
-    finally:
-        sys.unraisablehook = saved
-        aio.disabled = was_disabled
+
+def _is_failed_read(text: str) -> bool:
+    return _ORBAX_READ_ERROR in text or "_read_array_index_and_device_put" in text or "async_deserialize" in text
+
+
+class _FailedReadFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not ("never retrieved" in msg and _is_failed_read(msg + str(record.exc_info and record.exc_info[1])))
+
+
+def _drop_failed_reads() -> None:
+    """Silence the read coroutines / tasks a failed restore leaves behind: when they are collected (now, later
+    or at exit) Python prints "Exception ignored in: <coroutine ...>" and asyncio logs "Task exception was
+    never retrieved", each with a traceback, though the error was already reported once, by us. Installed on
+    the first failed restore (process-wide, for orbax's array reads only), then a collection."""
+    global _quieted
+    if not _quieted:
+        _quieted = True
+        previous = sys.unraisablehook
+
+        def hook(u):
+            if not (_is_failed_read(repr(u.object)) or _is_failed_read(str(u.exc_value))):
+                previous(u)
+
+        sys.unraisablehook = hook
+        logging.getLogger("asyncio").addFilter(_FailedReadFilter())
+    gc.collect()
 
 
 class Checkpointer:
