@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -265,6 +267,190 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(env, offline32, tmp_path)
     ck.close()
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(params))
     assert meta["step"] == 2
+
+
+# --- what users own: export dir, partial data, resume settings, corrupt checkpoints, metrics, collapse ------
+
+
+@pytest.fixture(scope="module")
+def run4(env):
+    """4 steps, checkpoints at 2 and 4, metrics every step: the uninterrupted reference of the resume tests."""
+    cfg = cfg_for(env, "run4", steps=4, save_every=2, log_every=1)
+    draft = train(cfg, target=env["target"], log=_quiet)
+    return {"cfg": cfg, "draft": draft}
+
+
+def _copy_run(run4, tmp_path, name="run"):
+    out = str(tmp_path / name)
+    shutil.copytree(run4["cfg"].out, out)
+    return run4["cfg"].replace(out=out)
+
+
+def _same_params(a, b):
+    return all(bool((np.asarray(x) == np.asarray(y)).all())
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def _metric_steps(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line)["step"] for line in f]
+
+
+def _one_line_error(capsys, *words):
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    assert all(w in err for w in words), err
+    return err
+
+
+def test_export_refuses_a_directory_holding_another_model(env, run4, tmp_path, capsys):
+    from train.export import main as export_main
+
+    ck = run4["cfg"].out
+    target_dir = tmp_path / "target"
+    shutil.copytree(env["tdir"], target_dir)
+    before = {n: (target_dir / n).read_bytes() for n in os.listdir(target_dir)}
+    assert export_main(["--checkpoint", ck, "--out", str(target_dir)]) == 1
+    _one_line_error(capsys, str(target_dir), "another model", "--force")
+    assert {n: (target_dir / n).read_bytes() for n in os.listdir(target_dir)} == before  # untouched
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "pytorch_model.bin").write_bytes(b"x")
+    assert export_main(["--checkpoint", ck, "--out", str(weights)]) == 1
+    _one_line_error(capsys, "pytorch_model.bin")
+    # a previous draft export (plus notes of the user's) is overwritten; so is anything with --force
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "README.md").write_text("my notes")
+    for _ in range(2):
+        assert export_main(["--checkpoint", ck, "--out", str(again), "--dtype", "float32"]) == 0
+    assert _same_params(load_draft(str(again)).params, run4["draft"].params)
+    assert (again / "README.md").read_text() == "my notes"
+    assert export_main(["--checkpoint", ck, "--out", str(target_dir), "--force"]) == 0
+    assert load_draft(str(target_dir)).config == run4["draft"].config
+
+
+def _partial_data(env, path):
+    """The data directory as a make_data run killed after its first shard leaves it."""
+    shutil.copytree(env["data"], path)
+    man = json.loads((path / "manifest.json").read_text())
+    os.remove(os.path.join(path, man["shards"][1]["file"]))
+    man["shards"], man["complete"] = man["shards"][:1], False
+    write_manifest(str(path), man)
+    return str(path)
+
+
+def test_partial_data_is_refused_unless_allowed(env, tmp_path, capsys):
+    data = _partial_data(env, tmp_path / "data")
+    cfg = cfg_for(env, "partial", data=data, out=str(tmp_path / "out"), steps=1)
+    with pytest.raises(DataError, match=r"incomplete .*6 of 12 prompt records were never written .*1 of 2 "
+                                        r"shards.*--allow-partial-data"):
+        train(cfg, target=env["target"], log=_quiet)
+    from train.__main__ import main
+
+    assert main(["--target", env["tdir"], "--data", data, "--out", str(tmp_path / "cli")]) == 1
+    _one_line_error(capsys, "6 of 12 prompt records", "--allow-partial-data")
+    with pytest.warns(UserWarning, match="6 of 12 prompt records"):
+        train(cfg.replace(allow_partial_data=True), target=env["target"], log=_quiet)
+    assert parse_args(["--target", "t", "--data", "d", "--out", "o", "--allow-partial-data"]).allow_partial_data
+
+
+def test_resume_refuses_another_dtype(env, run4, tmp_path):
+    cfg = _copy_run(run4, tmp_path)
+    with pytest.raises(TrainingError, match=r"different --dtype \('float32' -> 'bfloat16'\)"):
+        train(cfg.replace(dtype="bfloat16"), target=env["target"], log=_quiet)
+    # --loss-chunk / --impl: the same computation in other pieces (speed, memory): allowed, with a warning
+    with pytest.warns(UserWarning, match=r"\['loss_chunk'\].*float rounding"):
+        train(cfg.replace(loss_chunk=8), target=env["target"], log=_quiet)
+
+
+def _truncate_array_file(step_dir):
+    files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "params")) for f in fs
+             if os.sep + "d" + os.sep in os.path.join(d, f)]
+    big = max(files, key=os.path.getsize)
+    with open(big, "r+b") as f:
+        f.truncate(os.path.getsize(big) // 3)
+
+
+def _corrupt_meta(step_dir):
+    (files,) = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "meta")) for f in fs
+                if f == "metadata"]
+    with open(files, "w") as f:
+        f.write('{"step": 4, "conf')
+
+
+@pytest.mark.parametrize("corrupt", [_truncate_array_file, _corrupt_meta], ids=["array_file", "meta_json"])
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(env, run4, tmp_path, corrupt):
+    cfg = _copy_run(run4, tmp_path)
+    step4 = os.path.join(cfg.out, "checkpoints", "4")
+    corrupt(step4)
+    logs = []
+    with pytest.warns(UserWarning, match=f"checkpoint {step4} is unreadable"):
+        draft = train(cfg, target=env["target"], log=logs.append)
+    assert any("resumed from" in s and "step 2" in s for s in logs), logs
+    assert not any("collapsed" in s for s in logs)
+    assert _same_params(draft.params, run4["draft"].params)  # bit-exact, as if never interrupted
+    assert os.path.isdir(os.path.join(cfg.out, "checkpoints.set-aside", "4"))  # kept for inspection
+    ck = Checkpointer(os.path.join(cfg.out, "checkpoints"), create=False)
+    assert ck.all_steps() == [2, 4] and ck.meta(4)["step"] == 4
+    ck.close()
+    # metrics.jsonl: steps 3 and 4 were redone, each is there once
+    assert _metric_steps(cfg.out) == [1, 2, 3, 4]
+
+
+def test_corrupt_checkpoint_errors_name_it(env, run4, tmp_path, capsys):
+    from train.export import main as export_main
+
+    cfg = _copy_run(run4, tmp_path)
+    step4 = os.path.join(cfg.out, "checkpoints", "4")
+    _truncate_array_file(step4)
+    with pytest.raises(TrainingError, match=f"checkpoint {step4} is unreadable.*--resume-from"):
+        train(cfg.replace(resume_from=4), target=env["target"], log=_quiet)
+    with pytest.raises(TrainingError, match=r"--resume-from 3: .* no checkpoint of that step \(steps there: \[2, 4\]\)"):
+        train(cfg.replace(resume_from=3), target=env["target"], log=_quiet)
+    assert export_main(["--checkpoint", cfg.out, "--out", str(tmp_path / "x")]) == 1
+    _one_line_error(capsys, f"checkpoint {step4} is unreadable")
+    # nothing intact: one error line and no traceback, also none from orbax's abandoned reads at exit
+    _truncate_array_file(os.path.join(cfg.out, "checkpoints", "2"))
+    argv = ["--target", env["tdir"], "--data", env["data"], "--out", cfg.out, "--draft-layers", "1",
+            "--block-size", "4", "--num-target-features", "3", "--num-anchors", "16", "--seq-len", "48",
+            "--batch-size", "4", "--steps", "4", "--dtype", "float32", "--lr", "1e-2", "--warmup-frac", "0.1",
+            "--no-progress"]
+    r = subprocess.run([sys.executable, "-m", "train", *argv], capture_output=True, text=True, timeout=300, check=False,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "never retrieved" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no intact checkpoint" in errors[0] and "[4, 2]" in errors[0], r.stderr
+    assert f"checkpoint {step4} is unreadable" in r.stdout  # the warnings, in the run's log
+
+
+def test_resume_from_an_older_step(env, run4, tmp_path):
+    cfg = _copy_run(run4, tmp_path)
+    logs = []
+    draft = train(cfg.replace(resume_from=2), target=env["target"], log=logs.append)
+    assert any("resumed from" in s and "step 2" in s for s in logs)
+    assert any("newer checkpoint of step 4" in s for s in logs)
+    assert _same_params(draft.params, run4["draft"].params)
+    assert _metric_steps(cfg.out) == [1, 2, 3, 4]
+
+
+def test_truncate_metrics(tmp_path):
+    from train.loop import truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "eval": true}\n{"step": 3}\n{"step": 2}\n{"st')
+    assert truncate_metrics(str(path), 2) == 2  # step 3 and the line a kill cut short
+    assert path.read_text() == '{"step": 1}\n{"step": 2, "eval": true}\n{"step": 2}\n'
+    assert truncate_metrics(str(path), 2) == 0 and truncate_metrics(str(tmp_path / "none"), 0) == 0
+
+
+def test_collapse_to_uniform_is_warned(env, tmp_path):
+    logs = []
+    with pytest.warns(UserWarning, match=r"collapsed.*ln\(vocab\) = 4\.5643.*lower --lr") as rec:
+        train(cfg_for(env, "collapse", out=str(tmp_path / "o"), lr=1e6, steps=8), target=env["target"],
+              log=logs.append)
+    assert sum("collapsed" in str(w.message) for w in rec) == 1
+    assert sum("collapsed" in s for s in logs) == 1
 
 
 # --- bad input ----------------------------------------------------------------------------------------------

@@ -11,12 +11,13 @@ def main(argv=None) -> int:
     from dflash_jax.sharding import maybe_initialize_distributed
 
     maybe_initialize_distributed()  # one process of a TPU pod slice / multi-node launch: before any device use
+    from train.checkpoint import CheckpointError
     from train.data import DataError
     from train.loop import TrainingError, train
 
     try:
         train(cfg)
-    except (DataError, TrainingError, FileNotFoundError, ValueError) as e:
+    except (DataError, TrainingError, CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

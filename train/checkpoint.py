@@ -4,26 +4,88 @@
 data position (epoch, step in epoch), the seed the anchors and the data order derive from, the
 training config and the draft's Hugging Face config, so a run resumes exactly and a checkpoint
 exports without the command line that made it.
+
+A checkpoint that cannot be read (a truncated or deleted file, a corrupt ``meta``) raises a
+``CheckpointError`` naming its step directory, never orbax's / tensorstore's own exception.
 """
 from __future__ import annotations
 
+import gc
+import logging
 import os
+import shutil
+import sys
 
 import jax
 import orbax.checkpoint as ocp
 
 CHECKPOINT_DIR = "checkpoints"
+META_KEYS = ("step", "config", "draft_config")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read (corrupt, truncated, incomplete); the message names its directory."""
+
+
+def _reason(e: BaseException) -> str:
+    """One short line about ``e``: the innermost exception of its chain that has a message (orbax wraps
+    tensorstore's "OUT_OF_RANGE: Error reading ... in local file ..." in a many-line generic one)."""
+    chain = [e]
+    while len(chain) < 10 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    for x in reversed(chain):
+        lines = str(x).strip().splitlines()
+        line = lines[0].split(" See full TensorStore details")[0] if lines else ""
+        if line:
+            return f"{type(x).__name__}: {line[:300]}"
+    return type(e).__name__
 
 
 def _abstract(tree):
     return jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)
 
 
+_ORBAX_READ_ERROR = "Encountered error while reading array index"
+_quieted = False
+
+
+def _is_failed_read(text: str) -> bool:
+    return _ORBAX_READ_ERROR in text or "_read_array_index_and_device_put" in text or "async_deserialize" in text
+
+
+class _FailedReadFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not ("never retrieved" in msg and _is_failed_read(msg + str(record.exc_info and record.exc_info[1])))
+
+
+def _drop_failed_reads() -> None:
+    """Silence the read coroutines / tasks a failed restore leaves behind: when they are collected (now, later
+    or at exit) Python prints "Exception ignored in: <coroutine ...>" and asyncio logs "Task exception was
+    never retrieved", each with a traceback, though the error was already reported once, by us. Installed on
+    the first failed restore (process-wide, for orbax's array reads only), then a collection."""
+    global _quieted
+    if not _quieted:
+        _quieted = True
+        previous = sys.unraisablehook
+
+        def hook(u):
+            if not (_is_failed_read(repr(u.object)) or _is_failed_read(str(u.exc_value))):
+                previous(u)
+
+        sys.unraisablehook = hook
+        logging.getLogger("asyncio").addFilter(_FailedReadFilter())
+    gc.collect()
+
+
 class Checkpointer:
     def __init__(self, directory: str, keep: int = 3, create: bool = True):
         self.directory = os.path.abspath(directory)
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=create))
+        self.options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
+        self.manager = ocp.CheckpointManager(self.directory, options=self.options)
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -43,15 +105,46 @@ class Checkpointer:
 
     def meta(self, step: int | None = None) -> dict:
         step = self.latest_step() if step is None else step
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        except Exception as e:  # noqa: BLE001 -- JSON, missing file, orbax metadata errors: all "unreadable"
+            raise CheckpointError(f"checkpoint {self.step_dir(step)} is unreadable: its meta cannot be read "
+                                  f"({_reason(e)})") from None
+        missing = [k for k in META_KEYS if k not in meta] if isinstance(meta, dict) else list(META_KEYS)
+        if missing:
+            raise CheckpointError(f"checkpoint {self.step_dir(step)} is unreadable: its meta lacks {missing}")
+        return meta
 
     def restore(self, step: int, params_like, opt_state_like=None):
         """-> (params, opt_state or None, meta); ``*_like`` give the structure (arrays or ShapeDtypeStructs)."""
         items = {"params": ocp.args.StandardRestore(_abstract(params_like)), "meta": ocp.args.JsonRestore()}
         if opt_state_like is not None:
             items["opt_state"] = ocp.args.StandardRestore(_abstract(opt_state_like))
-        r = self.manager.restore(step, args=ocp.args.Composite(**items))
-        return r.params, (r.opt_state if opt_state_like is not None else None), r.meta
+        try:
+            r = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # noqa: BLE001 -- tensorstore errors of truncated / deleted files, bad metadata
+            err = CheckpointError(f"checkpoint {self.step_dir(step)} is unreadable: corrupt or missing files "
+                                  f"({_reason(e)})")
+        else:
+            return r.params, (r.opt_state if opt_state_like is not None else None), r.meta
+        _drop_failed_reads()
+        raise err
+
+    def set_aside(self, step: int, where: str) -> str:
+        """Move the directory of ``step`` into ``where`` (out of the manager's sight, kept for inspection);
+        returns its new path. Call ``reload`` afterwards."""
+        os.makedirs(where, exist_ok=True)
+        dest, n = os.path.join(where, str(step)), 1
+        while os.path.exists(dest):
+            n += 1
+            dest = os.path.join(where, f"{step}.{n}")
+        shutil.move(self.step_dir(step), dest)
+        return dest
+
+    def reload(self) -> None:
+        """Re-read the step directories (after ``set_aside``)."""
+        self.close()
+        self.manager = ocp.CheckpointManager(self.directory, options=self.options)
 
     def close(self) -> None:
         self.wait()

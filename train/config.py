@@ -45,6 +45,8 @@ class TrainConfig:
     # what to train on
     target: str = _help("target checkpoint directory or hub id (any supported model_type, see README)", default="")
     data: str = _help("data directory written by `python -m train.make_data` (manifest.json + shards)", default="")
+    allow_partial_data: bool = _help("train on a data directory whose make_data run did not finish (manifest "
+                                     "\"complete\": false); refused by default", default=False)
     out: str = _help("output directory: checkpoints/, config.json, metrics.jsonl", default="")
     # the draft
     init_draft: str = _help("start from an existing draft directory (its config fixes the architecture)",
@@ -97,6 +99,8 @@ class TrainConfig:
     keep_checkpoints: int = _help("how many recent checkpoints to keep", default=3)
     resume: bool = _help("resume from the latest checkpoint in --out (default: automatic when one exists; "
                          "--no-resume starts over and refuses an out dir that has checkpoints)", default=True)
+    resume_from: int = _help("resume from this checkpoint step instead of the newest intact one (-1); newer "
+                             "checkpoints are moved to <out>/checkpoints.set-aside/", default=-1)
     log_every: int = _help("append metrics to metrics.jsonl every N steps", default=10)
     eval_every: int = _help("measure the real acceptance length every N steps (0: only at the end)", default=0)
     eval_prompts: str = _help("held-out prompts (text lines or JSONL with prompt / prompt_ids); default: the "
@@ -129,6 +133,10 @@ class TrainConfig:
         for name in ("dtype", "param_dtype", "feature_dtype"):
             if getattr(self, name) not in DTYPES:
                 errors.append(f"--{name.replace('_', '-')} must be one of {', '.join(DTYPES)}")
+        if self.resume_from < -1:
+            errors.append(f"--resume-from must be a checkpoint step (or -1: the newest intact one), got {self.resume_from}")
+        if self.resume_from >= 0 and not self.resume:
+            errors.append("--resume-from needs --resume (it chooses the checkpoint to resume from)")
         if self.target_layer_ids:
             try:
                 self.layer_ids()

@@ -184,6 +184,28 @@ def encode_conversation(record: dict, tokenizer, chat_kwargs: dict | None = None
 # --- loading for training -------------------------------------------------------------------------
 
 
+def incomplete_data(data_dir: str, manifest: dict) -> str | None:
+    """None when ``manifest`` is complete (or predates the "complete" flag); else what is missing, e.g.
+    "12 of 24 prompt records (shards 2..3 of 4) were never written"."""
+    if manifest.get("complete") is not False:
+        return None
+    total = manifest.get("num_records")
+    done = 0
+    for entry in manifest["shards"]:
+        src = entry.get("source") if isinstance(entry, dict) else None
+        if isinstance(src, (list, tuple)) and len(src) == 2:
+            done += int(src[1]) - int(src[0])
+    written = sum(int(e.get("num_sequences", 0)) for e in manifest["shards"] if isinstance(e, dict))
+    shard_size = (manifest.get("settings") or {}).get("shard_size")
+    what = (f"{total - done} of {total} prompt records were never written" if isinstance(total, int)
+            else "an unknown number of prompt records were never written")
+    if isinstance(total, int) and isinstance(shard_size, int) and shard_size > 0:
+        what += f" ({-(-total // shard_size) - len(manifest['shards'])} of {-(-total // shard_size)} shards missing)"
+    return (f"{data_dir} is incomplete (its make_data run was interrupted: manifest \"complete\": false): {what}, "
+            f"only {written} sequences are there; rerun the same `python -m train.make_data` command to finish it, "
+            "or pass --allow-partial-data to train on what is there")
+
+
 def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
     """The permutation of the n sequences used in ``epoch`` (depends only on seed and epoch)."""
     return np.random.default_rng([int(seed), int(epoch), 0x5EED]).permutation(n)
@@ -206,10 +228,17 @@ class TrainData:
 
     @classmethod
     def load(cls, data_dir: str, *, seq_len: int, block_size: int, vocab_size: int | None = None,
-             verbose: bool = True) -> "TrainData":
+             verbose: bool = True, allow_partial: bool = False) -> "TrainData":
+        """Refuses (``DataError``) a directory whose make_data run did not finish unless ``allow_partial``
+        (then warns with the number of missing records)."""
         manifest = read_manifest(data_dir)
         if not manifest["shards"]:
             raise DataError(f"{data_dir}/manifest.json lists no shards (no data was written?)")
+        partial = incomplete_data(data_dir, manifest)
+        if partial and not allow_partial:
+            raise DataError(partial)
+        if partial and verbose:
+            warnings.warn(partial.split("; rerun")[0] + "; training on them (--allow-partial-data)", stacklevel=2)
         if vocab_size is not None and manifest.get("vocab_size") not in (None, vocab_size):
             raise DataError(f"data in {data_dir} was made for a vocabulary of {manifest['vocab_size']} tokens, "
                             f"the target has {vocab_size} (data from another target?)")

@@ -4,6 +4,11 @@ C is a training ``--out`` directory (latest checkpoint), its ``checkpoints/`` di
 ``checkpoints/<step>`` directory. DIR gets ``config.json`` + ``model.safetensors`` (no ``model.``
 prefix, PyTorch [out, in] weights) via ``dflash_jax.draft.save_draft``: loadable by
 ``dflash_jax.draft.load_draft`` and by the original PyTorch implementation.
+
+DIR may be new, empty, or a previous export of a draft (config.json with architectures
+["DFlashDraftModel"], model.safetensors, training_info.json, any non-weight files): those files are
+overwritten. Anything else -- another model's config.json, other weight files -- is refused unless
+``--force``: pointed at a target directory by mistake, the export would destroy the target.
 """
 from __future__ import annotations
 
@@ -15,7 +20,42 @@ import sys
 from dflash_jax.checkpoints import DTYPES
 from dflash_jax.config import DraftConfig
 from dflash_jax.draft import Draft, draft_param_shapes, save_draft
-from train.checkpoint import Checkpointer, find_checkpoint
+from train.checkpoint import Checkpointer, CheckpointError, find_checkpoint
+
+DRAFT_ARCHITECTURES = ["DFlashDraftModel"]
+EXPORT_FILES = ("config.json", "model.safetensors", "training_info.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz", ".npy",
+                   ".index.json")
+
+
+class ExportError(ValueError):
+    """--out holds something an export must not overwrite."""
+
+
+def check_export_dir(out: str) -> None:
+    """Raise ``ExportError`` unless ``out`` is absent, empty, or a previous draft export (see the module doc)."""
+    if not os.path.exists(out):
+        return
+    if not os.path.isdir(out):
+        raise ExportError(f"--out {out} exists and is not a directory")
+    names = os.listdir(out)
+    cfg_path = os.path.join(out, "config.json")
+    if os.path.isfile(cfg_path):
+        try:
+            with open(cfg_path) as f:
+                arch = json.load(f).get("architectures")
+        except (OSError, ValueError, AttributeError):
+            arch = "unreadable"
+        if arch != DRAFT_ARCHITECTURES:
+            raise ExportError(f"--out {out} holds another model (config.json architectures {arch}, not a DFlash "
+                              "draft); exporting would overwrite it: choose another --out, or pass --force")
+    weights = sorted(n for n in names if n.endswith(WEIGHT_SUFFIXES) and n not in EXPORT_FILES)
+    if "model.safetensors" in names and not os.path.isfile(cfg_path):
+        weights.insert(0, "model.safetensors")
+    if weights:
+        raise ExportError(f"--out {out} holds other weight files ({', '.join(weights[:3])}"
+                          f"{', ...' if len(weights) > 3 else ''}), not a previous draft export; choose another "
+                          "--out, or pass --force")
 
 
 def load_checkpoint_draft(checkpoint: str) -> tuple[Draft, dict]:
@@ -33,7 +73,11 @@ def load_checkpoint_draft(checkpoint: str) -> tuple[Draft, dict]:
     return Draft(dcfg, params, os.path.join(directory, str(step))), meta
 
 
-def export(checkpoint: str, out: str, dtype: str = "bfloat16") -> str:
+def export(checkpoint: str, out: str, dtype: str = "bfloat16", force: bool = False) -> str:
+    """Write the draft of ``checkpoint`` to ``out``; refuses (``ExportError``) an ``out`` holding another model
+    unless ``force``."""
+    if not force:
+        check_export_dir(out)
     draft, meta = load_checkpoint_draft(checkpoint)
     save_draft(draft, out, dtype=dtype)
     with open(os.path.join(out, "training_info.json"), "w") as f:
@@ -47,10 +91,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="directory for config.json + model.safetensors")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                    help="dtype of the exported weights (the released drafts are bfloat16)")
+    p.add_argument("--force", action="store_true", help="export even into a directory that holds another model "
+                   "(its config.json / model.safetensors are overwritten)")
     a = p.parse_args(argv)
     try:
-        out = export(a.checkpoint, a.out, a.dtype)
-    except (FileNotFoundError, ValueError) as e:
+        out = export(a.checkpoint, a.out, a.dtype, force=a.force)
+    except (FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"exported draft to {out}")

@@ -36,17 +36,26 @@ from dflash_jax.draft import Draft, check_fits, draft_param_shapes, init_draft_p
 from dflash_jax.prompts import encode_prompt, read_prompts
 from dflash_jax.target import Target, load_target
 from train import objective
-from train.checkpoint import CHECKPOINT_DIR, Checkpointer
+from train.checkpoint import CHECKPOINT_DIR, CheckpointError, Checkpointer
 from train.config import TrainConfig
 from train.data import TrainData
 from train.optim import make_optimizer, warmup_cosine
 from dflash_jax.progress import progress_bar
 
 # Config fields that must not change when resuming (they define the data order, the anchors, the
-# model or the objective); the others (steps, logging, evaluation, ...) may.
+# model, the objective or its numerics: --dtype is the precision of every forward and gradient); the
+# others (steps, logging, evaluation, ...) may. --impl and --loss-chunk may change too: the same
+# computation by another kernel / in other chunks (speed and memory), equal up to float rounding; they
+# are warned about since the resumed run is then no longer bit-exact.
 _RESUME_FIXED = ("draft_layers", "block_size", "num_target_features", "target_layer_ids",
                  "mask_token_id", "num_anchors", "gamma", "seq_len", "batch_size", "grad_accum", "seed",
-                 "param_dtype", "init_draft")
+                 "dtype", "param_dtype", "init_draft")
+_RESUME_ROUNDING = ("impl", "loss_chunk")
+# The collapse warning: this many consecutive steps with the loss within COLLAPSE_TOL nats of ln(vocab)
+# (uniform predictions) or a gradient norm of exactly 0.
+COLLAPSE_STEPS = 5
+COLLAPSE_TOL = 1e-3
+SET_ASIDE_DIR = "checkpoints.set-aside"
 
 
 class TrainingError(RuntimeError):
@@ -235,7 +244,54 @@ def _check_resume(meta: dict, cfg: TrainConfig, data: TrainData) -> None:
     if changed:
         warnings.warn(f"resuming with changed {changed}: the optimizer schedule differs from the original run",
                       stacklevel=3)
+    rounding = [f for f in _RESUME_ROUNDING if getattr(old, f) != getattr(cfg, f)]
+    if rounding:
+        warnings.warn(f"resuming with changed {rounding}: the same computation, but the resumed run equals an "
+                      "uninterrupted one only up to float rounding (not bit for bit)", stacklevel=3)
 
+
+def truncate_metrics(path: str, step: int) -> int:
+    """Drop the records of ``metrics.jsonl`` after ``step`` (the steps a resumed run redoes) and any line a
+    kill cut short; rewritten atomically (tmp + rename). Returns how many lines were dropped."""
+    if not os.path.isfile(path):
+        return 0
+    keep, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                rec = None
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), (int, float)) or rec["step"] > step:
+                dropped += 1
+                continue
+            keep.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, path)
+    return dropped
+
+
+class CollapseDetector:
+    """Warns once (``warn(message)``) when the loss sits at ln(vocab) -- the draft predicts the uniform
+    distribution -- or the gradient norm is exactly 0 for ``COLLAPSE_STEPS`` consecutive steps."""
+
+    def __init__(self, vocab_size: int, lr: float, warn: Callable[[str], None]):
+        self.ln_v, self.lr, self.warn = math.log(vocab_size), lr, warn
+        self.run, self.warned = 0, False
+
+    def update(self, step: int, loss: float, grad_norm: float) -> None:
+        flat = abs(loss - self.ln_v) <= COLLAPSE_TOL or grad_norm == 0.0
+        self.run = self.run + 1 if flat else 0
+        if self.run >= COLLAPSE_STEPS and not self.warned:
+            self.warned = True
+            self.warn(f"the draft has collapsed: for {self.run} steps in a row (steps {step - self.run + 1}..{step}) "
+                      f"the loss sat at ln(vocab) = {self.ln_v:.4f} (uniform predictions) or the gradient norm was 0 "
+                      f"(now: loss {loss:.4f}, gradient norm {grad_norm:.3g}); it is not learning and will not "
+                      f"recover. The learning rate is probably too high: start over with a lower --lr (now "
+                      f"{self.lr:g}; default 6e-4) and a new --out")
 
 def _device_batch(data: TrainData, store, idx, mesh, dtype):
     """(ids, mask, idx, feats or None) of the global step ``idx`` [A, B] on the device(s). On a mesh each
@@ -288,19 +344,45 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
             target = sharding.shard_target(target, mesh)
     tokenizer = load_tokenizer(target.path)
     data = TrainData.load(cfg.data, seq_len=cfg.seq_len, block_size=cfg.block_size,
-                          vocab_size=target.config.vocab_size)
+                          vocab_size=target.config.vocab_size, allow_partial=cfg.allow_partial_data)
 
     # checkpoints
     ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINT_DIR), keep=cfg.keep_checkpoints)
-    latest = ckpt.latest_step()
+    steps = sorted(ckpt.all_steps(), reverse=True)
+    latest = steps[0] if steps else None
     if latest is not None and not cfg.resume:
         raise TrainingError(f"{cfg.out} already has checkpoints (latest step {latest}); resume (the default) "
                             "or choose a new --out")
+    if cfg.resume_from >= 0 and cfg.resume_from not in steps:
+        raise TrainingError(f"--resume-from {cfg.resume_from}: {ckpt.directory} has no checkpoint of that step "
+                            f"(steps there: {sorted(steps) or 'none'})")
+    candidates = [cfg.resume_from] if cfg.resume_from >= 0 else steps
+    unreadable: list[int] = []
+
+    def skip(step: int, err: CheckpointError) -> None:
+        """A corrupt checkpoint: an error if --resume-from chose it, else a warning and the previous one."""
+        if cfg.resume_from >= 0:
+            raise TrainingError(f"{err}; choose another --resume-from (steps: {sorted(steps)})")
+        unreadable.append(step)
+        msg = (f"{err}; skipping it and resuming from the newest intact checkpoint before it (the unreadable one "
+               f"is moved to {os.path.join(cfg.out, SET_ASIDE_DIR)})")
+        log(f"warning: {msg}")
+        warnings.warn(msg, stacklevel=3)
+
+    def readable_meta(before: int | None = None) -> tuple[int, dict]:
+        for s in candidates:
+            if s not in unreadable and (before is None or s < before):
+                try:
+                    return s, ckpt.meta(s)
+                except CheckpointError as e:
+                    skip(s, e)
+        raise TrainingError(f"no intact checkpoint in {ckpt.directory}: steps {unreadable} are unreadable; move "
+                            "them away to start over, or choose a new --out")
 
     # the draft
     param_dtype = resolve_dtype(cfg.param_dtype)
     if latest is not None:
-        meta = ckpt.meta(latest)
+        latest, meta = readable_meta()
         _check_resume(meta, cfg, data)
         dcfg = DraftConfig.from_hf(meta["draft_config"])
         params_like = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype),
@@ -335,12 +417,34 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
     if latest is not None:
         if mesh is not None:
             params_like, opt_like = sharding.abstract_like(params_like, p_shard), sharding.abstract_like(opt_like, o_shard)
-        params, opt_state, meta = ckpt.restore(latest, params_like, opt_like)
+        while True:
+            try:
+                params, opt_state, meta = ckpt.restore(latest, params_like, opt_like)
+                break
+            except CheckpointError as e:
+                skip(latest, e)
+                latest, meta = readable_meta(before=latest)
+                _check_resume(meta, cfg, data)
+                if DraftConfig.from_hf(meta["draft_config"]) != dcfg:
+                    raise TrainingError(f"checkpoint {ckpt.step_dir(latest)} holds another draft architecture than "
+                                        "the newer (unreadable) ones; resume it with --resume-from "
+                                        f"{latest}") from None
         if mesh is None:
             # orbax returns arrays committed to a device; fresh ones are uncommitted, and jit keys its cache on
             # that: re-create them uncommitted so a resumed run reuses the compiled step
             params, opt_state = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x)), (params, opt_state))
         start = int(meta["step"])
+        newer = [s for s in ckpt.all_steps() if s > latest]
+        if newer:  # unreadable ones, or newer than --resume-from: this run writes those steps again
+            if primary:
+                for s in newer:
+                    dest = ckpt.set_aside(s, os.path.join(cfg.out, SET_ASIDE_DIR))
+                    log(f"moved the {'unreadable' if s in unreadable else 'newer'} checkpoint of step {s} to {dest}")
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("dflash_set_aside_checkpoints")
+            ckpt.reload()
         log(f"resumed from {ckpt.directory}/{latest} (step {start}, epoch {meta['epoch']})")
     else:
         if mesh is not None:
@@ -376,6 +480,16 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
     stop_ids = list(target.config.eos_token_id) or None
 
     metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+    if primary:  # the records of steps this run does (again): a resumed run redoes the steps after `start`
+        dropped = truncate_metrics(metrics_path, start)
+        if dropped:
+            log(f"{metrics_path}: dropped {dropped} records after step {start} (this run redoes those steps)")
+
+    def warn_collapse(msg: str) -> None:
+        log(f"warning: {msg}")
+        warnings.warn(msg, stacklevel=4)
+
+    collapse = CollapseDetector(target.config.vocab_size, cfg.lr, warn_collapse)
 
     def write_metrics(rec):
         if not primary:
@@ -438,6 +552,7 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
                 win_steps += 1
             cur = objective.summarize(sums)
             cur.update(step=step, epoch=epoch, lr=lr, grad_norm=float(gnorm))
+            collapse.update(step, cur["loss"], cur["grad_norm"])
             if win_time > 0:
                 cur["tokens_per_s"] = win_tokens / win_time
             last = cur
