@@ -310,13 +310,13 @@ def test_export_refuses_a_directory_holding_another_model(env, run4, tmp_path, c
     target_dir = tmp_path / "target"
     shutil.copytree(env["tdir"], target_dir)
     before = {n: (target_dir / n).read_bytes() for n in os.listdir(target_dir)}
-    assert export_main(["--checkpoint", ck, "--out", str(target_dir)]) == 1
+    assert export_main(["--checkpoint", ck, "--out", str(target_dir)]) == 2
     _one_line_error(capsys, str(target_dir), "another model", "--force")
     assert {n: (target_dir / n).read_bytes() for n in os.listdir(target_dir)} == before  # untouched
     weights = tmp_path / "weights"
     weights.mkdir()
     (weights / "pytorch_model.bin").write_bytes(b"x")
-    assert export_main(["--checkpoint", ck, "--out", str(weights)]) == 1
+    assert export_main(["--checkpoint", ck, "--out", str(weights)]) == 2
     _one_line_error(capsys, "pytorch_model.bin")
     # a previous draft export (plus notes of the user's) is overwritten; so is anything with --force
     again = tmp_path / "again"
@@ -348,7 +348,7 @@ def test_partial_data_is_refused_unless_allowed(env, tmp_path, capsys):
         train(cfg, target=env["target"], log=_quiet)
     from train.__main__ import main
 
-    assert main(["--target", env["tdir"], "--data", data, "--out", str(tmp_path / "cli")]) == 1
+    assert main(["--target", env["tdir"], "--data", data, "--out", str(tmp_path / "cli")]) == 2
     _one_line_error(capsys, "6 of 12 prompt records", "--allow-partial-data")
     with pytest.warns(UserWarning, match="6 of 12 prompt records"):
         train(cfg.replace(allow_partial_data=True), target=env["target"], log=_quiet)
@@ -408,7 +408,7 @@ def test_corrupt_checkpoint_errors_name_it(env, run4, tmp_path, capsys):
         train(cfg.replace(resume_from=4), target=env["target"], log=_quiet)
     with pytest.raises(TrainingError, match=r"--resume-from 3: .* no checkpoint of that step \(steps there: \[2, 4\]\)"):
         train(cfg.replace(resume_from=3), target=env["target"], log=_quiet)
-    assert export_main(["--checkpoint", cfg.out, "--out", str(tmp_path / "x")]) == 1
+    assert export_main(["--checkpoint", cfg.out, "--out", str(tmp_path / "x")]) == 2
     _one_line_error(capsys, f"checkpoint {step4} is unreadable")
     # nothing intact: one error line and no traceback, also none from orbax's abandoned reads at exit
     _truncate_array_file(os.path.join(cfg.out, "checkpoints", "2"))
@@ -418,7 +418,7 @@ def test_corrupt_checkpoint_errors_name_it(env, run4, tmp_path, capsys):
             "--no-progress"]
     r = subprocess.run([sys.executable, "-m", "train", *argv], capture_output=True, text=True, timeout=300, check=False,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert r.returncode == 1 and "Traceback" not in r.stderr and "never retrieved" not in r.stderr, r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "never retrieved" not in r.stderr, r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no intact checkpoint" in errors[0] and "[4, 2]" in errors[0], r.stderr
     assert f"checkpoint {step4} is unreadable" in r.stdout  # the warnings, in the run's log
@@ -535,7 +535,7 @@ def test_cli_config(tmp_path, capsys):
         parse_args(["--target", "t", "--data", "d", "--out", "o", "--block-size", "1"])
     from train.__main__ import main
 
-    assert main(["--target", str(tmp_path), "--data", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 1
+    assert main(["--target", str(tmp_path), "--data", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
     assert "error:" in capsys.readouterr().err
 
 

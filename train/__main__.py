@@ -17,9 +17,12 @@ def main(argv=None) -> int:
 
     try:
         train(cfg)
-    except (DataError, TrainingError, CheckpointError, FileNotFoundError, ValueError) as e:
+    except TrainingError as e:  # the run itself failed (non-finite loss, ...)
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except (DataError, CheckpointError, OSError, ValueError) as e:  # bad input: data, checkpoints, options
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     return 0

@@ -96,9 +96,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         out = export(a.checkpoint, a.out, a.dtype, force=a.force)
-    except (FileNotFoundError, ValueError, CheckpointError) as e:
+    except (OSError, ValueError, CheckpointError) as e:  # bad input: exit 2, as argparse and the infer CLIs
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print(f"exported draft to {out}")
     return 0
 

@@ -218,9 +218,9 @@ def main(argv=None) -> int:
                   max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                   seed=a.seed, batch_size=a.batch_size, shard_size=a.shard_size, max_prompt_len=a.max_prompt_len,
                   max_length=a.max_length, draft=draft, progress=a.progress, turns=a.turns)
-    except (DataError, FileNotFoundError, ValueError) as e:
+    except (DataError, OSError, ValueError) as e:  # bad input: exit 2, as argparse and the infer CLIs
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 
