@@ -21,12 +21,13 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_jax.config import read_config_json
-from dflash_jax.families import dense
+from dflash_jax.families import dense, qwen3_moe
 from dflash_jax.families.family import Family
 
 _REGISTRY: dict[str, Family] = {
     "qwen3": dense.FAMILY,
     "llama": dense.FAMILY,
+    "qwen3_moe": qwen3_moe.FAMILY,
 }
 
 
