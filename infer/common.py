@@ -18,10 +18,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="parameter/compute dtype (default float32)")
     g.add_argument("--mesh", default=None,
-                   help="shard over devices: 'data=2,tensor=4' (axes data, fsdp, tensor; omitted = 1, one may be -1 "
-                        "= the rest) or 'auto' (all devices on data). Params tensor-parallel, prompts and caches "
-                        "data-parallel. Multi-host: set DFLASH_DISTRIBUTED=1 (TPU pods) or JAX_COORDINATOR_ADDRESS. "
-                        "Default: one device")
+                   help="shard over devices: 'data=2,tensor=4' (axes data, fsdp, expert, tensor; omitted = 1, one "
+                        "may be -1 = the rest) or 'auto' (all devices on data). Params tensor-parallel (MoE experts "
+                        "over expert), prompts and caches data-parallel. Multi-host: set DFLASH_DISTRIBUTED=1 (TPU "
+                        "pods) or JAX_COORDINATOR_ADDRESS. Default: one device")
     d = p.add_argument_group("decoding")
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--max-length", type=int, default=None,
