@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from dflash_jax.layers import INIT_STD
 
 _init = nn.initializers.normal(INIT_STD)
+# The families with experts declare this rule: the experts' weights split over the mesh's ``expert`` axis.
+LOGICAL_RULES = (("expert", "expert"),)
 
 
 def silu_glu(gate, up):

@@ -20,10 +20,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="parameter/compute dtype; auto (default): the checkpoint's dtype on TPU/GPU, float32 on "
                         "CPU (where bfloat16 is emulated and slower); the dtype that ran is printed")
     g.add_argument("--mesh", default=None,
-                   help="shard over devices: 'data=2,tensor=4' (axes data, fsdp, tensor; omitted = 1, one may be -1 "
-                        "= the rest) or 'auto' (all devices on data). Params tensor-parallel, prompts and caches "
-                        "data-parallel. Multi-host: set DFLASH_DISTRIBUTED=1 (TPU pods) or JAX_COORDINATOR_ADDRESS. "
-                        "Default: one device")
+                   help="shard over devices: 'data=2,tensor=4' (axes data, fsdp, expert, tensor; omitted = 1, one "
+                        "may be -1 = the rest) or 'auto' (all devices on data). Params tensor-parallel (MoE experts "
+                        "over expert), prompts and caches data-parallel. Multi-host: set DFLASH_DISTRIBUTED=1 (TPU "
+                        "pods) or JAX_COORDINATOR_ADDRESS. Default: one device")
     d = p.add_argument_group("decoding")
     d.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
     d.add_argument("--max-length", type=int, default=None,

@@ -6,22 +6,23 @@ import transformers
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-6)
+# model_type -> (config class, causal LM class); MoE configs take their expert sizes as overrides.
+CLASSES = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+           "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM)}
 
 
 def hf_config(model_type: str = "qwen3", **overrides):
     kw = {**TINY, **overrides}
-    cls = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig,
-           "gpt_oss": transformers.GptOssConfig}[model_type]
-    return cls(**kw)
+    return CLASSES[model_type][0](**kw)
 
 
 def save_tiny(path, model_type: str = "qwen3", seed: int = 0, dtype=torch.float32, **overrides):
     """Build a random tiny causal LM, save it to ``path``; returns the torch model (eval, fp32)."""
     cfg = hf_config(model_type, **overrides)
     torch.manual_seed(seed)
-    cls = {"qwen3": transformers.Qwen3ForCausalLM, "llama": transformers.LlamaForCausalLM,
-           "gpt_oss": transformers.GptOssForCausalLM}[model_type]
-    model = cls(cfg).eval()
+    model = CLASSES[model_type][1](cfg).eval()
     with torch.no_grad():  # norms start at 1, gpt-oss's biases at 0 and its sinks near 0: perturb them so a
         for name, p in model.named_parameters():  # mis-mapped one is caught
             if "norm" in name or (model_type == "gpt_oss" and (name.endswith("bias") or "sinks" in name)):

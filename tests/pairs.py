@@ -15,24 +15,24 @@ def tiny_target_config(vocab: int = 96, layers: int = 4, **kw) -> TargetConfig:
     return TargetConfig(**{**base, **kw})
 
 
+def random_draft(tcfg, block_size: int = 16, seed: int = 1, draft_layers: int = 2,
+                 target_layer_ids=(0, 2, 3)) -> Draft:
+    """A random draft for a target of any family: a plain Qwen3 stack with the target's hidden size, heads,
+    MLP width and rope (no biases, sinks or windows of the target's own layers)."""
+    dlayers = TargetConfig(model_type="qwen3", vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size,
+                           intermediate_size=tcfg.intermediate_size, num_hidden_layers=draft_layers,
+                           num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
+                           head_dim=tcfg.head_dim, rope=tcfg.rope)
+    dcfg = DraftConfig(layers=dlayers, block_size=block_size, num_target_layers=tcfg.num_hidden_layers,
+                       mask_token_id=tcfg.vocab_size - 1, target_layer_ids=tuple(target_layer_ids))
+    return Draft(dcfg, init_draft_params(dcfg, seed))
+
+
 def random_pair(vocab: int = 96, block_size: int = 16, seed: int = 0, draft_layers: int = 2,
                 target_layer_ids=(0, 2, 3), **target_kw) -> tuple[Target, Draft]:
     tcfg = tiny_target_config(vocab, **target_kw)
-    dlayers = dataclasses.replace(tcfg, num_hidden_layers=draft_layers, layer_types=())
-    dcfg = DraftConfig(layers=dlayers, block_size=block_size, num_target_layers=tcfg.num_hidden_layers,
-                       mask_token_id=vocab - 1, target_layer_ids=tuple(target_layer_ids))
-    return Target(tcfg, init_params(tcfg, seed)), Draft(dcfg, init_draft_params(dcfg, seed + 1))
-
-
-def random_draft(tcfg, block_size: int = 16, draft_layers: int = 1, target_layer_ids=(0, 2, 3), seed: int = 1) -> Draft:
-    """A random draft for a target of any family: a Qwen3 stack with the target's hidden size, heads and rope."""
-    layers = TargetConfig(model_type="qwen3", vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size,
-                          intermediate_size=tcfg.intermediate_size, num_hidden_layers=draft_layers,
-                          num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
-                          head_dim=tcfg.head_dim, rope=tcfg.rope)
-    dcfg = DraftConfig(layers=layers, block_size=block_size, num_target_layers=tcfg.num_hidden_layers,
-                       mask_token_id=tcfg.vocab_size - 1, target_layer_ids=tuple(target_layer_ids))
-    return Draft(dcfg, init_draft_params(dcfg, seed))
+    return Target(tcfg, init_params(tcfg, seed)), random_draft(tcfg, block_size, seed + 1, draft_layers,
+                                                               target_layer_ids)
 
 
 def trained_pair(root, vocab: int = 64, block_size: int = 16, steps: int = 60, seed: int = 0):

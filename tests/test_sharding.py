@@ -58,23 +58,34 @@ def _same(a, b):
 # --- meshes ------------------------------------------------------------------------------------------
 
 
+def _shape(spec, **kw):
+    return {a: s for a, s in sh.make_mesh(spec, **kw).shape.items() if a != "expert" or s != 1}
+
+
 def test_mesh_specs():
-    assert dict(sh.make_mesh("data=2,fsdp=1,tensor=4").shape) == {"data": 2, "fsdp": 1, "tensor": 4}
-    assert dict(sh.make_mesh("tensor=4,data=-1").shape) == {"data": 2, "fsdp": 1, "tensor": 4}
-    assert dict(sh.make_mesh("auto").shape) == {"data": 8, "fsdp": 1, "tensor": 1}
-    assert dict(sh.make_mesh(None, auto_axis="fsdp").shape) == {"data": 1, "fsdp": 8, "tensor": 1}
-    assert dict(sh.make_mesh({"fsdp": 4, "data": 2}).shape) == {"data": 2, "fsdp": 4, "tensor": 1}
-    assert dict(sh.make_mesh((1, 1, 8)).shape) == {"data": 1, "fsdp": 1, "tensor": 8}
+    assert sh.AXES == ("data", "fsdp", "expert", "tensor")
+    assert _shape("data=2,fsdp=1,tensor=4") == {"data": 2, "fsdp": 1, "tensor": 4}
+    assert _shape("tensor=4,data=-1") == {"data": 2, "fsdp": 1, "tensor": 4}
+    assert _shape("auto") == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert _shape(None, auto_axis="fsdp") == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert _shape({"fsdp": 4, "data": 2}) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert _shape((1, 1, 8)) == {"data": 1, "fsdp": 1, "tensor": 8}
+    assert _shape((1, 1, 2, 4)) == {"data": 1, "fsdp": 1, "expert": 2, "tensor": 4}
+    assert _shape("data=2,expert=4") == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+    assert _shape("expert=-1,tensor=2") == {"data": 1, "fsdp": 1, "expert": 4, "tensor": 2}
     m = sh.make_mesh("data=2,tensor=4")
+    assert m.shape["expert"] == 1  # always there; dense meshes read as before
     assert sh.make_mesh(m) is m and sh.batch_multiple(m) == 2 and sh.mesh_str(m) == "data=2,fsdp=1,tensor=4"
     assert all(t == jax.sharding.AxisType.Auto for t in m.axis_types)
+    assert sh.mesh_str(sh.make_mesh("data=2,expert=4")) == "data=2,fsdp=1,expert=4,tensor=1"
 
 
 @pytest.mark.parametrize("spec,needles", [
     ("data=2,tensor=2", ["2*1*2 = 4", "there are 8", "product is 8"]),
     ("data=3,tensor=4", ["3*1*4 = 12", "there are 8"]),
     ("data=3,tensor=-1", ["does not divide the 8 devices"]),
-    ("dta=8", ["unknown axes ['dta']", "data, fsdp, tensor"]),
+    ("dta=8", ["unknown axes ['dta']", "data, fsdp, expert, tensor"]),
+    ("expert=3,tensor=2", ["expert*tensor", "1*1*3*2 = 6", "there are 8"]),
     ("data=8,data=1", ["twice"]),
     ("data:two", ["axis=size pairs"]),
 ])

@@ -82,7 +82,9 @@ def default_mask_token_id(target: Target, tokenizer=None) -> int:
 def build_draft_config(cfg: TrainConfig, target: Target, tokenizer=None) -> DraftConfig:
     """A Qwen3 draft stack shaped like the target's layers (hidden, heads, head_dim, MLP, rope), with
     ``cfg.draft_layers`` layers; built through ``DraftConfig.from_hf`` so it equals what ``load_draft``
-    reads back from the export."""
+    reads back from the export. The draft's MLP width is the target's ``intermediate_size`` (a
+    mixture-of-experts target's dense MLP width, as the released drafts have) or, for a family without
+    one, its ``moe_intermediate_size``."""
     tc = target.config
     L = tc.num_hidden_layers
     ids = cfg.layer_ids() or choose_target_layer_ids(L, cfg.num_target_features)
@@ -91,7 +93,8 @@ def build_draft_config(cfg: TrainConfig, target: Target, tokenizer=None) -> Draf
         raise ValueError(f"--target-layer-ids {list(ids)}: ids {bad} are outside the target's {L} layers (0..{L - 1})")
     mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else default_mask_token_id(target, tokenizer)
     d = {"model_type": "qwen3", "vocab_size": tc.vocab_size, "hidden_size": tc.hidden_size,
-         "intermediate_size": tc.intermediate_size, "num_hidden_layers": cfg.draft_layers,
+         "intermediate_size": getattr(tc, "intermediate_size", None) or tc.moe_intermediate_size,
+         "num_hidden_layers": cfg.draft_layers,
          "num_attention_heads": tc.num_attention_heads, "num_key_value_heads": tc.num_key_value_heads,
          "head_dim": tc.head_dim, "rms_norm_eps": tc.rms_norm_eps,
          "max_position_embeddings": tc.max_position_embeddings, "tie_word_embeddings": False,

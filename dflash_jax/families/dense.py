@@ -7,6 +7,8 @@ tokens); without a cache, plain causal attention over the given tokens.
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -30,7 +32,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps)
 
     def feed_forward(self) -> nn.Module:
-        """The block after attention: the gated MLP (a family with another one overrides this)."""
+        """The block after attention (``mlp``): the gated MLP here; a family with experts overrides it."""
         return MLP(self.cfg)
 
     def __call__(self, x, positions, state):
@@ -53,12 +55,12 @@ class Decoder(nn.Module):
     """Decoder with Hugging Face parameter names (``embed_tokens``, ``layers_N``, ``norm``, ``lm_head``)."""
 
     cfg: TargetConfig
-    layer_type = DecoderLayer  # a family with other layers overrides this
+    layer_class: ClassVar[type] = DecoderLayer  # a family whose layers differ only after attention swaps it
 
     def setup(self):
         c = self.cfg
         self.embed_tokens = Embed(c.vocab_size, c.hidden_size)
-        self.layers = [self.layer_type(c, i) for i in range(c.num_hidden_layers)]
+        self.layers = [self.layer_class(c, i) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps)
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.vocab_size, False, ("embed", "vocab"))

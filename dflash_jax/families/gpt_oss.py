@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import mxfp4
+from dflash_jax import moe, mxfp4
 from dflash_jax.config import TargetConfig, read_config_json
 from dflash_jax.families import dense
 from dflash_jax.families.family import Family
@@ -99,7 +99,7 @@ class DecoderLayer(dense.DecoderLayer):
 
 
 class Decoder(dense.Decoder):
-    layer_type = DecoderLayer
+    layer_class = DecoderLayer
 
 
 def checkpoint(cfg: GptOssConfig):
@@ -108,4 +108,4 @@ def checkpoint(cfg: GptOssConfig):
 
 
 FAMILY = Family(name="gpt_oss", config=GptOssConfig, decoder=Decoder, checkpoint=checkpoint,
-                state_specs=dense.state_specs)
+                state_specs=dense.state_specs, logical_rules=moe.LOGICAL_RULES)

@@ -3,11 +3,12 @@ state, and sharded loading. Sections: ``mesh`` (axes, specs, multi-host), ``rule
 mesh axes), ``placement`` (arrays onto a mesh and back), ``loading`` (model-aware: param shardings,
 shard a Target / Draft, load straight onto a mesh).
 
-The mesh always has the axes ``('data', 'fsdp', 'tensor')`` (sizes may be 1). Every parameter carries
+The mesh always has the axes ``('data', 'fsdp', 'expert', 'tensor')`` (sizes may be 1). Every parameter carries
 logical axis names (``dflash_jax.layers``: ``nn.with_logical_partitioning``); the rules map them to mesh
 axes, and JAX's own sharding machinery (jit + GSPMD) does all communication. Inference uses ``data``
 and ``tensor`` (``fsdp=1``): weights Megatron-style over ``tensor``, rows and caches over ``data``.
-Training adds ``fsdp``: rows over ``data*fsdp``, weights' hidden dim over ``fsdp``.
+Training adds ``fsdp``: rows over ``data*fsdp``, weights' hidden dim over ``fsdp``. Mixture-of-experts
+targets may add ``expert``: their experts' weights split over it (the family's ``expert`` rule).
 
 Multi-host (TPU pod slice, multi-node GPU): call ``maybe_initialize_distributed()`` first thing; the
 mesh then spans every process's devices, params are placed shard by shard (``placer``) and each

@@ -1,5 +1,8 @@
-"""The device mesh: axes ``('data', 'fsdp', 'tensor')`` (sizes may be 1), built from a spec string, and
-multi-host setup (``maybe_initialize_distributed``, each process's ``process_slice`` of the data)."""
+"""The device mesh: axes ``('data', 'fsdp', 'expert', 'tensor')`` (sizes may be 1), built from a spec string,
+and multi-host setup (``maybe_initialize_distributed``, each process's ``process_slice`` of the data).
+
+``expert`` splits mixture-of-experts weights over their expert dimension (expert parallelism); it is
+left out of specs and messages while its size is 1, so dense-model meshes read as before."""
 from __future__ import annotations
 
 import logging
@@ -13,19 +16,26 @@ from jax.sharding import Mesh
 
 log = logging.getLogger(__name__)
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "fsdp", "expert", "tensor")
 BATCH_AXES = ("data", "fsdp")
+_TUPLE_AXES = {3: ("data", "fsdp", "tensor"), 4: AXES}  # the axes a tuple spec of that length gives
+
+
+def _shown(sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """The axes a spec or message spells: all but ``expert`` when it is 1."""
+    return tuple(a for a in AXES if a != "expert" or sizes.get(a, 1) != 1)
 
 
 def _fmt(sizes: Mapping[str, int]) -> str:
-    return ",".join(f"{a}={sizes[a]}" for a in AXES)
+    return ",".join(f"{a}={sizes[a]}" for a in _shown(sizes))
 
 
 def parse_mesh_spec(spec, num_devices: int, auto_axis: str = "data") -> dict[str, int]:
-    """``spec`` -> {'data': d, 'fsdp': f, 'tensor': t} with d*f*t == num_devices.
+    """``spec`` -> {'data': d, 'fsdp': f, 'expert': e, 'tensor': t} with d*f*e*t == num_devices.
 
-    Accepted: None / "" / "auto" (every device on ``auto_axis``); "data=2,fsdp=1,tensor=4" (omitted axes
-    are 1, one axis may be -1 = whatever is left); a dict of the same; a (data, fsdp, tensor) tuple.
+    Accepted: None / "" / "auto" (every device on ``auto_axis``); "data=2,fsdp=1,tensor=4" or
+    "data=2,expert=4" (omitted axes are 1, one axis may be -1 = whatever is left); a dict of the same; a
+    (data, fsdp, tensor) or (data, fsdp, expert, tensor) tuple.
     """
     if auto_axis not in AXES:
         raise ValueError(f"auto_axis must be one of {AXES}, got {auto_axis!r}")
@@ -45,11 +55,11 @@ def parse_mesh_spec(spec, num_devices: int, auto_axis: str = "data") -> dict[str
             sizes[m.group(1)] = int(m.group(2))
     elif isinstance(spec, Mapping):
         sizes = {str(k): int(v) for k, v in spec.items()}
-    elif isinstance(spec, Sequence) and len(spec) == len(AXES):
-        sizes = dict(zip(AXES, (int(s) for s in spec)))
+    elif isinstance(spec, Sequence) and len(spec) in _TUPLE_AXES:
+        sizes = dict(zip(_TUPLE_AXES[len(spec)], (int(s) for s in spec)))
     else:
         raise ValueError(f"mesh spec {spec!r}: expected 'data=2,fsdp=1,tensor=4', 'auto', a dict or a "
-                         f"(data, fsdp, tensor) tuple")
+                         f"(data, fsdp, tensor) / (data, fsdp, expert, tensor) tuple")
     unknown = sorted(set(sizes) - set(AXES))
     if unknown:
         raise ValueError(f"mesh spec {spec!r}: unknown axes {unknown}; the axes are {', '.join(AXES)}")
@@ -68,15 +78,16 @@ def parse_mesh_spec(spec, num_devices: int, auto_axis: str = "data") -> dict[str
     if product != num_devices:
         hint = ("; set one axis to -1 to take whatever is left (e.g. 'data=-1,tensor=...')"
                 if num_devices % max(sizes["tensor"], 1) == 0 else "")
+        shown = _shown(sizes)
         raise ValueError(
-            f"mesh spec {spec!r} asks for data*fsdp*tensor = {sizes['data']}*{sizes['fsdp']}*{sizes['tensor']} = "
+            f"mesh spec {spec!r} asks for {'*'.join(shown)} = {'*'.join(str(sizes[a]) for a in shown)} = "
             f"{product} devices, but there are {num_devices} (jax.device_count()); change the sizes so that their "
-            f"product is {num_devices}, e.g. {_fmt({'data': num_devices, 'fsdp': 1, 'tensor': 1})}{hint}")
+            f"product is {num_devices}, e.g. {_fmt({a: num_devices if a == 'data' else 1 for a in AXES})}{hint}")
     return sizes
 
 
 def make_mesh(spec=None, *, devices=None, auto_axis: str = "data") -> Mesh:
-    """A mesh with axes ('data', 'fsdp', 'tensor') over all devices (of every process).
+    """A mesh with axes ('data', 'fsdp', 'expert', 'tensor') over all devices (of every process).
 
     ``spec``: see ``parse_mesh_spec``; a ``Mesh`` is returned as is (after checking its axes). "auto"
     puts every device on ``auto_axis``: 'data' (the default) suits inference of a model that fits on one

@@ -14,7 +14,8 @@ head_dim      None                 q_norm / k_norm weights, cache head dim
 features      None                 draft ``fc`` input (n target layers * hidden)
 ============  ===================  =====================================================
 
-A target family may add rules of its own (``Family.logical_rules``). Divisibility: the attention head
+A target family may add rules of its own (``Family.logical_rules``; the MoE families: ``expert`` ->
+'expert', the expert dimension of stacked expert weights). Divisibility: the attention head
 count must divide by ``tensor`` (else an error says what to change). KV heads that do not divide by
 ``tensor`` are replicated over it (correct, more memory); so is any other dimension that does not divide.
 Models are passed as configs (or objects with a ``config``); a draft's heads are its ``layers``'.
