@@ -61,17 +61,22 @@ def filtered_scores(logits, temperature, top_k, top_p):
     """logits [..., V] -> tempered scores, -inf outside the top-k / top-p set: the log-weights of the
     distribution ``choose`` samples from (softmax of them: its probabilities)."""
     scores = logits.astype(jnp.float32) / temperature
-    vocab = scores.shape[-1]
-    ordered = jnp.sort(scores, axis=-1)[..., ::-1]
-    kth = jnp.take(ordered, jnp.clip(top_k - 1, 0, vocab - 1), axis=-1)[..., None]
-    scores = jnp.where((top_k > 0) & (scores < kth), -jnp.inf, scores)
-    # top-p: keep the smallest prefix of the sorted distribution whose mass reaches top_p.
-    ordered = jnp.sort(scores, axis=-1)[..., ::-1]
-    probs = jax.nn.softmax(ordered, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    n_keep = jnp.maximum(jnp.sum(mass_before < top_p, axis=-1, keepdims=True), 1)
-    cutoff = jnp.take_along_axis(ordered, n_keep - 1, axis=-1)
-    return jnp.where(scores < cutoff, -jnp.inf, scores)
+
+    def truncate(scores):
+        vocab = scores.shape[-1]
+        ordered = jnp.sort(scores, axis=-1)[..., ::-1]
+        kth = jnp.take(ordered, jnp.clip(top_k - 1, 0, vocab - 1), axis=-1)[..., None]
+        scores = jnp.where((top_k > 0) & (scores < kth), -jnp.inf, scores)
+        # top-p: keep the smallest prefix of the sorted distribution whose mass reaches top_p.
+        ordered = jnp.sort(scores, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        n_keep = jnp.maximum(jnp.sum(mass_before < top_p, axis=-1, keepdims=True), 1)
+        cutoff = jnp.take_along_axis(ordered, n_keep - 1, axis=-1)
+        return jnp.where(scores < cutoff, -jnp.inf, scores)
+
+    # the two sorts over the vocabulary only when top-k / top-p asks for them (runtime scalars)
+    return jax.lax.cond((top_k > 0) | (top_p < 1), truncate, lambda s: s, scores)
 
 
 def accepted_length(drafts, posterior):
