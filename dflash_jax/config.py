@@ -45,6 +45,7 @@ class RopeConfig:
     theta: float = 10000.0
     rope_type: str = "default"
     params: tuple[tuple[str, Any], ...] = ()
+    partial_rotary_factor: float = 1.0  # rotary on the first int(head_dim * factor) dims only (a family sets it)
 
     def get(self, key, default=None):
         return dict(self.params).get(key, default)
@@ -82,6 +83,8 @@ class RopeConfig:
     def to_hf(self) -> dict:
         """Both formats: 4.x ``rope_theta`` + ``rope_scaling`` and 5.x ``rope_parameters``."""
         extra = dict(self.params)
+        if self.partial_rotary_factor != 1.0:
+            extra["partial_rotary_factor"] = self.partial_rotary_factor
         out: dict[str, Any] = {"rope_theta": self.theta,
                                "rope_parameters": {"rope_type": self.rope_type, "rope_theta": self.theta, **extra}}
         out["rope_scaling"] = None if self.rope_type == "default" else {"rope_type": self.rope_type, **extra}
@@ -124,6 +127,8 @@ class TargetConfig:
     mlp_bias: bool = False
     qk_norm: bool = True
     attention_sinks: bool = False  # a learned per-head logit joins each softmax (gpt-oss)
+    attn_output_gate: bool = False  # q_proj also yields a per-head gate: output * sigmoid(gate) (Qwen3.5)
+    norm_offset: bool = False  # zero-centred RMSNorm weights: (1 + w) * x_hat (Qwen3.5 / Qwen3-Next)
     rope: RopeConfig = RopeConfig()
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None

@@ -75,10 +75,12 @@ class Embed(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """weight * x / rms(x), statistics in float32 (as Qwen3RMSNorm / LlamaRMSNorm)."""
+    """weight * x / rms(x), statistics in float32 (as Qwen3RMSNorm / LlamaRMSNorm); ``zero_centred``:
+    (1 + weight) * x / rms(x), the product in float32 (Qwen3_5RMSNorm / Qwen3NextRMSNorm)."""
 
     eps: float = 1e-6
     axis_name: str = "embed"
+    zero_centred: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -86,6 +88,8 @@ class RMSNorm(nn.Module):
                             (x.shape[-1],))
         x32 = x.astype(jnp.float32)
         x_hat = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.zero_centred:
+            return (x_hat * (1.0 + jnp.asarray(weight, jnp.float32))).astype(x.dtype)
         return jnp.asarray(weight, x.dtype) * x_hat.astype(x.dtype)
 
 
@@ -138,14 +142,19 @@ def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float
 
 
 def apply_rope(x, positions, rope: RopeConfig):
-    """Rotate x [B, T, N, H] (neox rotate_half layout) to absolute ``positions`` [B, T]."""
-    inv, scale = rope_frequencies(rope, x.shape[-1])
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv)  # [B, T, H/2]
+    """Rotate x [B, T, N, H] (neox rotate_half layout) to absolute ``positions`` [B, T]; with a
+    ``partial_rotary_factor`` only the first int(H * factor) dims rotate (frequencies over those dims)
+    and the rest pass through."""
+    rot = int(x.shape[-1] * rope.partial_rotary_factor)
+    x, rest = x[..., :rot], x[..., rot:]
+    inv, scale = rope_frequencies(rope, rot)
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv)  # [B, T, rot/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
     cos, sin = (jnp.cos(angles) * scale).astype(x.dtype), (jnp.sin(angles) * scale).astype(x.dtype)
-    half = x.shape[-1] // 2
+    half = rot // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    out = x * cos + rotated * sin
+    return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
 class MLP(nn.Module):
@@ -172,13 +181,14 @@ class AttentionProjections(nn.Module):
 
     def setup(self):
         c = self.cfg
-        self.q_proj = Linear(c.num_attention_heads * c.head_dim, c.attention_bias, ("embed", "heads"))
+        q_width = c.num_attention_heads * c.head_dim * (2 if c.attn_output_gate else 1)
+        self.q_proj = Linear(q_width, c.attention_bias, ("embed", "heads"))
         self.k_proj = Linear(c.num_key_value_heads * c.head_dim, c.attention_bias, ("embed", "kv_heads"))
         self.v_proj = Linear(c.num_key_value_heads * c.head_dim, c.attention_bias, ("embed", "kv_heads"))
         self.o_proj = Linear(c.hidden_size, c.attention_bias, ("heads", "embed"))
         if c.qk_norm:
-            self.q_norm = RMSNorm(c.rms_norm_eps, axis_name="head_dim")
-            self.k_norm = RMSNorm(c.rms_norm_eps, axis_name="head_dim")
+            self.q_norm = RMSNorm(c.rms_norm_eps, axis_name="head_dim", zero_centred=c.norm_offset)
+            self.k_norm = RMSNorm(c.rms_norm_eps, axis_name="head_dim", zero_centred=c.norm_offset)
         if c.attention_sinks:
             self.sinks = self.param("sinks", nn.with_logical_partitioning(_init, (None,)), (c.num_attention_heads,))
 
@@ -188,11 +198,19 @@ class AttentionProjections(nn.Module):
 
     def queries(self, x, positions):
         """[B, T, D] -> rotated queries [B, T, N, H]."""
+        return self.gated_queries(x, positions)[0]
+
+    def gated_queries(self, x, positions):
+        """[B, T, D] -> (rotated queries [B, T, N, H], output gate [B, T, N, H] or None). With
+        ``attn_output_gate`` q_proj holds per head [query | gate] (as Qwen3_5Attention)."""
         c = self.cfg
-        q = self.q_proj(x).reshape(*x.shape[:-1], c.num_attention_heads, c.head_dim)
+        q = self.q_proj(x).reshape(*x.shape[:-1], c.num_attention_heads, -1)
+        gate = None
+        if c.attn_output_gate:
+            q, gate = q[..., :c.head_dim], q[..., c.head_dim:]
         if c.qk_norm:
             q = self.q_norm(q)
-        return apply_rope(q, positions, c.rope)
+        return apply_rope(q, positions, c.rope), gate
 
     def keys_values(self, x, positions):
         """[B, T, D] -> rotated keys and values, each [B, T, K, H]."""
@@ -203,6 +221,8 @@ class AttentionProjections(nn.Module):
             k = self.k_norm(k)
         return apply_rope(k, positions, c.rope), v
 
-    def output(self, o):
-        """[B, T, N, H] -> [B, T, D]."""
+    def output(self, o, gate=None):
+        """[B, T, N, H] (times sigmoid(gate) when gated) -> [B, T, D]."""
+        if gate is not None:
+            o = o * jax.nn.sigmoid(gate).astype(o.dtype)
         return self.o_proj(o.reshape(*o.shape[:-2], -1))

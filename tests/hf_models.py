@@ -1,6 +1,7 @@
 """Tiny random Hugging Face models saved with save_pretrained (no network), shared by the tests."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 import transformers
 
@@ -10,7 +11,8 @@ TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_laye
 CLASSES = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
-           "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM)}
+           "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+           "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM)}
 
 
 def hf_config(model_type: str = "qwen3", **overrides):
@@ -23,9 +25,10 @@ def save_tiny(path, model_type: str = "qwen3", seed: int = 0, dtype=torch.float3
     cfg = hf_config(model_type, **overrides)
     torch.manual_seed(seed)
     model = CLASSES[model_type][1](cfg).eval()
-    with torch.no_grad():  # norms start at 1, gpt-oss's biases at 0 and its sinks near 0: perturb them so a
+    with torch.no_grad():  # norms start at 1 (or 0), biases at 0, sinks near 0: perturb them so a
         for name, p in model.named_parameters():  # mis-mapped one is caught
-            if "norm" in name or (model_type == "gpt_oss" and (name.endswith("bias") or "sinks" in name)):
+            if ("norm" in name or name.endswith("dt_bias")
+                    or (model_type == "gpt_oss" and (name.endswith("bias") or "sinks" in name))):
                 p.add_((1.0 if "sinks" in name else 0.1) * torch.randn_like(p))
     model.to(dtype).save_pretrained(path)
     return model.float()
@@ -37,3 +40,38 @@ def torch_forward(model, ids, layer_ids=()):
         out = model(torch.as_tensor(ids, dtype=torch.long), output_hidden_states=True)
     feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], -1).numpy() if layer_ids else None
     return out.logits.float().numpy(), feats
+
+
+def save_vision_language(path, text_model, seed: int = 0, dtype=torch.float32):
+    """A Qwen3_5ForConditionalGeneration checkpoint (tiny random vision tower) whose language model is
+    ``text_model`` (a Qwen3_5ForCausalLM): the released Qwen3.5 / 3.6 layout. Returns the VL model."""
+    text = text_model.config.to_dict()
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=2, temporal_patch_size=1,
+                  spatial_merge_size=1, out_hidden_size=text["hidden_size"], num_position_embeddings=16)
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision,
+                                     tie_word_embeddings=text_model.config.tie_word_embeddings)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
+    own = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+           for k, v in text_model.state_dict().items()}
+    missing, unexpected = model.load_state_dict(own, strict=False)
+    assert not unexpected and all(k.startswith("model.visual.") for k in missing), (missing, unexpected)
+    model.to(dtype).save_pretrained(path)
+    return model.float()
+
+
+def positions_for(ids, lengths=None):
+    """Positions 0..T-1 per row; past ``lengths`` (ragged rows): -1, padding."""
+    pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+    return pos if lengths is None else np.where(pos < np.asarray(lengths)[:, None], pos, -1).astype(np.int32)
+
+
+def max_diff(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+
+
+def torch_greedy(model, prompt, new: int, stop=None) -> list[int]:
+    """transformers' greedy ``generate``: prompt + up to ``new`` tokens, ending at the ``stop`` token."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=stop,
+                         pad_token_id=0 if stop is None else stop)
+    return out[0].tolist()

@@ -95,3 +95,37 @@ def pair_dirs(root: str, vocab: int = 320):
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(tdir)
     save_draft(Draft(dataclasses.replace(draft.config, mask_token_id=1), draft.params), ddir, dtype="float32")
     return tdir, ddir, target
+
+
+def decode_in_chunks(target, ids, cache, prefill_lengths, step, feature_layer_ids):
+    """Feed ids [B, S] through ``cache``: a ragged prefill (row r: its first prefill_lengths[r] tokens), then
+    ``step(n)`` tokens per forward (n: the shortest row's committed length), each committed whole.
+    -> (logits [B, S, V], features [B, S, F]) by position, and the final cache."""
+    import numpy as np
+
+    from dflash_jax.target import forward
+
+    seq = ids.shape[1]
+    lengths = np.zeros(ids.shape[0], np.int32)
+    got, got_feats = None, None
+    first = max(prefill_lengths)
+    pos = np.where(np.arange(first) < np.asarray(prefill_lengths)[:, None], np.arange(first), -1).astype(np.int32)
+    tok = ids[:, :first]
+    while True:
+        logits, feats, cache = forward(target.config, target.params, tok, pos, cache,
+                                       feature_layer_ids=feature_layer_ids)
+        if got is None:
+            got = np.full(ids.shape + logits.shape[-1:], np.nan, np.float32)
+            got_feats = np.full(ids.shape + feats.shape[-1:], np.nan, np.float32)
+        for r in range(ids.shape[0]):
+            ok = pos[r] >= 0
+            got[r, pos[r, ok]] = np.asarray(logits)[r, ok]
+            got_feats[r, pos[r, ok]] = np.asarray(feats)[r, ok]
+        kept = (pos >= 0).sum(1)
+        cache = cache.commit(kept)
+        lengths = lengths + kept
+        if lengths.min() >= seq:
+            return got, got_feats, cache
+        pos = lengths[:, None] + np.arange(step(lengths.min()), dtype=np.int32)
+        pos = np.where(pos < seq, pos, -1).astype(np.int32)
+        tok = np.take_along_axis(ids, np.clip(pos, 0, seq - 1), 1)

@@ -25,8 +25,8 @@ from dflash_jax.families.gpt_oss import GptOssConfig
 from dflash_jax.layers import rope_frequencies
 from dflash_jax.mxfp4 import dequantize
 from dflash_jax.target import forward
-from hf_models import TINY, save_tiny, torch_forward
-from pairs import random_draft
+from hf_models import TINY, max_diff, positions_for, save_tiny, torch_forward, torch_greedy
+from pairs import decode_in_chunks, random_draft
 
 V, L, D = TINY["vocab_size"], TINY["num_hidden_layers"], TINY["hidden_size"]
 ALL = tuple(range(L))
@@ -55,15 +55,6 @@ def gptoss(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("gpt_oss"))
     model = save_tiny(path, "gpt_oss", **CFG)
     return path, model, dj.load_target(path)
-
-
-def positions_for(ids, lengths=None):
-    pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
-    return pos if lengths is None else np.where(pos < np.asarray(lengths)[:, None], pos, -1).astype(np.int32)
-
-
-def max_diff(a, b):
-    return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -145,25 +136,7 @@ def test_incremental_decoding_equals_one_shot(gptoss):
     full, full_feats, _ = forward(c, params, ids, positions_for(ids), feature_layer_ids=ALL)
     cache = target.new_cache(2, 24, max_block=3)
     assert [type(s).__name__ for s in cache.layers] == ["SlidingKV", "FullKV"] * 2
-    lengths = np.zeros(2, np.int32)
-    got = np.full(np.shape(full), np.nan, np.float32)
-    got_feats = np.full(np.shape(full_feats), np.nan, np.float32)
-    pos = positions_for(ids[:, :5], [5, 2])  # a ragged prefill
-    tok = ids[:, :5]
-    while True:
-        logits, feats, cache = forward(c, params, tok, pos, cache, feature_layer_ids=ALL)
-        for r in range(2):
-            ok = pos[r] >= 0
-            got[r, pos[r, ok]] = np.asarray(logits)[r, ok]
-            got_feats[r, pos[r, ok]] = np.asarray(feats)[r, ok]
-        kept = (pos >= 0).sum(1)
-        cache = cache.commit(kept)
-        lengths = lengths + kept
-        if lengths.min() >= seq:
-            break
-        pos = lengths[:, None] + np.arange(3, dtype=np.int32)
-        pos = np.where(pos < seq, pos, -1).astype(np.int32)
-        tok = np.take_along_axis(ids, np.clip(pos, 0, seq - 1), 1)
+    got, got_feats, cache = decode_in_chunks(target, ids, cache, [5, 2], lambda n: 3, ALL)  # ragged prefill
     np.testing.assert_array_equal(cache.lengths, [seq, seq])
     assert max_diff(got, full) <= 1e-5 and max_diff(got_feats, full_feats) <= 1e-5
 
@@ -174,15 +147,10 @@ def test_speculative_equals_plain_equals_transformers_greedy(gptoss):
     prompts = [[5, 17, 3, 44, 9, 60], [7, 7, 81, 2, 30, 11, 52, 19, 64]]
     new = 20
 
-    def torch_greedy(prompt, stop):
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=stop,
-                             pad_token_id=0 if stop is None else stop)
-        return out[0].tolist()
-
-    free = [torch_greedy(p, None) for p in prompts]
+    free = [torch_greedy(model, p, new) for p in prompts]
     generated = free[0][len(prompts[0]):]
     stop = next(t for i, t in enumerate(generated) if i >= 3 and t not in generated[:i])  # cuts row 0 short
-    expected = [torch_greedy(p, stop) for p in prompts]
+    expected = [torch_greedy(model, p, new, stop) for p in prompts]
     assert len(expected[0]) < len(free[0])
     for stops, want in (([], free), ([stop], expected)):
         plain = S.generate(target, prompts, max_new_tokens=new, stop_token_ids=stops)

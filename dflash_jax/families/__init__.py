@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_jax.config import read_config_json
-from dflash_jax.families import dense, gpt_oss, qwen3_moe
+from dflash_jax.families import dense, gpt_oss, qwen3_5, qwen3_moe
 from dflash_jax.families.family import Family
 
 _REGISTRY: dict[str, Family] = {
@@ -29,6 +29,7 @@ _REGISTRY: dict[str, Family] = {
     "llama": dense.FAMILY,
     "gpt_oss": gpt_oss.FAMILY,
     "qwen3_moe": qwen3_moe.FAMILY,
+    "qwen3_5": qwen3_5.FAMILY, "qwen3_5_text": qwen3_5.FAMILY,  # VL checkpoint / text-only
 }
 
 

@@ -26,19 +26,23 @@ class DecoderLayer(nn.Module):
 
     def setup(self):
         c = self.cfg
-        self.self_attn = AttentionProjections(c)
+        self.token_mixer()
         self.mlp = self.feed_forward()
-        self.input_layernorm = RMSNorm(c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.rms_norm_eps, zero_centred=c.norm_offset)
+        self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, zero_centred=c.norm_offset)
+
+    def token_mixer(self) -> None:
+        """Build the block before the MLP as a submodule (its attribute name is its checkpoint name):
+        attention, ``self_attn`` (a family with other layers overrides this and ``mix``)."""
+        self.self_attn = AttentionProjections(self.cfg)
 
     def feed_forward(self) -> nn.Module:
         """The block after attention (``mlp``): the gated MLP here; a family with experts overrides it."""
         return MLP(self.cfg)
 
-    def __call__(self, x, positions, state):
-        """x [B, T, D] at ``positions`` [B, T] -> (x, new layer state or None)."""
-        h = self.input_layernorm(x)
-        q = self.self_attn.queries(h, positions)
+    def mix(self, h, positions, state):
+        """The token mixer on the normed input h [B, T, D] -> (output [B, T, D], new layer state or None)."""
+        q, gate = self.self_attn.gated_queries(h, positions)
         k, v = self.self_attn.keys_values(h, positions)
         if state is None:
             k_pos, exists = positions, positions >= 0
@@ -46,7 +50,12 @@ class DecoderLayer(nn.Module):
             state, k, v, k_pos, exists = state.update(k, v, positions)
         mask = position_mask(positions, k_pos, causal=True, sliding_window=self.cfg.layer_window(self.index),
                              k_valid=exists)
-        x = x + self.self_attn.output(attend(q, k, v, mask, sinks=self.self_attn.sink_logits()))
+        return self.self_attn.output(attend(q, k, v, mask, sinks=self.self_attn.sink_logits()), gate), state
+
+    def __call__(self, x, positions, state):
+        """x [B, T, D] at ``positions`` [B, T] -> (x, new layer state or None)."""
+        out, state = self.mix(self.input_layernorm(x), positions, state)
+        x = x + out
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, state
 
@@ -61,7 +70,7 @@ class Decoder(nn.Module):
         c = self.cfg
         self.embed_tokens = Embed(c.vocab_size, c.hidden_size)
         self.layers = [self.layer_class(c, i) for i in range(c.num_hidden_layers)]
-        self.norm = RMSNorm(c.rms_norm_eps)
+        self.norm = RMSNorm(c.rms_norm_eps, zero_centred=c.norm_offset)
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.vocab_size, False, ("embed", "vocab"))
 

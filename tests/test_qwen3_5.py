@@ -1,0 +1,209 @@
+"""The qwen3_5 family (Qwen3.5 / 3.6 dense hybrids) against transformers' Qwen3_5ForCausalLM and
+Qwen3_5ForConditionalGeneration: parity, the two delta-rule forms, incremental decoding, rollback of the
+recurrent state, speculative == plain == transformers' greedy, the vision-language checkpoint layout.
+
+One tiny random checkpoint (transformers' own classes + save_pretrained, no network): 4 layers (3 Gated
+DeltaNet, 1 gated full attention), 2 key heads / 4 value heads, partial rotary 0.25 of head_dim 16,
+mrope sections in the rope parameters, a vocabulary of 16 (so that a random draft is sometimes right),
+weights at std 0.2 and perturbed norms / dt_bias so that a mis-mapped tensor shows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import dflash_jax as dj
+from dflash_jax import speculative as S
+from dflash_jax.checkpoints import iter_safetensors, save_safetensors
+from dflash_jax.families.qwen3_5 import Qwen35Config, chunked_delta_rule, recurrent_delta_rule, snapshot_bytes
+from dflash_jax.target import forward, save_target
+from hf_models import max_diff, positions_for, save_vision_language, torch_forward, torch_greedy
+from pairs import decode_in_chunks, random_draft
+
+V, L, D = 16, 4, 32
+ALL = tuple(range(L))
+CFG = dict(vocab_size=V, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+           linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False, initializer_range=0.1,
+           rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+# Qwen3.5-9B's config.json text part (the VL layout), as released
+RELEASED_TEXT = {
+    "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True, "dtype": "bfloat16",
+    "eos_token_id": 248044, "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 12288,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 8,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128, "mamba_ssm_dtype": "float32", "max_position_embeddings": 262144,
+    "mlp_only_layers": [], "model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1,
+    "mtp_use_dedicated_embeddings": False, "num_attention_heads": 16, "num_hidden_layers": 32,
+    "num_key_value_heads": 4, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "use_cache": True,
+    "vocab_size": 248320,
+    "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
+                        "rope_theta": 10000000, "rope_type": "default"}}
+RELEASED = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "image_token_id": 248056,
+            "text_config": RELEASED_TEXT, "tie_word_embeddings": False, "vision_config": {"depth": 27}}
+
+
+@pytest.fixture(scope="module")
+def qwen(tiny_hf):
+    """(checkpoint dir, torch model, loaded fp32 Target)."""
+    path, model = tiny_hf("qwen3_5", "qwen3_5", **CFG)
+    return path, model, dj.load_target(path)
+
+
+def test_config_reads_the_released_vision_language_layout():
+    c = Qwen35Config.from_hf(RELEASED)
+    assert c.model_type == "qwen3_5" and c.vision_language and not c.tie_word_embeddings
+    assert list(c.layer_types) == RELEASED_TEXT["layer_types"]
+    assert [c.is_linear(i) for i in range(4)] == [True, True, True, False]
+    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim) == (
+        16, 32, 128, 128)
+    assert c.conv_dim == 2 * 16 * 128 + 32 * 128 and c.head_dim == 256
+    assert c.rope.theta == 1e7 and c.rope.partial_rotary_factor == 0.25 and c.rope.params == ()
+    assert c.qk_norm and c.attn_output_gate and c.norm_offset and c.eos_token_id == (248044,)
+    assert Qwen35Config.from_hf(c.to_hf()) == c
+    text = Qwen35Config.from_hf(RELEASED_TEXT)  # a text-only config
+    assert text == dataclasses.replace(c, model_type="qwen3_5_text", vision_language=False)
+    assert Qwen35Config.from_hf(text.to_hf()) == text
+    no_types = {k: v for k, v in RELEASED_TEXT.items() if k != "layer_types"}  # full_attention_interval decides
+    assert Qwen35Config.from_hf(no_types).layer_types == c.layer_types
+    # Qwen3.5-9B: 24 linear layers, each (16+1) snapshots of [8192 x 3] bf16 + [32 x 128 x 128] fp32 per row
+    assert snapshot_bytes(c, 16) == 17 * 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
+
+
+def test_logits_and_every_layer_match_transformers_on_a_ragged_batch(qwen):
+    """Rows of 70 (two chunks), 45 and 9 tokens, padded with position -1, against transformers on each
+    prompt alone: logits and every hidden_states[i]."""
+    _, model, target = qwen
+    ids = np.random.RandomState(1).randint(0, V, (3, 70)).astype(np.int32)
+    lengths = [70, 45, 9]
+    logits, feats, _ = forward(target.config, target.params, ids, positions_for(ids, lengths), feature_layer_ids=ALL)
+    logits, feats = np.asarray(logits), np.asarray(feats)
+    assert np.abs(feats).max() > 0.5  # the comparison is not between near-zero activations
+    for r, n in enumerate(lengths):
+        ref_logits, ref_feats = torch_forward(model, ids[r:r + 1, :n], ALL)
+        assert max_diff(logits[r, :n], ref_logits[0]) <= 1e-4
+        for i in ALL:
+            assert max_diff(feats[r, :n, i * D:(i + 1) * D], ref_feats[0, :, i * D:(i + 1) * D]) <= 1e-4, (r, i)
+
+
+def test_chunked_form_equals_recurrent_form():
+    """Chunks of 4 over 11 tokens (a ragged last chunk), from a nonzero state: outputs, the state after
+    each token and the final state equal the one-token recurrence."""
+    rng = np.random.RandomState(0)
+    b, t, h, dk, dv = 2, 11, 3, 4, 5
+    q, k = (jnp.asarray(rng.randn(b, t, h, dk), jnp.float32) for _ in range(2))
+    q, k = q / jnp.linalg.norm(q, axis=-1, keepdims=True), k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jnp.asarray(rng.randn(b, t, h, dv), jnp.float32)
+    g = jnp.asarray(-rng.rand(b, t, h), jnp.float32)
+    beta = jnp.asarray(rng.rand(b, t, h), jnp.float32)
+    s0 = jnp.asarray(rng.randn(b, h, dk, dv), jnp.float32)
+    want_out, want_states = recurrent_delta_rule(q, k, v, g, beta, s0)
+    out, final, states = chunked_delta_rule(q, k, v, g, beta, s0, chunk=4, per_token=True)
+    assert max_diff(out, want_out) <= 1e-5 and max_diff(states, want_states) <= 1e-5
+    assert max_diff(final, want_states[:, -1]) <= 1e-5
+
+
+def test_incremental_decoding_equals_one_shot(qwen):
+    """A ragged prefill (9 and 3 tokens), then 7-token chunks, then single tokens (the recurrent form):
+    logits and features equal the one-shot forward."""
+    _, _, target = qwen
+    c, params = target.config, target.params
+    seq = 30
+    ids = np.random.RandomState(2).randint(0, V, (2, seq)).astype(np.int32)
+    full, full_feats, _ = forward(c, params, ids, positions_for(ids), feature_layer_ids=ALL)
+    cache = target.new_cache(2, 40, max_block=7)
+    assert [type(s).__name__ for s in cache.layers] == ["Recurrent"] * 3 + ["FullKV"]
+    got, got_feats, cache = decode_in_chunks(target, ids, cache, [9, 3], lambda n: 7 if n < 20 else 1, ALL)
+    np.testing.assert_array_equal(cache.lengths, [seq, seq])
+    assert max_diff(got, full) <= 1e-5 and max_diff(got_feats, full_feats) <= 1e-5
+
+
+def test_rollback_keeps_the_state_of_exactly_the_accepted_tokens(qwen):
+    """After a verify-style forward of K=5 tokens, commit(kept) for every kept in 0..K leaves each
+    linear-attention layer in the state a plain forward over exactly the kept tokens reaches (1e-6 in
+    layer 0, 1e-5 above it: there the inputs come from forwards of other shapes, rounded differently)."""
+    _, _, target = qwen
+    c, params = target.config, target.params
+    k = 5
+    rng = np.random.RandomState(3)
+    prompt = rng.randint(0, V, (k + 1, 6)).astype(np.int32)
+    block = rng.randint(0, V, (k + 1, k)).astype(np.int32)
+    cache = target.new_cache(k + 1, 16, max_block=k)
+    _, _, cache = forward(c, params, prompt, positions_for(prompt), cache)
+    cache = cache.commit(np.full(k + 1, 6))
+    _, _, verified = forward(c, params, block, 6 + positions_for(block), cache)
+    kept = np.arange(k + 1)  # row r keeps r of the K tokens
+    rolled = verified.commit(kept)
+    plain = target.new_cache(k + 1, 16, max_block=k)
+    seq = np.concatenate([prompt, block], axis=1)
+    lens = 6 + kept
+    _, _, plain = forward(c, params, seq, positions_for(seq, lens), plain)
+    plain = plain.commit(lens)
+    for i in range(3):
+        for leaf in ("conv", "ssm"):
+            # layer 0 sees the same inputs; later layers' inputs went through differently shaped forwards
+            tol = 1e-6 if i == 0 else 1e-5
+            assert max_diff(rolled.layers[i].value[leaf], plain.layers[i].value[leaf]) <= tol, (i, leaf)
+    np.testing.assert_array_equal(rolled.lengths, lens)
+
+
+@pytest.mark.slow  # ~40 s on 2 CPU cores (8 compiled decode loops + transformers generate)
+def test_speculative_equals_plain_equals_transformers_greedy(qwen):
+    """Batch of 3 ragged prompts, a random draft, blocks 4 and 8, with and without a stop token. Partial
+    acceptance (1 < acceptance < block) must occur: it is what exercises the recurrent rollback."""
+    _, model, target = qwen
+    prompts = [[5, 7, 3, 4, 9, 6], [7, 7, 1, 2, 3, 11, 12, 9, 14], [2, 8, 13]]
+    new = 24
+
+    free = [torch_greedy(model, p, new) for p in prompts]
+    generated = free[0][len(prompts[0]):]
+    stop = next(t for i, t in enumerate(generated) if i >= 3 and t not in generated[:i])  # cuts row 0 short
+    expected = [torch_greedy(model, p, new, stop) for p in prompts]
+    assert len(expected[0]) < len(free[0])
+    partial = []
+    for stops, want in (([], free), ([stop], expected)):
+        plain = S.generate(target, prompts, max_new_tokens=new, stop_token_ids=stops)
+        assert [r.output_ids for r in plain] == want
+        for block in (4, 8):
+            draft = random_draft(target.config, block_size=block, target_layer_ids=(0, 2, 3))
+            spec = S.speculative_generate(target, draft, prompts, max_new_tokens=new, stop_token_ids=stops)
+            assert [r.output_ids for r in spec] == want, block
+            partial += [a for r in spec for a in r.acceptance_lengths if 1 < a < block]
+    assert partial, "no partial acceptance: the rollback was not exercised"
+
+
+def test_vision_language_checkpoint_loads(qwen, tmp_path, capfd):
+    """The released layout: Qwen3_5ForConditionalGeneration (text under model.language_model., a vision
+    tower) plus mtp.* tensors. Loads the language model alone, says what it skipped, and its logits
+    equal the VL model's on text (transformers' text positions there come from get_rope_index: the
+    three mrope streams)."""
+    _, model, _ = qwen
+    path = str(tmp_path)
+    vl = save_vision_language(path, model)
+    tensors = dict(iter_safetensors(os.path.join(path, "model.safetensors")))
+    assert any(n.startswith("model.visual.") for n in tensors)
+    tensors["mtp.fc.weight"] = np.zeros((D, 2 * D), np.float32)
+    save_safetensors(os.path.join(path, "model.safetensors"), {k: np.array(v) for k, v in tensors.items()})
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["model_type"] == "qwen3_5"
+    target = dj.load_target(path)
+    err = capfd.readouterr().err
+    assert "vision tower" in err and "1 multi-token prediction" in err
+    assert target.config.vision_language and target.config.model_type == "qwen3_5"
+    ids = np.random.RandomState(4).randint(0, V, (1, 20)).astype(np.int32)
+    with torch.no_grad():
+        want = vl(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
+    assert max_diff(dj.target_logits(target, ids), want) <= 1e-4
+    saved = save_target(target, str(tmp_path / "again"))  # and our own VL export reloads
+    again = dj.load_target(saved)
+    assert again.config == target.config
+    assert max_diff(dj.target_logits(again, ids), want) <= 1e-4
+    jax.clear_caches()
