@@ -5,8 +5,10 @@ max_new_tokens, compiled before timing. Each prompt runs once per method untimed
 of a compiled shape has one-time setup costs), then ``--repeats`` times per method, alternating; the
 fastest run of each counts (as timeit does: on a shared machine, interference only adds time).
 Reports mean acceptance length tau, its histogram, the acceptance rate per block position, tokens/s
-of both, the speedup, whether every output was identical, how repetitive the outputs are (distinct
-4-grams), and the time of one draft and one verify forward. ``--json`` prints one row per prompt,
+of both, the speedup, whether every output was identical (greedy: for each prompt whose output differs,
+the first differing token and the target's top-2 logit gap there, so a near-tie flipped by low-precision
+rounding looks different from a bug), how repetitive the outputs are (distinct 4-grams), and the time of
+one draft and one verify forward. ``--json`` prints one row per prompt,
 then one summary object.
 """
 from __future__ import annotations
@@ -107,6 +109,28 @@ def time_forwards(target, draft, block_sizes=(4, 8, 16), context: int = 256, ite
     return out
 
 
+def first_mismatch(target, plain, dflash) -> dict | None:
+    """Where DFlash's output first differs from plain decoding's (None where they are identical), and how
+    close the target's choice was there: one target forward on the plain output up to that token, then the
+    gap between its two largest logits (``top2_logit_gap``) and between the largest and DFlash's token's
+    (``dflash_token_gap``). In low precision, verifying a block in one forward rounds differently from one
+    token at a time, so a near-tie (a gap near the dtype's rounding) can flip; a real bug flips clear choices.
+    This forward rounds too: at a near-tie DFlash's token can come out on top here (``dflash_token_gap`` 0)."""
+    from dflash_jax.target import target_logits
+
+    a, b = plain.output_ids, dflash.output_ids
+    if a == b:
+        return None
+    n = plain.prompt_length
+    i = next((j for j in range(n, min(len(a), len(b))) if a[j] != b[j]), min(len(a), len(b)))
+    logits = np.asarray(target_logits(target, np.array([a[:i]], np.int32))[0, -1], np.float64)
+    top2 = np.sort(logits)[-2:]
+    out = {"position": i - n, "plain_token": a[i] if i < len(a) else None,
+           "dflash_token": b[i] if i < len(b) else None, "top2_logit_gap": float(top2[1] - top2[0])}
+    out["dflash_token_gap"] = float(top2[1] - logits[b[i]]) if i < len(b) else None
+    return out
+
+
 def _fastest(repeats: int, plain, dflash):
     """One untimed warm-up run of both methods, then ``repeats`` runs alternating; the fastest of each.
     The warm-up matters: the first execution of a newly compiled shape bucket carries one-time setup
@@ -200,7 +224,9 @@ def main(argv=None) -> int:
                          "speedup": spec.tokens_per_second / base.tokens_per_second,
                          "identical": spec.output_ids == base.output_ids,
                          "distinct_4grams": distinct_4grams(spec.generated_ids),
-                         "acceptance_lengths": spec.acceptance_lengths})
+                         "acceptance_lengths": spec.acceptance_lengths,
+                         # greedy only: sampled outputs differ by design (the two methods draw differently)
+                         "first_mismatch": first_mismatch(target, base, spec) if args.temperature == 0 else None})
             bar.update(1)
     except ValueError as e:
         die(str(e))
@@ -217,6 +243,7 @@ def main(argv=None) -> int:
                "plain_tokens_per_s": plain_tps, "dflash_tokens_per_s": spec_tps, "speedup": spec_tps / plain_tps,
                "engine_efficiency": spec_tps / plain_tps / tau,
                "identical": all(r["identical"] for r in rows),
+               "num_identical": sum(r["identical"] for r in rows),
                "distinct_4grams": float(np.mean([r["distinct_4grams"] for r in rows])), "machine": where,
                "dtype": param_dtype(target)}
     # wall time per target forward of each method, prefill included (plain: one per token)
@@ -238,6 +265,13 @@ def main(argv=None) -> int:
         print(f"\ntau {tau:.2f} (block {block}), plain {plain_tps:.1f} tokens/s, DFlash {spec_tps:.1f} tokens/s, "
               f"speedup {summary['speedup']:.2f}x, engine efficiency (speedup/tau) {summary['engine_efficiency']:.2f}, "
               f"identical outputs: {summary['identical']}, distinct 4-grams {summary['distinct_4grams']:.2f}")
+        for r in rows:
+            m = r["first_mismatch"]
+            if m:
+                print(f"prompt {r['prompt']}: first difference at generated token {m['position']} (plain "
+                      f"{m['plain_token']}, DFlash {m['dflash_token']}); the target's top-2 logit gap there "
+                      f"{m['top2_logit_gap']:.4g}, DFlash's token {m['dflash_token_gap'] or 0:.4g} below the top "
+                      "(near the dtype's rounding: a near-tie; large: a bug)")
         print("acceptance-length histogram:", " ".join(f"{k + 1}:{c}" for k, c in enumerate(hist)))
         print("acceptance rate per block position:", " ".join(f"{r:.2f}" for r in per_position))
         print(f"one step: plain {summary['plain_step_s'] * 1e3:.2f} ms, DFlash {summary['dflash_step_s'] * 1e3:.2f} ms"

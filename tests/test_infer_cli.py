@@ -159,3 +159,45 @@ def test_auto_dtype_is_the_checkpoints_on_accelerators(pair_dirs, tmp_path, monk
     assert auto_dtype(str(d)) == "float16"
     (d / "config.json").write_text(json.dumps(cfg))
     assert auto_dtype(str(d)) == "float32"  # nothing said: float32
+
+
+def test_benchmark_reports_first_mismatch_and_logit_gap(pair_dirs, capsys, tmp_path, monkeypatch):
+    """A DFlash output that differs from plain decoding is reported with its first differing token and the
+    target's top-2 logit gap there (one forward on the plain output up to it), in JSON and in text."""
+    from dflash_jax import speculative as S
+    from infer import benchmark as b
+
+    tdir, ddir, target = pair_dirs
+    real = S.speculative_generate
+
+    def flipped(target, draft, *a, **k):  # DFlash's token 3 for prompt [5, 17, 3] replaced: a forced mismatch
+        out = real(target, draft, *a, **k)
+        for r in out if draft is not None else ():  # (plain decoding calls this too, with no draft)
+            if r.output_ids[:r.prompt_length] == [5, 17, 3]:
+                r.output_ids[r.prompt_length + 3] = (r.output_ids[r.prompt_length + 3] + 1) % 300
+        return out
+
+    monkeypatch.setattr(S, "speculative_generate", flipped)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": [5, 17, 3]}) + "\n" + json.dumps({"prompt_ids": [9, 4]}) + "\n")
+    argv = ["--target", tdir, "--draft", ddir, "--prompts-file", str(prompts), "--max-new-tokens", "8",
+            "--ignore-eos", "--no-timing-split", "--repeats", "1"]
+    code, out = run(b, argv + ["--json"], capsys)
+    assert code == 0
+    lines = [json.loads(x) for x in out.out.strip().splitlines()]
+    (bad, good), summary = lines[:-1], lines[-1]
+    assert good["identical"] and good["first_mismatch"] is None
+    assert summary["identical"] is False and summary["num_identical"] == 1
+    plain = dj.generate(target, [[5, 17, 3]], max_new_tokens=8, stop_token_ids=[])[0].output_ids
+    logits = dj.target_logits(target, np.array([plain[:6]]))[0, -1].astype(np.float64)
+    top2 = np.sort(logits)[-2:]
+    m = bad["first_mismatch"]
+    assert not bad["identical"] and m["position"] == 3
+    assert m["plain_token"] == plain[6] == int(logits.argmax()) and m["dflash_token"] == (plain[6] + 1) % 300
+    assert np.isclose(m["top2_logit_gap"], top2[1] - top2[0], rtol=1e-4, atol=1e-6) and m["top2_logit_gap"] > 0
+    assert np.isclose(m["dflash_token_gap"], top2[1] - logits[m["dflash_token"]], rtol=1e-4, atol=1e-6)
+    code, out = run(b, argv, capsys)
+    assert code == 0
+    assert f"prompt 0: first difference at generated token 3 (plain {plain[6]}, DFlash {(plain[6] + 1) % 300})" \
+        in out.out and f"top-2 logit gap there {m['top2_logit_gap']:.4g}" in out.out
+    assert "prompt 1: first difference" not in out.out

@@ -1,0 +1,158 @@
+"""Sampled decoding is distributed exactly as the target's own sampling: the JOINT law of the first three
+generated tokens, plain and speculative, against the exact law by enumeration.
+
+Target: a tiny random Qwen3 (vocabulary 8, 2 layers) whose lm_head is scaled x16, so its next-token
+distributions are peaked (after the prompt [3]: 0.50 / 0.48 / 0.01 for its top three tokens at T=0.5,
+0.43 / 0.41 / 0.07 at T=1, 0.36 / 0.35 / 0.11 at T=1.5) and temperature, top-k and top-p change them a
+lot. The exact law of (t1, t2, t3) is computed in NumPy (float64) from the target's logits for every prefix
+(1 + 8 + 64 full forwards) with this file's own temperature / top-k / top-p filter (not the library's), so
+a bug in the library's filter is caught too. Each case draws N = 4000 rows in ONE batched call (the same
+prompt repeated; ``choose`` draws one categorical over [B, ..., V] with one key, so rows are independent
+draws; one draw repeated would fail the statistic), for plain decoding (``generate``) and for speculative
+decoding with a random block-4 draft (``speculative_generate``; token 1 comes from the prefill, tokens 2-3
+from verify steps, so the acceptance rule and the bonus token matter; the first draft is accepted in 27-63%
+of rows, asserted > 10%).
+
+Statistic: Pearson's chi-square over the 512 outcomes, outcomes with expected count < 5 pooled into one
+cell (a sequence the target cannot produce at all: infinite); it must stay below the chi-square quantile
+at p = 1e-6, so an exact sampler fails by chance with probability 1e-6 per check (the seeds are fixed
+anyway). Power, asserted for every case before sampling: the expected statistic of a sampler that ignores
+the temperature (for T != 1) is at least 5x the threshold, and of a uniform sampler at least 20x.
+Measured: the exact samplers score 0.14-0.6x the threshold (total variation 0.015-0.09). Cost: ~22 s of
+CPU time for the file (2 compilations, 8 batched calls); 55-85 s wall on the shared 2-core machine.
+
+Mutations run by hand once each, one at a time (never committed); statistic / threshold of the cases that fail:
+  (a) temperature ignored by the target's sampler (``scores = logits``): CAUGHT, plain and speculative:
+      175x at T = 0.5, 6.6x at T = 1.5, 21x at T = 1.5 with top-k + top-p (T = 1 cannot see it).
+  (b) tokens sampled uniformly (target ignored): CAUGHT in every case, 80x to infinite.
+  (c) top-k off by one: keeping k + 1: CAUGHT (infinite: a token outside the top k appears); keeping
+      k - 1: CAUGHT, 26x.
+  (d) top-p keeping one token too many: CAUGHT, infinite / 158x (both top-p cases); one too few:
+      CAUGHT, 240x / 12x (and 1.01x at T = 1.5 without top-p, where it drops the least likely token).
+  (e) acceptance of a draft token that differs from the target's choice (``!=`` for ``==``): CAUGHT
+      for speculative decoding in every case, 20x to infinite (plain decoding passes, as it must).
+  (f) the bonus token taken from the wrong position (p_{a+1} instead of p_a): CAUGHT for speculative
+      decoding in every case, 32x to infinite.
+  Not reliably caught: acceptance without the ``cumprod`` (d_2 accepted after d_1 was rejected): only
+      the T = 1.5 case fails, at 1.1x. It changes the output only when d_1 is rejected AND the target's
+      sample after the rejected d_1 equals d_2, and then only token 3; rare with this random draft.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.stats
+
+from dflash_jax import speculative as S
+from dflash_jax.target import Target, target_logits
+from pairs import random_pair
+
+V, N, NEW, PROMPT = 8, 4000, 3, [3]
+P_FALSE_ALARM = 1e-6
+
+
+def exact_filter(logits, temperature, top_k, top_p):
+    """Next-token distribution [..., V] after temperature, then top-k, then top-p (HF's order), in float64.
+    top-p keeps the most likely tokens, in order, until their (renormalised) mass reaches top_p."""
+    out = np.zeros(logits.shape, np.float64)
+    for idx in np.ndindex(logits.shape[:-1]):
+        x = logits[idx].astype(np.float64) / temperature
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        order = sorted(range(len(p)), key=lambda i: -p[i])
+        kept = order[:top_k] if top_k else order
+        mass = sum(p[i] for i in kept)
+        support, acc = [], 0.0
+        for i in kept:
+            support.append(i)
+            acc += p[i] / mass
+            if acc >= top_p:
+                break
+        q = np.zeros_like(p)
+        q[support] = p[support]
+        out[idx] = q / q.sum()
+    return out
+
+
+def exact_joint(logits, temperature, top_k=0, top_p=1.0):
+    """P(t1, t2, t3) [V, V, V] from the target's last-position logits of every prefix."""
+    l1, l2, l3 = logits
+    f = lambda x: exact_filter(x, temperature, top_k, top_p)  # noqa: E731
+    return f(l1)[:, None, None] * f(l2)[:, :, None] * f(l3)
+
+
+def pooled(want, *laws):
+    """The cells of the test: outcomes with expected count N * want >= 5, then one cell pooling the rest."""
+    big = want.ravel() * N >= 5
+    return [np.append(x.ravel()[big], x.ravel()[~big].sum()) for x in (want, *laws)]
+
+
+def chi_square(counts, want):
+    """Pearson's statistic of N draws against the law ``want`` (pooled cells); returns (statistic, threshold)."""
+    p, o = pooled(want, counts.astype(np.float64))
+    threshold = float(scipy.stats.chi2.isf(P_FALSE_ALARM, (p > 0).sum() - 1))
+    if o[p == 0].sum():  # a token sequence the target cannot produce was sampled
+        return float("inf"), threshold
+    e = N * p[p > 0]
+    return float(((o[p > 0] - e) ** 2 / e).sum()), threshold
+
+
+def expected_chi_square(q, want):
+    """E[statistic] of N draws from the law q tested against ``want``."""
+    p, q = pooled(want, q)
+    p, q = p[p > 0], q[p > 0]
+    return float((N * (q - p) ** 2 / p + q * (1 - q) / p).sum())
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    """(target, draft, exact logits per prefix length) for a peaked tiny target and a random block-4 draft."""
+    target, draft = random_pair(vocab=V, block_size=4, seed=0, layers=2, target_layer_ids=(0, 1), draft_layers=1)
+    params = dict(target.params, lm_head={"kernel": target.params["lm_head"]["kernel"] * 16})
+    target = Target(target.config, params)
+    l1 = target_logits(target, np.array([PROMPT]))[0, -1]
+    l2 = target_logits(target, np.array([PROMPT + [a] for a in range(V)]))[:, -1]
+    l3 = target_logits(target, np.array([PROMPT + [a, b] for a in range(V) for b in range(V)]))[:, -1]
+    return target, draft, (l1, l2, l3.reshape(V, V, V))
+
+
+CASES = [  # (temperature, top_k, top_p)
+    (0.5, 0, 1.0),
+    (1.5, 0, 1.0),
+    (1.5, 3, 0.8),
+    (1.0, 0, 0.9),
+]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", CASES)
+def test_joint_law_of_first_three_tokens_is_the_targets(peaked, temperature, top_k, top_p):
+    target, draft, logits = peaked
+    want = exact_joint(logits, temperature, top_k, top_p)
+    # The top-p cut is not a near-tie anywhere (fp32 vs float64 could not flip it).
+    for lg in logits:
+        for row in lg.reshape(-1, V):
+            p = exact_filter(row[None], temperature, top_k, 1.0)[0]
+            cum = np.cumsum(np.sort(p)[::-1])
+            assert top_p == 1.0 or np.abs(cum - top_p).min() > 1e-4
+    # Power: what a wrong sampler would score, in expectation.
+    _, threshold = chi_square(np.zeros_like(want), want)
+    if temperature != 1.0:
+        assert expected_chi_square(exact_joint(logits, 1.0, top_k, top_p), want) > 5 * threshold
+    assert expected_chi_square(np.full_like(want, V ** -3.0), want) > 20 * threshold
+
+    kw = dict(max_new_tokens=NEW, temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=[])
+    runs = {"plain": S.generate(target, [PROMPT] * N, seed=1, **kw),
+            "speculative": S.speculative_generate(target, draft, [PROMPT] * N, block_size=4, seed=2, **kw)}
+    accepted = np.mean([r.acceptance_lengths[0] > 1 for r in runs["speculative"]])
+    print(f"T={temperature} top_k={top_k} top_p={top_p}: first drafts accepted in {accepted:.0%} of rows")
+    report = []
+    for name, results in runs.items():
+        toks = np.array([r.generated_ids for r in results])
+        assert toks.shape == (N, NEW)
+        counts = np.bincount(toks @ np.array([V * V, V, 1]), minlength=V ** 3).reshape(V, V, V)
+        stat, threshold = chi_square(counts, want)
+        tv = 0.5 * np.abs(counts / N - want).sum()
+        report.append((name, stat, threshold, tv))
+        print(f"{name}: chi-square {stat:.1f} / threshold {threshold:.1f}, total variation {tv:.3f}")
+    assert all(stat < threshold for _, stat, threshold, _ in report), report
+    assert accepted > 0.1  # drafts were accepted often, not just bonus tokens
