@@ -9,8 +9,9 @@ lot. The exact law of (t1, t2, t3) is computed in NumPy (float64) from the targe
 a bug in the library's filter is caught too. Each case draws N = 4000 rows in ONE batched call (the same
 prompt repeated; ``choose`` draws one categorical over [B, ..., V] with one key, so rows are independent
 draws; one draw repeated would fail the statistic), for plain decoding (``generate``) and for speculative
-decoding with a random block-4 draft (``speculative_generate``; token 1 comes from the prefill, tokens 2-3
-from verify steps, so the acceptance rule and the bonus token matter; the first draft is accepted in 27-63%
+decoding with a random block-4 draft under both acceptance rules (``speculative_generate``, ``match`` and
+``rejection``; token 1 comes from the prefill, tokens 2-3 from verify steps, so the acceptance rule, the
+residual and the bonus token matter; the first draft is accepted in 27-63%
 of rows, asserted > 10%).
 
 Statistic: Pearson's chi-square over the 512 outcomes, outcomes with expected count < 5 pooled into one
@@ -33,6 +34,8 @@ Mutations run by hand once each, one at a time (never committed); statistic / th
       for speculative decoding in every case, 20x to infinite (plain decoding passes, as it must).
   (f) the bonus token taken from the wrong position (p_{a+1} instead of p_a): CAUGHT for speculative
       decoding in every case, 32x to infinite.
+  (g) rejection rule accepting with probability p(d) instead of min(1, p(d) / q(d)): CAUGHT, 10x-15x.
+  (h) rejection rule resampling from p instead of the residual max(0, p - q): CAUGHT, 4.5x-21x.
   Not reliably caught: acceptance without the ``cumprod`` (d_2 accepted after d_1 was rejected): only
       the T = 1.5 case fails, at 1.1x. It changes the output only when d_1 is rejected AND the target's
       sample after the rejected d_1 equals d_2, and then only token 3; rare with this random draft.
@@ -142,9 +145,11 @@ def test_joint_law_of_first_three_tokens_is_the_targets(peaked, temperature, top
 
     kw = dict(max_new_tokens=NEW, temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=[])
     runs = {"plain": S.generate(target, [PROMPT] * N, seed=1, **kw),
-            "speculative": S.speculative_generate(target, draft, [PROMPT] * N, block_size=4, seed=2, **kw)}
-    accepted = np.mean([r.acceptance_lengths[0] > 1 for r in runs["speculative"]])
-    print(f"T={temperature} top_k={top_k} top_p={top_p}: first drafts accepted in {accepted:.0%} of rows")
+            "speculative": S.speculative_generate(target, draft, [PROMPT] * N, block_size=4, seed=2, **kw),
+            "speculative, rejection rule": S.speculative_generate(target, draft, [PROMPT] * N, block_size=4, seed=3,
+                                                                  acceptance="rejection", **kw)}
+    accepted = min(np.mean([r.acceptance_lengths[0] > 1 for r in runs[k]]) for k in runs if k != "plain")
+    print(f"T={temperature} top_k={top_k} top_p={top_p}: first drafts accepted in >= {accepted:.0%} of rows")
     report = []
     for name, results in runs.items():
         toks = np.array([r.generated_ids for r in results])
