@@ -5,7 +5,8 @@ while it equals the token the target samples at that position. Every committed t
 own choice given the committed prefix, so the output is distributed exactly as the target's (greedy:
 identical tokens).
 
-``rejection`` (speculative sampling, Leviathan et al. 2023 / Chen et al. 2023), for temperature > 0:
+``rejection`` (speculative sampling, Leviathan et al. 2023 / Chen et al. 2023; the default), for
+temperature > 0:
 draft token d_k is sampled from the draft's processed distribution q_k and accepted with probability
 min(1, p_k(d_k) / q_k(d_k)); at the first rejection the token is drawn from the normalised residual
 max(0, p_k - q_k); after K-1 acceptances the bonus comes from the target's p_K. For one position this
@@ -15,7 +16,8 @@ predicts the whole block in one forward, so q_k depends only on the committed co
 d_1..d_{k-1}: each d_k is sampled independently from its marginal. That is still a valid proposal for
 position k given any accepted prefix (the argument above holds for any q fixed before d_k is drawn;
 p_k is the target's distribution after the actual prefix x_n, d_1..d_{k-1}), so the rule stays exact
-position by position, and by induction for the whole sequence.
+position by position, and by induction for the whole sequence. On the demo pair it accepts more:
+tau 1.35 vs 1.26 at T = 0.7 and 1.27 vs 1.08 at T = 1.0 (README "Sampling").
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0
-    acceptance: str = "match"  # "match" | "rejection" (module docstring); greedy decoding always matches
+    acceptance: str = "rejection"  # "match" | "rejection" (module docstring); greedy decoding always matches
 
     def __post_init__(self):
         if self.acceptance not in ACCEPTANCE_RULES:

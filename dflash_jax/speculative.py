@@ -57,7 +57,7 @@ class EngineSpec:
                              tcache=sharding.constrain_cache(state.tcache, self.mesh),
                              dcache=sharding.constrain_cache(state.dcache, self.mesh))
 
-    acceptance: str = "match"  # "match" | "rejection" (sampling.py); greedy decoding always matches
+    acceptance: str = "rejection"  # "match" | "rejection" (sampling.py); greedy decoding always matches
 
     @property
     def speculative(self) -> bool:
@@ -309,7 +309,7 @@ def _executable(req: _Request):
 def speculative_generate(target: Target, draft, prompts, *, max_new_tokens: int, block_size: int | None = None,
                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                          stop_token_ids: Sequence[int] | None = None, seed: int = 0,
-                         max_length: int | None = None, acceptance: str = "match") -> list[GenerationResult]:
+                         max_length: int | None = None, acceptance: str = "rejection") -> list[GenerationResult]:
     """Generate for a batch of prompts (lists of ids, ragged) in one device call.
 
     ``draft=None`` (or ``block_size=1``) is plain autoregressive decoding with the same engine.
@@ -334,7 +334,7 @@ def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int, bloc
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     stop_token_ids: Sequence[int] | None = None, seed: int = 0,
                     max_length: int | None = None,
-                    acceptance: str = "match") -> Iterator[list[list[int]] | list[GenerationResult]]:
+                    acceptance: str = "rejection") -> Iterator[list[list[int]] | list[GenerationResult]]:
     """Host loop over the same jitted step: yields, after prefill and each step, the new token ids of
     every row (a list per row), and finally the list of ``GenerationResult`` (with the time to the first
     token). Prefill and step are compiled and run once before the clock starts, so timings exclude

@@ -31,10 +31,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--block-size", type=int, default=None, help="draft block size (default: the draft's trained one)")
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     d.add_argument("--top-k", type=int, default=0, help="0 = off")
-    d.add_argument("--acceptance", default="match", choices=["match", "rejection"],
-                   help="at temperature > 0: match (accept a greedy draft token while it equals the target's "
-                        "sample; the reference rule) or rejection (speculative sampling: drafts sampled from the "
-                        "draft, accepted with probability min(1, p/q)); both keep the target's distribution")
+    d.add_argument("--acceptance", default="rejection", choices=["match", "rejection"],
+                   help="at temperature > 0: rejection (default; speculative sampling: drafts sampled from the "
+                        "draft, accepted with probability min(1, p/q); longer acceptance on the demo pair) or "
+                        "match (the reference rule: a greedy draft token accepted while it equals the target's "
+                        "sample); both keep the target's distribution")
     d.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off (default)")
     d.add_argument("--seed", type=int, default=0, help="sampling seed (default 0; greedy ignores it)")
     d.add_argument("--stop-token-ids", default=None,

@@ -145,7 +145,8 @@ def test_joint_law_of_first_three_tokens_is_the_targets(peaked, temperature, top
 
     kw = dict(max_new_tokens=NEW, temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=[])
     runs = {"plain": S.generate(target, [PROMPT] * N, seed=1, **kw),
-            "speculative": S.speculative_generate(target, draft, [PROMPT] * N, block_size=4, seed=2, **kw),
+            "speculative, match rule": S.speculative_generate(target, draft, [PROMPT] * N, block_size=4, seed=2,
+                                                              acceptance="match", **kw),
             "speculative, rejection rule": S.speculative_generate(target, draft, [PROMPT] * N, block_size=4, seed=3,
                                                                   acceptance="rejection", **kw)}
     accepted = min(np.mean([r.acceptance_lengths[0] > 1 for r in runs[k]]) for k in runs if k != "plain")
