@@ -297,6 +297,7 @@ class DraftConfig:
     num_target_layers: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
+    target_hidden_size: int | None = None  # servers' optional field: fc input = n * target_hidden_size
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -332,12 +333,14 @@ class DraftConfig:
             if not n_target:
                 raise ValueError("draft config has neither dflash_config.target_layer_ids nor num_target_layers")
             ids = default_target_layer_ids(n_target, layers.num_hidden_layers)
+        target_hidden = _first(d.get("target_hidden_size"), dflash.get("target_hidden_size"), None)
         return cls(
             layers=layers,
             block_size=int(_first(d.get("block_size"), dflash.get("block_size"), 16)),
             num_target_layers=n_target,
             mask_token_id=int(mask),
             target_layer_ids=tuple(int(i) for i in ids),
+            target_hidden_size=None if target_hidden is None else int(target_hidden),
         )
 
     def to_hf(self) -> dict:
@@ -347,6 +350,8 @@ class DraftConfig:
         out["block_size"] = self.block_size
         out["num_target_layers"] = self.num_target_layers
         out["dflash_config"] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.target_hidden_size is not None:
+            out["target_hidden_size"] = self.target_hidden_size
         out["auto_map"] = {"AutoModel": "dflash.DFlashDraftModel"}
         return out
 
@@ -360,6 +365,9 @@ class DraftConfig:
         if self.num_target_layers and self.num_target_layers != n:
             warnings.warn(f"draft was trained for num_target_layers={self.num_target_layers}, "
                           f"target has {n} layers", stacklevel=2)
+        if self.target_hidden_size is not None and self.target_hidden_size != target.hidden_size:
+            raise ValueError(f"draft target_hidden_size {self.target_hidden_size} != the target's hidden_size "
+                             f"{target.hidden_size} (the draft was made for another target)")
         if self.layers.hidden_size != target.hidden_size:
             raise ValueError(f"draft hidden_size {self.layers.hidden_size} != target hidden_size "
                              f"{target.hidden_size} (the draft uses the target's embedding and lm_head)")

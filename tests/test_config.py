@@ -260,3 +260,15 @@ def test_check_fits_names_both_sides():
         draft.check_fits(target_config(vocab_size=151000))
     with pytest.warns(UserWarning, match="num_target_layers=36, target has 40 layers"):
         draft.check_fits(target_config(num_hidden_layers=40, layer_types=["full_attention"] * 40))
+
+
+def test_draft_target_hidden_size_is_read_and_checked():
+    d = {**ZLAB_LIKE, "target_hidden_size": ZLAB_LIKE["hidden_size"]}
+    draft = DraftConfig.from_hf(d)
+    assert draft.target_hidden_size == ZLAB_LIKE["hidden_size"]
+    assert DraftConfig.from_hf(draft.to_hf()) == draft
+    target = target_config()
+    draft.check_fits(target)
+    other = DraftConfig.from_hf({**d, "target_hidden_size": 2 * ZLAB_LIKE["hidden_size"]})
+    with pytest.raises(ValueError, match="target_hidden_size .* the target's hidden_size"):
+        other.check_fits(target)

@@ -97,7 +97,7 @@ def test_text_lines_and_jsonl(tmp_path):
 @pytest.mark.parametrize("content,match", [
     ('{"prompt": 3}\n', "prompt must be a string"),
     ('{"prompt_ids": [1, "2"]}\n', "prompt_ids must be a list of integers"),
-    ('{"text": "x"}\n', '"prompt" or "prompt_ids"'),
+    ('{"text": "x"}\n', '"prompt", "prompt_ids" or "messages"'),
     ('{"prompt": "a"}\n{"prompt": \n', "line 2 is not valid JSON"),
     ("\n  \n", "is empty"),
 ])

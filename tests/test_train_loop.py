@@ -26,7 +26,7 @@ from dflash_jax.target import Target, load_target, param_shapes, save_target
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig, parse_args
 from train.data import DataError, TrainData, write_manifest, write_shard
-from train.loop import TrainingError, train
+from train.loop import TrainingDiverged, TrainingError, train
 from train.make_data import make_data
 
 EOS = 95
@@ -259,7 +259,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(env, offline32, tmp_path)
     arr[start] = np.nan
     arr.flush()
     del arr
-    with pytest.raises(TrainingError, match=r"non-finite loss at step 3 .*last good checkpoint is step 2"):
+    with pytest.raises(TrainingDiverged, match=r"non-finite loss at step 3 .*last good checkpoint is step 2"):
         train(cfg, target=env["target"], log=_quiet)
     ck = Checkpointer(os.path.join(cfg.out, "checkpoints"), create=False)
     assert ck.latest_step() == 2

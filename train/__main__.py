@@ -13,14 +13,14 @@ def main(argv=None) -> int:
     maybe_initialize_distributed()  # one process of a TPU pod slice / multi-node launch: before any device use
     from train.checkpoint import CheckpointError
     from train.data import DataError
-    from train.loop import TrainingError, train
+    from train.loop import TrainingDiverged, TrainingError, train
 
     try:
         train(cfg)
-    except TrainingError as e:  # the run itself failed (non-finite loss, ...)
+    except TrainingDiverged as e:  # the run itself failed (non-finite loss)
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (DataError, CheckpointError, OSError, ValueError) as e:  # bad input: data, checkpoints, options
+    except (DataError, TrainingError, CheckpointError, OSError, ValueError) as e:  # bad input: data, checkpoints, options
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

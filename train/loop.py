@@ -58,8 +58,13 @@ COLLAPSE_TOL = 1e-3
 SET_ASIDE_DIR = "checkpoints.set-aside"
 
 
+class TrainingDiverged(RuntimeError):
+    """The run itself failed (a non-finite loss): not bad input; ``python -m train`` exits 1."""
+
+
 class TrainingError(RuntimeError):
-    """The run cannot continue (non-finite loss, inconsistent resume, ...); the message says what to do."""
+    """The run cannot start or resume as asked (inconsistent resume, unreadable checkpoints, ...); the message
+    says what to do."""
 
 
 # --- model setup --------------------------------------------------------------------------------------
@@ -538,7 +543,7 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
                 good = ckpt.latest_step()
                 where = (f"the last good checkpoint is step {good} in {ckpt.directory}" if good is not None
                          else "no checkpoint was saved (it failed before the first step)")
-                raise TrainingError(
+                raise TrainingDiverged(
                     f"non-finite loss at step {step + 1} (loss {loss}, gradient norm {float(gnorm)}; epoch {epoch}, "
                     f"sequences {idx.reshape(-1).tolist()}): training stopped without applying that update; "
                     f"{where}. Check the data / cached features for NaN, lower --lr, or use --dtype float32.")
