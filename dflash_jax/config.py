@@ -285,7 +285,7 @@ MASK_TOKEN = "<|MASK|>"
 
 def _first(*values):
     """The first value that is set (not None): an explicit 0 stays 0 and is then rejected, never replaced."""
-    return next(v for v in values if v is not None)
+    return next((v for v in values if v is not None), None)
 
 
 @dataclasses.dataclass(frozen=True)
