@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from dflash_jax.checkpoints import DTYPES
+from dflash_jax.checkpoints import DTYPES, auto_dtype, resolve_path
 from dflash_jax.demo import DEMO_DIR, DEMO_DRAFT, DEMO_TARGET
 from dflash_jax.prompts import PromptError, encode_prompt, read_prompts
 
@@ -61,14 +61,16 @@ def load_models(args):
         draft_path = draft_path or DEMO_DRAFT
     try:
         check_before_loading(args, target_path, draft_path)
+        # auto: the TARGET checkpoint's dtype (float32 on CPU), for the draft too: one compute dtype
+        dtype = auto_dtype(resolve_path(target_path)) if args.dtype == "auto" else args.dtype
         if getattr(args, "mesh", None):
             from dflash_jax import sharding
 
             sharding.maybe_initialize_distributed()
-            target, draft = sharding.load_sharded(target_path, draft_path, sharding.make_mesh(args.mesh), args.dtype)
+            target, draft = sharding.load_sharded(target_path, draft_path, sharding.make_mesh(args.mesh), dtype)
         else:
-            target = dj.load_target(target_path, dtype=args.dtype)
-            draft = dj.load_draft(draft_path, dtype=args.dtype) if draft_path else None
+            target = dj.load_target(target_path, dtype=dtype)
+            draft = dj.load_draft(draft_path, dtype=dtype) if draft_path else None
         if draft is not None:
             from dflash_jax.draft import check_fits
             check_fits(target, draft)
@@ -91,7 +93,6 @@ def check_before_loading(args, target_path: str, draft_path: str | None) -> None
     """Every option that the configs alone can check, before seconds (or minutes) of weight loading."""
     import warnings
 
-    from dflash_jax.checkpoints import resolve_path
     from dflash_jax.config import DraftConfig
     from dflash_jax.families import config_from_hf
     from dflash_jax.sampling import SamplingParams
