@@ -158,15 +158,17 @@ def apply_rope(x, positions, rope: RopeConfig):
 
 
 class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)), ``intermediate_size`` wide (default: the config's)."""
 
     cfg: TargetConfig
+    intermediate_size: int | None = None  # another width (a MoE family's shared expert)
 
     @nn.compact
     def __call__(self, x):
         c = self.cfg
-        gate = Linear(c.intermediate_size, c.mlp_bias, ("embed", "mlp"), name="gate_proj")(x)
-        up = Linear(c.intermediate_size, c.mlp_bias, ("embed", "mlp"), name="up_proj")(x)
+        width = self.intermediate_size or c.intermediate_size
+        gate = Linear(width, c.mlp_bias, ("embed", "mlp"), name="gate_proj")(x)
+        up = Linear(width, c.mlp_bias, ("embed", "mlp"), name="up_proj")(x)
         return Linear(c.hidden_size, c.mlp_bias, ("mlp", "embed"), name="down_proj")(nn.silu(gate) * up)
 
 

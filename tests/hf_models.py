@@ -12,7 +12,9 @@ CLASSES = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
            "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
-           "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM)}
+           "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+           "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+           "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM)}
 
 
 def hf_config(model_type: str = "qwen3", **overrides):
@@ -42,22 +44,82 @@ def torch_forward(model, ids, layer_ids=()):
     return out.logits.float().numpy(), feats
 
 
+# text model_type -> (config class, class) of the vision-language model around it
+VISION_LANGUAGE = {"qwen3_5_text": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration),
+                   "qwen3_5_moe_text": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration)}
+
+
 def save_vision_language(path, text_model, seed: int = 0, dtype=torch.float32):
-    """A Qwen3_5ForConditionalGeneration checkpoint (tiny random vision tower) whose language model is
-    ``text_model`` (a Qwen3_5ForCausalLM): the released Qwen3.5 / 3.6 layout. Returns the VL model."""
+    """A Qwen3_5ForConditionalGeneration (or Qwen3_5MoeForConditionalGeneration) checkpoint (tiny random
+    vision tower) whose language model is ``text_model`` (a Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM):
+    the released Qwen3.5 / 3.6 layout. Returns the VL model."""
     text = text_model.config.to_dict()
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=2, temporal_patch_size=1,
                   spatial_merge_size=1, out_hidden_size=text["hidden_size"], num_position_embeddings=16)
-    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision,
-                                     tie_word_embeddings=text_model.config.tie_word_embeddings)
+    config_class, model_class = VISION_LANGUAGE[text["model_type"]]
+    cfg = config_class(text_config=text, vision_config=vision, tie_word_embeddings=text_model.config.tie_word_embeddings)
     torch.manual_seed(seed)
-    model = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
+    model = model_class(cfg).eval()
     own = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
            for k, v in text_model.state_dict().items()}
     missing, unexpected = model.load_state_dict(own, strict=False)
     assert not unexpected and all(k.startswith("model.visual.") for k in missing), (missing, unexpected)
     model.to(dtype).save_pretrained(path)
     return model.float()
+
+
+def ragged_parity(model, target, lengths, seed: int = 1, tol: float = 1e-4):
+    """One forward of ``target`` over a ragged batch (row r: ``lengths[r]`` random tokens, padded with
+    position -1) against the torch ``model`` on each prompt alone: logits and every hidden_states[i]
+    within ``tol``. Returns the largest feature magnitude (to show the comparison is not of near-zeros)."""
+    from dflash_jax.target import forward
+
+    c = target.config
+    layers, d = tuple(range(c.num_hidden_layers)), c.hidden_size
+    ids = np.random.RandomState(seed).randint(0, c.vocab_size, (len(lengths), max(lengths))).astype(np.int32)
+    logits, feats, _ = forward(c, target.params, ids, positions_for(ids, lengths), feature_layer_ids=layers)
+    logits, feats = np.asarray(logits), np.asarray(feats)
+    for r, n in enumerate(lengths):
+        ref_logits, ref_feats = torch_forward(model, ids[r:r + 1, :n], layers)
+        assert max_diff(logits[r, :n], ref_logits[0]) <= tol, r
+        for i in layers:
+            assert max_diff(feats[r, :n, i * d:(i + 1) * d], ref_feats[0, :, i * d:(i + 1) * d]) <= tol, (r, i)
+    return float(np.abs(feats).max())
+
+
+def vision_language_loads(path: str, text_model, capfd):
+    """The released Qwen3.5 / 3.6 layout (``save_vision_language``: text under model.language_model., a
+    vision tower) plus an mtp.* tensor: loads the language model alone, says what it skipped, and its
+    logits equal the VL model's on text (transformers' text positions there come from get_rope_index:
+    the three mrope streams); our own VL export (``save_target``) reloads to the same. Returns the Target."""
+    import json
+    import os
+
+    import dflash_jax as dj
+    from dflash_jax.checkpoints import iter_safetensors, save_safetensors
+    from dflash_jax.target import save_target
+
+    vl = save_vision_language(path, text_model)
+    tensors = dict(iter_safetensors(os.path.join(path, "model.safetensors")))
+    assert any(n.startswith("model.visual.") for n in tensors)
+    d = text_model.config.hidden_size
+    tensors["mtp.fc.weight"] = np.zeros((d, 2 * d), np.float32)
+    save_safetensors(os.path.join(path, "model.safetensors"), {k: np.array(v) for k, v in tensors.items()})
+    with open(os.path.join(path, "config.json")) as f:
+        model_type = json.load(f)["model_type"]
+    assert model_type == text_model.config.model_type.removesuffix("_text")
+    target = dj.load_target(path)
+    err = capfd.readouterr().err
+    assert "vision tower" in err and "1 multi-token prediction" in err
+    assert target.config.vision_language and target.config.model_type == model_type
+    ids = np.random.RandomState(4).randint(0, text_model.config.vocab_size, (1, 20)).astype(np.int32)
+    with torch.no_grad():
+        want = vl(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
+    assert max_diff(dj.target_logits(target, ids), want) <= 1e-4
+    again = dj.load_target(save_target(target, os.path.join(path, "again")))
+    assert again.config == target.config
+    assert max_diff(dj.target_logits(again, ids), want) <= 1e-4
+    return target
 
 
 def positions_for(ids, lengths=None):

@@ -129,3 +129,30 @@ def decode_in_chunks(target, ids, cache, prefill_lengths, step, feature_layer_id
         pos = lengths[:, None] + np.arange(step(lengths.min()), dtype=np.int32)
         pos = np.where(pos < seq, pos, -1).astype(np.int32)
         tok = np.take_along_axis(ids, np.clip(pos, 0, seq - 1), 1)
+
+
+def lossless_greedy_with_partial_acceptance(model, target, blocks=(4, 8), new: int = 24):
+    """Speculative greedy (random drafts, ``blocks``) == plain greedy == transformers' greedy ``generate``
+    of the torch ``model``, on a batch of 3 ragged prompts, with and without a stop token that cuts row
+    0 short. Partial acceptance (1 < acceptance < block) must occur: for a hybrid target it is what
+    exercises the recurrent rollback. Needs a target vocabulary of at least 15 (small, so that a random
+    draft is sometimes right)."""
+    from dflash_jax import speculative as S
+    from hf_models import torch_greedy
+
+    prompts = [[5, 7, 3, 4, 9, 6], [7, 7, 1, 2, 3, 11, 12, 9, 14], [2, 8, 13]]
+    free = [torch_greedy(model, p, new) for p in prompts]
+    generated = free[0][len(prompts[0]):]
+    stop = next(t for i, t in enumerate(generated) if i >= 3 and t not in generated[:i])  # cuts row 0 short
+    expected = [torch_greedy(model, p, new, stop) for p in prompts]
+    assert len(expected[0]) < len(free[0])
+    partial = []
+    for stops, want in (([], free), ([stop], expected)):
+        plain = S.generate(target, prompts, max_new_tokens=new, stop_token_ids=stops)
+        assert [r.output_ids for r in plain] == want
+        for block in blocks:
+            draft = random_draft(target.config, block_size=block, target_layer_ids=(0, 2, 3))
+            spec = S.speculative_generate(target, draft, prompts, max_new_tokens=new, stop_token_ids=stops)
+            assert [r.output_ids for r in spec] == want, block
+            partial += [a for r in spec for a in r.acceptance_lengths if 1 < a < block]
+    assert partial, "no partial acceptance: the rollback was not exercised"

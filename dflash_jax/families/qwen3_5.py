@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -99,19 +100,39 @@ class Qwen35Config(TargetConfig):
     def value_dim(self) -> int:
         return self.linear_num_value_heads * self.linear_value_head_dim
 
+    # (vision-language, text-only) model_type and transformers class ("" / None: no VL layout); a family
+    # built on this one (the MoE variants) names its own and adds its fields by ``_extra_fields`` / ``_extra_hf``
+    MODEL_TYPES: ClassVar[tuple[str, str]] = ("qwen3_5", "qwen3_5_text")
+    ARCHITECTURES: ClassVar[tuple[str, str]] = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
+
+    @classmethod
+    def _text_config(cls, d: dict) -> dict:
+        """The language model's settings of a config.json (its ``text_config`` in the VL layout)."""
+        model_type = d.get("model_type")
+        vl, text_only = cls.MODEL_TYPES
+        if vl and model_type == vl:
+            if not isinstance(d.get("text_config"), dict):
+                raise ValueError(f"a {vl} config.json needs a text_config (the language model's settings)")
+            return {"eos_token_id": d.get("eos_token_id"), **d["text_config"],
+                    "tie_word_embeddings": d.get("tie_word_embeddings", False)}  # the VL model ties by its own flag
+        if model_type == text_only:
+            return d
+        raise ValueError(f"not a {cls.__name__} config: model_type {model_type!r} (expected {vl!r} or {text_only!r})")
+
+    @classmethod
+    def _extra_fields(cls, text: dict) -> dict:
+        """Fields a subclass reads from the text config (after the defaults are filled in)."""
+        return {}
+
+    def _extra_hf(self) -> dict:
+        """Entries a subclass adds to the text config it writes."""
+        return {}
+
     @classmethod
     def from_hf(cls, path_or_dict) -> "Qwen35Config":
         d = read_config_json(path_or_dict)
         model_type = d.get("model_type")
-        if model_type == "qwen3_5":
-            if not isinstance(d.get("text_config"), dict):
-                raise ValueError("a qwen3_5 config.json needs a text_config (the language model's settings)")
-            text = {"eos_token_id": d.get("eos_token_id"), **d["text_config"],
-                    "tie_word_embeddings": d.get("tie_word_embeddings", False)}  # the VL model ties by its own flag
-        elif model_type == "qwen3_5_text":
-            text = d
-        else:
-            raise ValueError(f"not a Qwen3.5 config: model_type {model_type!r}")
+        text = cls._text_config(d)
         text = {**_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
         n = int(text.get("num_hidden_layers", 0))
         interval = int(text.get("full_attention_interval", 4))
@@ -127,19 +148,22 @@ class Qwen35Config(TargetConfig):
         c = cls._from_dict({**base, key: rope or None}, "qwen3_5")
         return dataclasses.replace(
             c, model_type=model_type, qk_norm=True, attn_output_gate=True, norm_offset=True, layer_types=types,
-            rope=dataclasses.replace(c.rope, partial_rotary_factor=partial), vision_language=model_type == "qwen3_5",
-            **{k: int(text[k]) for k in _LINEAR})
+            rope=dataclasses.replace(c.rope, partial_rotary_factor=partial),
+            vision_language=model_type == cls.MODEL_TYPES[0], **{k: int(text[k]) for k in _LINEAR},
+            **cls._extra_fields(text))
 
     def to_hf(self) -> dict:
         text = TargetConfig.to_hf(dataclasses.replace(self, model_type="qwen3", layer_types=()))
         for k in ("use_sliding_window", "max_window_layers", "sliding_window"):
             del text[k]
-        text.update({"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
-                     "layer_types": list(self.layer_types), **{k: getattr(self, k) for k in _LINEAR}})
+        vl, text_only = self.MODEL_TYPES
+        text.update({"architectures": [self.ARCHITECTURES[1]], "model_type": text_only,
+                     "layer_types": list(self.layer_types), **{k: getattr(self, k) for k in _LINEAR},
+                     **self._extra_hf()})
         if not self.vision_language:
             return text
         del text["architectures"]
-        return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
+        return {"architectures": [self.ARCHITECTURES[0]], "model_type": vl, "text_config": text,
                 "tie_word_embeddings": self.tie_word_embeddings}
 
 
