@@ -85,7 +85,7 @@ def default_mask_token_id(target: Target, tokenizer=None) -> int:
 
 
 def build_draft_config(cfg: TrainConfig, target: Target, tokenizer=None) -> DraftConfig:
-    """A Qwen3 draft stack shaped like the target's layers (hidden, heads, head_dim, MLP, rope), with
+    """A Qwen3 draft stack shaped like the target's layers (hidden, heads, head_dim, MLP, rope theta), with
     ``cfg.draft_layers`` layers; built through ``DraftConfig.from_hf`` so it equals what ``load_draft``
     reads back from the export. The draft's MLP width is the target's ``intermediate_size`` (a
     mixture-of-experts target's dense MLP width, as the released drafts have) or, for a family without
@@ -104,7 +104,9 @@ def build_draft_config(cfg: TrainConfig, target: Target, tokenizer=None) -> Draf
          "head_dim": tc.head_dim, "rms_norm_eps": tc.rms_norm_eps,
          "max_position_embeddings": tc.max_position_embeddings, "tie_word_embeddings": False,
          "bos_token_id": tc.bos_token_id, "eos_token_id": list(tc.eos_token_id) or None,
-         "pad_token_id": tc.pad_token_id, **tc.rope.to_hf(),
+         # the draft's layers are Qwen3 layers: the target's rope, rotating the whole head (a hybrid target
+         # rotates part of it in its own attention only)
+         "pad_token_id": tc.pad_token_id, **dataclasses.replace(tc.rope, partial_rotary_factor=1.0).to_hf(),
          "block_size": cfg.block_size, "num_target_layers": L,
          "dflash_config": {"mask_token_id": int(mask_id), "target_layer_ids": list(ids)}}
     dcfg = DraftConfig.from_hf(d)
