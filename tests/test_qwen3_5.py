@@ -206,3 +206,26 @@ def test_training_a_draft_for_qwen3_5_runs_and_the_loss_falls(qwen, tmp_path):
     p = [[3, 5, 7, 2, 9], [4, 4, 1]]
     assert ([r.output_ids for r in S.speculative_generate(target, draft, p, max_new_tokens=16, stop_token_ids=[])]
             == [r.output_ids for r in S.generate(target, p, max_new_tokens=16, stop_token_ids=[])])
+
+
+def test_sampled_decoding_keeps_the_targets_joint_law(qwen):
+    """Temperature sampling through the recurrent rollback (rejection rule, block 4): the joint law of the
+    first three tokens against the exact one, with tests/test_sampling.py's statistic and threshold."""
+    from dflash_jax import speculative as S
+    from pairs import random_draft
+    from test_sampling import N, chi_square, exact_joint
+
+    _, _, target = qwen
+    draft = random_draft(target.config, block_size=4, target_layer_ids=(0, 2, 3))
+    prompt = [3]
+    l1 = dj.target_logits(target, np.array([prompt]))[0, -1]
+    l2 = dj.target_logits(target, np.array([prompt + [a] for a in range(V)]))[:, -1]
+    l3 = dj.target_logits(target, np.array([prompt + [a, b] for a in range(V) for b in range(V)]))[:, -1]
+    want = exact_joint((l1, l2, l3.reshape(V, V, V)), 1.0)
+    out = S.speculative_generate(target, draft, [prompt] * N, block_size=4, max_new_tokens=3, temperature=1.0,
+                                 stop_token_ids=[], seed=5)
+    toks = np.array([r.generated_ids for r in out])
+    counts = np.bincount(toks @ np.array([V * V, V, 1]), minlength=V ** 3).reshape(V, V, V)
+    stat, threshold = chi_square(counts, want)
+    assert stat < threshold, (stat, threshold)
+    assert np.mean([r.acceptance_lengths[0] > 1 for r in out]) > 0.05  # drafts accepted: rollback exercised
