@@ -115,10 +115,11 @@ def _prefill(spec: EngineSpec, tparams, dparams, prompts, lens, budget, stop_ids
 
 
 def _replayed(drafts, reference, probs, n, key, vocab: int):
-    """The replay draft (``Replay``): per row a length L drawn from ``probs`` (P(L = 1..B)); the block's draft
+    """The replay draft (``Replay``): per row a length L drawn from ``probs`` (P(L = 1..K)); the block's draft
     tokens are the reference's tokens n+1..n+L-1 (the target's own continuation: accepted) and then wrong
     ones (reference + 1 mod vocab: rejected), so L tokens are committed. The real ``drafts`` stay an input
-    (a select that never picks them) so the draft forward runs and is paid for."""
+    (a select that never picks them) so the draft forward runs and is paid for (the compiled loop keeps
+    every draft matmul: the same dot count as without replay)."""
     b, k1 = drafts.shape
     length = jax.random.categorical(key, jnp.log(probs), shape=(b,)) + 1
     pos = n[:, None] + 1 + jnp.arange(k1)
