@@ -58,6 +58,7 @@ class EngineSpec:
                              dcache=sharding.constrain_cache(state.dcache, self.mesh))
 
     acceptance: str = "rejection"  # "match" | "rejection" (sampling.py); greedy decoding always matches
+    replay: bool = False  # benchmarking (``Replay``): drafts replaced by a reference cut at a drawn length
 
     @property
     def speculative(self) -> bool:
@@ -113,8 +114,24 @@ def _prefill(spec: EngineSpec, tparams, dparams, prompts, lens, budget, stop_ids
                                   key=key))
 
 
-def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, sampling, mask_token_id) -> DecodeState:
-    """One draft + verify + commit for every row that is not done (done rows do not change)."""
+def _replayed(drafts, reference, probs, n, key, vocab: int):
+    """The replay draft (``Replay``): per row a length L drawn from ``probs`` (P(L = 1..K)); the block's draft
+    tokens are the reference's tokens n+1..n+L-1 (the target's own continuation: accepted) and then wrong
+    ones (reference + 1 mod vocab: rejected), so L tokens are committed. The real ``drafts`` stay an input
+    (a select that never picks them) so the draft forward runs and is paid for (the compiled loop keeps
+    every draft matmul: the same dot count as without replay)."""
+    b, k1 = drafts.shape
+    length = jax.random.categorical(key, jnp.log(probs), shape=(b,)) + 1
+    pos = n[:, None] + 1 + jnp.arange(k1)
+    ref = jnp.take_along_axis(reference, jnp.minimum(pos, reference.shape[1] - 1), axis=1)
+    out = jnp.where(jnp.arange(k1)[None] < length[:, None] - 1, ref, (ref + 1) % vocab)
+    return jnp.where(drafts < 0, drafts, out)
+
+
+def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, sampling, mask_token_id,
+          replay=None) -> DecodeState:
+    """One draft + verify + commit for every row that is not done (done rows do not change).
+    ``replay``: (reference [B, S], probs [K]) when ``spec.replay`` (benchmarking), else None."""
     b, cache_len = state.tokens.shape
     k = spec.block_size
     rows = jnp.arange(b)
@@ -130,6 +147,8 @@ def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, samp
             drafts = jax.random.categorical(k_draft, draft_scores, axis=-1).astype(jnp.int32)
         else:
             drafts = draft_lib.propose(spec.target, tparams, spec.draft, dparams, *context)
+            if spec.replay:
+                drafts = _replayed(drafts, *replay, n, k_draft, spec.target.vocab_size)
         block = block.at[:, 1:].set(drafts)
     else:
         block = pending[:, None]
@@ -165,15 +184,28 @@ def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, samp
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "cache_len"))
-def _generate(spec, tparams, dparams, prompts, lens, budget, stop_ids, sampling, key, mask_token_id, *, cache_len):
+def _generate(spec, tparams, dparams, prompts, lens, budget, stop_ids, sampling, key, mask_token_id, replay=None, *,
+              cache_len):
     state = _prefill(spec, tparams, dparams, prompts, lens, budget, stop_ids, sampling, key, cache_len)
     body = functools.partial(_step, spec, tparams, dparams, stop_ids=stop_ids, sampling=sampling,
-                             mask_token_id=mask_token_id)
+                             mask_token_id=mask_token_id, replay=replay)
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
 
 _prefill_jit = jax.jit(_prefill, static_argnames=("spec", "cache_len"))
 _step_jit = jax.jit(_step, static_argnames=("spec",), donate_argnames=("state",))
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """Benchmarking with a known acceptance length (``dflash_jax.synthetic``; greedy only). The draft forward
+    runs as always, but each step's draft tokens are replaced by the row's ``reference`` (its prompt + the
+    target's own greedy continuation, e.g. the output of plain decoding) cut at a length L drawn from
+    ``probs`` (P(L = 1..K), K the block size) and followed by wrong tokens, so each step commits L tokens
+    (fewer only where the budget ends the row) and the output still equals plain decoding."""
+
+    reference: Sequence[Sequence[int]]  # one per prompt, starting with the prompt
+    probs: Any  # [K] probabilities of acceptance lengths 1..K
 
 
 @dataclasses.dataclass
@@ -223,7 +255,7 @@ class _Request:
 
 
 def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, sampling: SamplingParams,
-             stop_token_ids, seed, max_length) -> _Request:
+             stop_token_ids, seed, max_length, replay: Replay | None = None) -> _Request:
     """Validate everything before any compute and build padded, bucketed inputs."""
     if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
         prompts = list(prompts)
@@ -267,7 +299,8 @@ def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, samplin
     dparams = draft.params if draft is not None and block_size > 1 else None
     mesh = sharding.mesh_of(target.params, dparams)
     spec = EngineSpec(target.config, draft.config if draft is not None else None, block_size, sampling.greedy, mesh,
-                      sampling.acceptance)
+                      sampling.acceptance, replay is not None)
+    replay_args = () if replay is None else (_replay_arrays(replay, spec, len(rows), cache_len),)
     mask_id = np.int32(draft.config.mask_token_id if draft is not None else 0)
     samp = (np.float32(max(sampling.temperature, 1e-6)), np.int32(sampling.top_k), np.float32(sampling.top_p))
     batch = (padded, lens, budget)
@@ -275,8 +308,28 @@ def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, samplin
         extra = sharding.pad_rows(len(rows), mesh)
         batch = sharding.shard_batch((np.pad(padded, ((0, extra), (0, 0))), np.pad(lens, (0, extra), constant_values=1),
                                       np.pad(budget, (0, extra), constant_values=1)), mesh)
-    args = (target.params, dparams, *batch, stop_arr, samp, jax.random.PRNGKey(seed), mask_id)
+        if replay_args:
+            ref, probs = replay_args[0]
+            replay_args = ((sharding.shard_batch(np.pad(ref, ((0, extra), (0, 0))), mesh), probs),)
+    args = (target.params, dparams, *batch, stop_arr, samp, jax.random.PRNGKey(seed), mask_id, *replay_args)
     return _Request(spec, args, cache_len, lens)
+
+
+def _replay_arrays(replay: Replay, spec: EngineSpec, rows: int, cache_len: int):
+    """(reference [rows, cache_len] int32, probs [K] float32) for ``_step``, checked."""
+    if not (spec.speculative and spec.greedy):
+        raise ValueError("replay needs speculative greedy decoding (a draft, block size > 1, temperature 0)")
+    probs = np.asarray(replay.probs, np.float64).ravel()
+    if probs.shape != (spec.block_size,) or (probs < 0).any() or not abs(probs.sum() - 1) < 1e-6:
+        raise ValueError(f"replay probs must be {spec.block_size} probabilities (acceptance lengths 1.."
+                         f"{spec.block_size}) summing to 1, got {probs.tolist()}")
+    if len(replay.reference) != rows:
+        raise ValueError(f"replay has {len(replay.reference)} reference rows for {rows} prompts")
+    ref = np.zeros((rows, cache_len), np.int32)
+    for i, r in enumerate(replay.reference):
+        r = np.asarray(r, np.int32)[:cache_len]
+        ref[i, :len(r)] = r
+    return ref, probs.astype(np.float32)
 
 
 def _results(state: DecodeState, req: _Request, wall: float) -> list[GenerationResult]:
@@ -309,16 +362,19 @@ def _executable(req: _Request):
 def speculative_generate(target: Target, draft, prompts, *, max_new_tokens: int, block_size: int | None = None,
                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                          stop_token_ids: Sequence[int] | None = None, seed: int = 0,
-                         max_length: int | None = None, acceptance: str = "rejection") -> list[GenerationResult]:
+                         max_length: int | None = None, acceptance: str = "rejection",
+                         replay: Replay | None = None) -> list[GenerationResult]:
     """Generate for a batch of prompts (lists of ids, ragged) in one device call.
 
     ``draft=None`` (or ``block_size=1``) is plain autoregressive decoding with the same engine.
     ``acceptance``: "match" or "rejection" (speculative sampling; ``dflash_jax.sampling``) at temperature > 0.
     ``max_length`` caps prompt + generated tokens per row (default: the target's
-    max_position_embeddings). Returns one ``GenerationResult`` per prompt; wall time excludes compilation.
+    max_position_embeddings). ``replay`` (benchmarking only): a known acceptance length, see ``Replay``.
+    Returns one ``GenerationResult`` per prompt; wall time excludes compilation.
     """
     sampling = SamplingParams(temperature, top_k, top_p, acceptance)
-    req = _prepare(target, draft, prompts, max_new_tokens, block_size, sampling, stop_token_ids, seed, max_length)
+    req = _prepare(target, draft, prompts, max_new_tokens, block_size, sampling, stop_token_ids, seed, max_length,
+                   replay)
     run = _executable(req)
     start = time.perf_counter()
     state = jax.block_until_ready(run(*req.args))

@@ -10,6 +10,10 @@ the first differing token and the target's top-2 logit gap there, so a near-tie 
 rounding looks different from a bug), how repetitive the outputs are (distinct 4-grams), and the time of
 one draft and one verify forward. ``--json`` prints one row per prompt,
 then one summary object.
+
+``--synthetic NAME`` benchmarks a preset at real model shapes (Qwen3-4B / 8B, LLaMA-3.1-8B, a tiny CPU one)
+with random weights and a SIMULATED acceptance length (``--replay-tau`` / ``--replay-histogram``), per
+``--batch-size`` and ``--context``: see ``infer/synthetic.py``.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import time
 import numpy as np
 
 from dflash_jax.progress import progress_bar
+from infer import synthetic
 from infer.common import (DEMO_TARGET, add_model_args, die, encode, load_models, param_dtype, read_prompts_file,
                           stop_ids)
 
@@ -41,6 +46,7 @@ def parse_args(argv=None):
                    help="timed runs per prompt and method, alternating, after one untimed warm-up run; "
                         "the fastest counts (default 3)")
     p.add_argument("--no-timing-split", action="store_true", help="skip timing single draft / verify forwards")
+    synthetic.add_args(p)
     p.set_defaults(max_new_tokens=128)
     return p.parse_args(argv)
 
@@ -66,10 +72,11 @@ def distinct_4grams(ids: list[int]) -> float:
 
 
 def time_forwards(target, draft, block_sizes=(4, 8, 16), context: int = 256, iters: int = 20,
-                  repeats: int = 5) -> dict:
+                  repeats: int = 5, batch: int = 1, cache_len: int | None = None) -> dict:
     """Seconds per draft forward (``propose``) and per target verify forward at block K, with ``context``
-    tokens of cache. Each is timed as ONE jitted loop of ``iters`` forwards, each fed the previous one's
-    output (as inside the decode loop: no per-call dispatch, no cache copies), best of ``repeats``."""
+    tokens of cache (of ``cache_len`` slots, default context + 32) for ``batch`` rows. Each is timed as ONE
+    jitted loop of ``iters`` forwards, each fed the previous one's output (as inside the decode loop: no
+    per-call dispatch, no cache copies), best of ``repeats``."""
     import jax
     import jax.numpy as jnp
 
@@ -90,19 +97,20 @@ def time_forwards(target, draft, block_sizes=(4, 8, 16), context: int = 256, ite
         return best / iters
 
     def draft_fwd(ids, tp, dp, dk, dv):
-        anchors = jnp.full((1, 1), context)
+        anchors = jnp.full((batch, 1), context)
         return ids.at[:, 1:].set(draft_lib.propose(tcfg, tp, draft.config, dp, ids, anchors, dk, dv))
 
     def verify(carry, tp):
         ids, cache = carry
-        pos = context + jnp.arange(ids.shape[1])[None]
+        pos = jnp.broadcast_to(context + jnp.arange(ids.shape[1]), ids.shape)
         logits, _, cache = target_lib.forward(tcfg, tp, ids, pos, cache)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
-    tcache = target.new_cache(1, context + 32, max_block=max(block_sizes))
-    dcache = draft_lib.cache_kv(draft.new_cache(1, context + 32)) if draft is not None else None
+    cache_len = cache_len or context + 32
+    tcache = target.new_cache(batch, cache_len, max_block=max(block_sizes))
+    dcache = draft_lib.cache_kv(draft.new_cache(batch, cache_len)) if draft is not None else None
     for k in sorted(set(block_sizes) | {1}):
-        ids = jnp.zeros((1, k), jnp.int32)
+        ids = jnp.zeros((batch, k), jnp.int32)
         if draft is not None and 1 < k <= draft.config.block_size:
             out[f"draft_forward_s_block{k}"] = timed(draft_fwd, ids, target.params, draft.params, *dcache)
         out[f"verify_forward_s_block{k}"] = timed(verify, (ids, tcache), target.params)
@@ -153,6 +161,12 @@ def machine() -> dict:
             "cpu_count": os.cpu_count(), "load_average": [round(x, 2) for x in load]}
 
 
+def warn_if_busy(where: dict) -> None:
+    if where["backend"] == "cpu" and where["load_average"][0] > 0.5 * (where["cpu_count"] or 1):
+        print(f"warning: the machine is busy (load average {where['load_average'][0]} on {where['cpu_count']} CPUs): "
+              "speedups are only comparable at equal load", file=sys.stderr)
+
+
 def plot(summary: dict, rows: list[dict], path: str | None = None):
     """The report figure: tau per prompt, acceptance rate per block position, tokens/s of both methods with the
     speedup; titled with target, draft, block size and device. Saved to ``path`` (or returned to show)."""
@@ -186,6 +200,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.repeats < 1:
         die(f"--repeats must be >= 1, got {args.repeats}")
+    if args.synthetic:
+        return synthetic.run(args)
+    synthetic.check_unused(args)
     from dflash_jax.speculative import generate, speculative_generate
 
     target, draft, tokenizer = load_models(args)
@@ -204,9 +221,7 @@ def main(argv=None) -> int:
         except ImportError:
             die("--plot needs matplotlib: pip install 'dflash_jax[plot]'")
     where = machine()
-    if where["backend"] == "cpu" and where["load_average"][0] > 0.5 * (where["cpu_count"] or 1):
-        print(f"warning: the machine is busy (load average {where['load_average'][0]} on {where['cpu_count']} CPUs): "
-              "speedups are only comparable at equal load", file=sys.stderr)
+    warn_if_busy(where)
     bar = progress_bar(len(prompts), "benchmark", "prompt", not args.json or sys.stderr.isatty())
     try:
         rows, plain_time, spec_time, plain_tokens, spec_tokens, all_acc = [], 0.0, 0.0, 0, 0, []

@@ -1,0 +1,200 @@
+"""Synthetic target + draft pairs at real model shapes, for benchmarking without a download.
+
+``PRESETS`` holds the released targets' shapes (written out from their ``config.json``) with their
+released DFlash drafts' shapes, plus ``tiny`` (runs on a laptop CPU in seconds). ``synthetic_pair``
+builds one with random weights drawn on the device, leaf by leaf, under jit (straight onto the mesh's
+shardings when one is given): an 8B model never exists in host memory.
+
+Random weights make a draft's acceptance meaningless, so benchmarks replay it instead
+(``speculative_generate(..., replay=Replay(...))``): the draft forward runs and is paid for, but its
+tokens are replaced by a reference continuation (the target's own greedy output, from plain decoding)
+cut at an acceptance length drawn per step and row from ``replay_probs``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from dflash_jax.config import DraftConfig, RopeConfig, TargetConfig, choose_target_layer_ids
+from dflash_jax.draft import Draft, draft_param_shapes
+from dflash_jax.layers import INIT_STD
+from dflash_jax.target import Target, param_shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A target config and the shape of its draft (layers, block size, target layer ids, mask id)."""
+
+    target: TargetConfig
+    draft_layers: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    source: str  # where the shapes come from
+
+    @property
+    def draft(self) -> DraftConfig:
+        """The draft: a Qwen3 layer stack with the target's widths and rope (as the released drafts)."""
+        t = self.target
+        layers = TargetConfig(model_type="qwen3", vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+                              intermediate_size=t.intermediate_size, num_hidden_layers=self.draft_layers,
+                              num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+                              head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps,
+                              max_position_embeddings=t.max_position_embeddings, rope=t.rope)
+        return DraftConfig(layers=layers, block_size=self.block_size, num_target_layers=t.num_hidden_layers,
+                           mask_token_id=self.mask_token_id, target_layer_ids=self.target_layer_ids)
+
+
+def _qwen3(hidden, inter, layers, tie, heads=32, kv=8) -> TargetConfig:
+    return TargetConfig(model_type="qwen3", vocab_size=151936, hidden_size=hidden, intermediate_size=inter,
+                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=128,
+                        rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=tie, qk_norm=True,
+                        rope=RopeConfig(theta=1e6), bos_token_id=151643, eos_token_id=(151645,),
+                        pad_token_id=151643)
+
+
+_LLAMA31_ROPE = RopeConfig(theta=500000.0, rope_type="llama3", params=tuple(sorted(
+    {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}.items())))
+
+# Draft shapes: 5 layers with the target's widths, block 16, target layers by the released formula
+# round(1 + i*(L-4)/4) (z-lab/Qwen3-{4B,8B}-DFlash-b16: layers 1, 9, 17, 25, 33 of 36; REFERENCE.md, the
+# paper's default of 5 draft layers). The LLaMA draft's ids follow the same formula (1, 8, 15, 22, 29);
+# its mask id is LLaMA-3's first reserved special token.
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(TargetConfig(model_type="qwen3", vocab_size=4096, hidden_size=256, intermediate_size=768,
+                                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                max_position_embeddings=32768, rope=RopeConfig(theta=1e6), eos_token_id=(1,)),
+                   draft_layers=2, block_size=16, target_layer_ids=choose_target_layer_ids(4, 2), mask_token_id=4095,
+                   source="small CPU preset (Qwen3 layers, hidden 256, 4 layers; draft 2 layers, block 16)"),
+    "qwen3-4b": Preset(_qwen3(2560, 9728, 36, tie=True), 5, 16, (1, 9, 17, 25, 33), 151669,
+                       "Qwen/Qwen3-4B config.json; draft z-lab/Qwen3-4B-DFlash-b16"),
+    "qwen3-8b": Preset(_qwen3(4096, 12288, 36, tie=False), 5, 16, (1, 9, 17, 25, 33), 151669,
+                       "Qwen/Qwen3-8B config.json; draft z-lab/Qwen3-8B-DFlash-b16"),
+    "llama3.1-8b": Preset(TargetConfig(model_type="llama", vocab_size=128256, hidden_size=4096,
+                                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                                       num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                                       max_position_embeddings=131072, qk_norm=False, rope=_LLAMA31_ROPE,
+                                       bos_token_id=128000, eos_token_id=(128001, 128008, 128009)),
+                          5, 16, (1, 8, 15, 22, 29), 128002,
+                          "meta-llama/Llama-3.1-8B-Instruct config.json; draft shaped as "
+                          "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat (5 layers, block 16, released layer formula)"),
+}
+
+
+def preset(name: str) -> Preset:
+    key = name.lower()
+    if key not in PRESETS:
+        raise ValueError(f"unknown synthetic preset {name!r}; choose from {', '.join(PRESETS)}")
+    return PRESETS[key]
+
+
+@functools.lru_cache(maxsize=None)
+def _leaf_fn(shape, dtype, kind: str, sharding):
+    """A jitted maker of one parameter on its device(s); one compile per distinct (shape, kind, sharding)."""
+    def make(key):
+        if kind == "weight":
+            return jnp.ones(shape, dtype)
+        if kind == "bias":
+            return jnp.zeros(shape, dtype)
+        return (jax.random.normal(key, shape, jnp.float32) * INIT_STD).astype(dtype)
+
+    return jax.jit(make, out_shardings=sharding)
+
+
+def device_random_params(shapes, seed: int, dtype, shardings=None):
+    """Parameters like ``layers.random_params`` (normal(0.02) matrices, unit norms, zero biases), each drawn
+    by a jitted function on the device(s) it lives on (``shardings``: a matching tree, or None = default
+    device); the host never holds a copy."""
+    flat = traverse_util.flatten_dict(shapes)
+    flat_sh = traverse_util.flatten_dict(shardings) if shardings is not None else {}
+    key = jax.random.PRNGKey(seed)
+    out = {}
+    for i, (path, leaf) in enumerate(sorted(flat.items())):
+        kind = path[-1] if path[-1] in ("weight", "bias") else "normal"
+        out[path] = _leaf_fn(tuple(leaf.shape), jnp.dtype(dtype), kind, flat_sh.get(path))(jax.random.fold_in(key, i))
+    return traverse_util.unflatten_dict(out)
+
+
+def synthetic_pair(name: str, dtype="bfloat16", mesh=None, seed: int = 0) -> tuple[Target, Draft]:
+    """(target, draft) of preset ``name`` with random weights in ``dtype``, on ``mesh`` (tensor-parallel per
+    the sharding rules) or the default device."""
+    p = preset(name)
+    tcfg, dcfg = p.target, p.draft
+    tsh = dsh = None
+    if mesh is not None:
+        from dflash_jax import sharding
+
+        rules = sharding.model_rules(mesh, tcfg, dcfg)
+        tsh, dsh = sharding.param_shardings(tcfg, mesh, rules), sharding.param_shardings(dcfg, mesh, rules)
+    target = Target(tcfg, device_random_params(param_shapes(tcfg), seed, dtype, tsh), path=f"synthetic:{name}")
+    draft = Draft(dcfg, device_random_params(draft_param_shapes(dcfg), seed + 1, dtype, dsh),
+                  path=f"synthetic:{name}-draft")
+    return target, draft
+
+
+def num_params(shapes) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes)))
+
+
+# --- the replayed acceptance-length distribution ---------------------------------------------------------
+
+
+def geometric_probs(tau: float, block_size: int) -> np.ndarray:
+    """P(acceptance length = 1..B) with mean ``tau``: each draft token accepted with the same probability r,
+    independently, until the first rejection, cut at the block (a truncated geometric: P(L = l) =
+    r^(l-1) (1 - r) for l < B, P(L = B) = r^(B-1)); r solved for the mean (bisection)."""
+    if not 1 <= tau <= block_size:
+        raise ValueError(f"replay tau must be in [1, block size {block_size}], got {tau}")
+
+    def probs(r):
+        p = r ** np.arange(block_size, dtype=np.float64) * (1 - r)
+        p[-1] = r ** (block_size - 1)
+        return p
+
+    def mean(r):
+        return float((probs(r) * np.arange(1, block_size + 1)).sum())
+
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mean(mid) < tau else (lo, mid)
+    return probs((lo + hi) / 2)
+
+
+def histogram_probs(counts, block_size: int) -> np.ndarray:
+    """P(acceptance length = 1..B) from counts per length (index 0 = length 1), padded to the block."""
+    c = np.asarray(counts, np.float64).ravel()
+    if c.size == 0 or c.size > block_size or (c < 0).any() or not c.sum() > 0:
+        raise ValueError(f"the replay histogram needs 1..{block_size} non-negative counts (lengths 1..{block_size}) "
+                         f"with a positive sum, got {c.tolist()}")
+    return np.pad(c, (0, block_size - c.size)) / c.sum()
+
+
+def read_histogram(path: str) -> list[float]:
+    """Counts per acceptance length from a file: a JSON list, a JSON object with ``acceptance_histogram``
+    (the benchmark's summary line), or numbers separated by spaces, commas or newlines."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        data = None
+    if isinstance(data, dict):
+        data = data.get("acceptance_histogram")
+    if isinstance(data, list):
+        return [float(x) for x in data]
+    try:
+        return [float(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"{path}: expected counts per acceptance length (a JSON list, an object with "
+                         "acceptance_histogram, or numbers separated by spaces/commas)") from None
+
+
+def probs_mean(probs) -> float:
+    return float((np.asarray(probs) * np.arange(1, len(probs) + 1)).sum())

@@ -1,0 +1,226 @@
+"""``python -m infer.benchmark --synthetic NAME``: real model shapes, random weights, SIMULATED acceptance.
+
+The preset's target and draft (``dflash_jax.synthetic.PRESETS``) get random weights drawn on the device(s)
+(bfloat16 on TPU / GPU, float32 on CPU unless ``--dtype``). Per configuration (each ``--batch-size`` x each
+``--context``; the prompts are random tokens of that length; no stop tokens, so every row generates
+``--max-new-tokens``), in one run:
+
+1. plain greedy decoding, which also gives each row's reference continuation;
+2. DFlash with the replay draft: the draft forward runs as always, but its tokens are replaced by the
+   reference cut at an acceptance length drawn per step and row (``--replay-tau``: a truncated geometric
+   with that mean, i.e. every draft token accepted with the same probability r until the first rejection;
+   or ``--replay-histogram``: counts per length); its output must equal plain decoding's;
+3. prefill alone of both (a run with one new token), so decode-only times can be told apart;
+4. one draft forward and one verify forward of B tokens (and of 1 token) at this batch and cache length.
+
+Reported: plain step, DFlash step = draft + verify + rest, the realised tau, the end-to-end speedup
+(whole calls, prefill included), the decode speedup (prefill subtracted from both) and the engine
+efficiency = decode speedup / tau (1.0: a DFlash step costs no more than a plain one).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import numpy as np
+
+from infer.common import die
+
+TOLERANT_DTYPES = ("bfloat16", "float16")  # a near-tie may flip between block and one-token forwards
+
+
+def add_args(p) -> None:
+    g = p.add_argument_group("synthetic benchmark (--synthetic)")
+    g.add_argument("--synthetic", metavar="NAME",
+                   help="benchmark a preset with random weights and simulated acceptance instead of --target/--draft: "
+                        "tiny (CPU-sized), qwen3-4b, qwen3-8b, llama3.1-8b (real shapes and their released drafts')")
+    g.add_argument("--replay-tau", type=float, default=None,
+                   help="with --synthetic: mean acceptance length to replay (truncated geometric: each draft token "
+                        "accepted with the same probability; default 6.5, the paper's Qwen3-8B average)")
+    g.add_argument("--replay-histogram", metavar="FILE",
+                   help="with --synthetic: replay acceptance lengths drawn from counts per length 1..B (a JSON list, "
+                        "the benchmark's summary line, or numbers)")
+    g.add_argument("--batch-size", help="with --synthetic: rows per run, comma-separated for several "
+                                                     "(e.g. 1,8; default 1)")
+    g.add_argument("--context", help="with --synthetic: prompt tokens (random), comma-separated for "
+                                                     "several (e.g. 1024,8192; default 1024)")
+
+
+def check_unused(args) -> None:
+    """The synthetic-only options are an error without --synthetic."""
+    given = [f for f, v in (("--replay-tau", args.replay_tau), ("--replay-histogram", args.replay_histogram),
+                            ("--batch-size", args.batch_size), ("--context", args.context)) if v is not None]
+    if given:
+        die(f"{', '.join(given)} only apply to the synthetic benchmark: add --synthetic NAME")
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        die(f"{flag} takes positive integers separated by commas, got {text!r}")
+    return out
+
+
+def replay_distribution(args, block: int) -> tuple[np.ndarray, dict]:
+    """(P(acceptance length = 1..block), its description for the report)."""
+    from dflash_jax import synthetic as syn
+
+    if args.replay_histogram and args.replay_tau is not None:
+        die("pass --replay-tau or --replay-histogram, not both")
+    try:
+        if args.replay_histogram:
+            probs = syn.histogram_probs(syn.read_histogram(args.replay_histogram), block)
+            desc = {"distribution": "histogram", "file": args.replay_histogram}
+        else:
+            tau = min(6.5, block) if args.replay_tau is None else args.replay_tau
+            probs = syn.geometric_probs(tau, block)
+            desc = {"distribution": "truncated geometric"}
+    except (OSError, ValueError) as e:
+        die(str(e))
+    desc.update(requested_tau=syn.probs_mean(probs), probs=[round(float(x), 6) for x in probs])
+    return probs, desc
+
+
+def _call(fn, *a, **kw):
+    """One batched call as ``_fastest`` compares runs: all rows' output ids and the call's wall time."""
+    def call():
+        rows = fn(*a, **kw)
+        return types.SimpleNamespace(rows=rows, output_ids=[r.output_ids for r in rows], wall_time_s=rows[0].wall_time_s)
+
+    return call
+
+
+def measure(target, draft, batch: int, context: int, block: int, probs, args) -> dict:
+    """One configuration: plain, replayed DFlash, prefill alone of both, and the forward timings."""
+    import jax
+
+    from dflash_jax.sampling import SamplingParams
+    from dflash_jax.speculative import Replay, _prepare, generate, speculative_generate
+    from infer.benchmark import _fastest, first_mismatch, time_forwards
+
+    rng = np.random.default_rng([args.seed, batch, context])
+    prompts = rng.integers(0, target.config.vocab_size, (batch, context)).tolist()
+    kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[], max_length=args.max_length)
+    plain = generate(target, prompts, **kw)  # the reference continuations (also compiles)
+    replay = Replay([r.output_ids for r in plain], probs)
+    one = dict(kw, max_new_tokens=1)
+    try:
+        base, spec = _fastest(args.repeats, _call(generate, target, prompts, **kw),
+                              _call(speculative_generate, target, draft, prompts, block_size=block, replay=replay, **kw))
+        pre_plain, pre_spec = _fastest(args.repeats, _call(generate, target, prompts, **one),
+                                       _call(speculative_generate, target, draft, prompts, block_size=block, **one))
+    except ValueError as e:
+        die(str(e))
+    base, spec, pre_plain, pre_spec = base.rows, spec.rows, pre_plain.rows, pre_spec.rows
+    identical = [b.output_ids == s.output_ids for b, s in zip(base, spec)]
+    mismatch = None
+    if not all(identical):
+        i = identical.index(False)
+        mismatch = dict(first_mismatch(target, base[i], spec[i]), row=i)
+        msg = (f"batch {batch}, context {context}: replayed DFlash output differs from plain decoding in "
+               f"{identical.count(False)} row(s); first at row {i}, generated token {mismatch['position']} "
+               f"(target's top-2 logit gap {mismatch['top2_logit_gap']:.4g})")
+        if str(jax.tree_util.tree_leaves(target.params)[0].dtype) not in TOLERANT_DTYPES:
+            print(f"error: {msg}: a bug (full precision has no near-ties to flip)", file=sys.stderr)
+            raise SystemExit(1)
+        print(f"warning: {msg}: a near-tie flipped by low-precision rounding if the gap is near the dtype's "
+              "rounding; the replay is off its reference after that, so tau drops", file=sys.stderr)
+    wall_plain, wall_spec = base[0].wall_time_s, spec[0].wall_time_s
+    prefill_plain, prefill_spec = pre_plain[0].wall_time_s, pre_spec[0].wall_time_s
+    acc = np.array([a for r in spec for a in r.acceptance_lengths])
+    tau = float(acc.mean())
+    plain_steps = max(r.num_generated for r in base) - 1  # the first token comes from the prefill
+    spec_steps = max(r.target_forwards for r in spec) - 1
+    tokens = sum(r.num_generated for r in base)
+    row = {"synthetic": args.synthetic, "acceptance": "simulated", "batch_size": batch, "context": context,
+           "block_size": block, "max_new_tokens": args.max_new_tokens, "tau": tau,
+           "acceptance_histogram": np.bincount(acc, minlength=block + 1)[1:block + 1].tolist(),
+           "plain_loop_steps": plain_steps, "dflash_loop_steps": spec_steps,
+           "plain_tokens_per_s": tokens / wall_plain, "dflash_tokens_per_s": tokens / wall_spec,
+           "speedup": wall_plain / wall_spec,
+           "prefill_s": {"plain": prefill_plain, "dflash": prefill_spec},
+           "plain_step_s": max(wall_plain - prefill_plain, 0.0) / max(plain_steps, 1),
+           "dflash_step_s": max(wall_spec - prefill_spec, 0.0) / max(spec_steps, 1),
+           "identical": all(identical), "first_mismatch": mismatch}
+    row["decode_speedup"] = (wall_plain - prefill_plain) / max(wall_spec - prefill_spec, 1e-12)
+    row["engine_efficiency"] = row["decode_speedup"] / tau
+    if not args.no_timing_split:
+        cache_len = _prepare(target, draft, prompts, args.max_new_tokens, block, SamplingParams(), [], 0,
+                             args.max_length).cache_len
+        row.update(time_forwards(target, draft, block_sizes=(block,), context=context, batch=batch,
+                                 cache_len=cache_len))
+        d, v = row[f"draft_forward_s_block{block}"], row[f"verify_forward_s_block{block}"]
+        row["step_split_s"] = {"draft": d, "verify": v, "rest": row["dflash_step_s"] - d - v}
+    return row
+
+
+def run(args) -> int:
+    """The synthetic benchmark (``--synthetic``); rows printed as text or JSON lines."""
+    from dflash_jax import synthetic as syn
+    from infer.benchmark import machine, warn_if_busy
+
+    if args.target or args.draft or args.prompts_file or args.plot:
+        die("--synthetic builds its own target, draft and prompts: drop --target / --draft / --prompts-file / --plot")
+    if args.temperature != 0:
+        die("--synthetic replays greedy acceptance: use --temperature 0")
+    try:
+        preset = syn.preset(args.synthetic)
+    except ValueError as e:
+        die(str(e))
+    batches, contexts = _ints(args.batch_size or "1", "--batch-size"), _ints(args.context or "1024", "--context")
+    block = args.block_size or preset.block_size
+    if not 2 <= block <= preset.block_size:
+        die(f"--block-size must be in [2, {preset.block_size}] for preset {args.synthetic}, got {block}")
+    probs, desc = replay_distribution(args, block)
+    import jax
+
+    dtype = args.dtype if args.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    mesh = None
+    if args.mesh:
+        from dflash_jax import sharding
+
+        sharding.maybe_initialize_distributed()
+        mesh = sharding.make_mesh(args.mesh)
+    target, draft = syn.synthetic_pair(args.synthetic, dtype, mesh, seed=args.seed)
+    sizes = {"target_params": syn.num_params(target.params), "draft_params": syn.num_params(draft.params)}
+    print(f"synthetic {args.synthetic}: {preset.source}; random {dtype} weights ({sizes['target_params'] / 1e9:.3g}B "
+          f"target, {sizes['draft_params'] / 1e9:.3g}B draft); acceptance SIMULATED", file=sys.stderr)
+    where = machine()
+    warn_if_busy(where)
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            row = measure(target, draft, batch, context, block, probs, args)
+            row.update(replay=desc, dtype=dtype, machine=where, **sizes)
+            rows.append(row)
+            if args.json:
+                print(json.dumps(row), flush=True)
+    if not args.json:
+        print_text(rows, args, desc, dtype, where)
+    return 0
+
+
+def print_text(rows, args, desc, dtype, where) -> None:
+    ms = lambda s: f"{s * 1e3:.2f}"  # noqa: E731
+    print(f"SYNTHETIC benchmark, preset {args.synthetic}: random {dtype} weights; acceptance is SIMULATED (replay "
+          f"draft: the target's own continuation cut at lengths drawn from a {desc['distribution']} with mean "
+          f"{desc['requested_tau']:.2f}); {args.max_new_tokens} new tokens per row, block {rows[0]['block_size']}")
+    split = not args.no_timing_split
+    print(f"{'batch':>5} {'context':>7} {'tau':>5} {'plain step':>10} {'DFlash step':>11}"
+          + (f" {'= draft':>8} {'+ verify':>8} {'+ rest':>7} {'verify 1':>8}" if split else "")
+          + f" {'speedup':>7} {'decode':>7} {'efficiency':>10} same")
+    for r in rows:
+        b = r["block_size"]
+        print(f"{r['batch_size']:>5} {r['context']:>7} {r['tau']:>5.2f} {ms(r['plain_step_s']):>10} "
+              f"{ms(r['dflash_step_s']):>11}"
+              + (f" {ms(r['step_split_s']['draft']):>8} {ms(r['step_split_s']['verify']):>8} "
+                 f"{ms(r['step_split_s']['rest']):>7} {ms(r['verify_forward_s_block1']):>8}" if split else "")
+              + f" {r['speedup']:>6.2f}x {r['decode_speedup']:>6.2f}x {r['engine_efficiency']:>10.2f} {r['identical']}")
+    print(f"times in ms per loop step (prefill excluded; verify 1: one target forward of 1 token, verify: of {b}); "
+          "speedup: whole calls, prefill included; decode: prefill excluded; efficiency = decode speedup / tau")
+    print(f"measured on {where['device']} ({where['backend']}, {where['num_devices']} device(s)), "
+          f"{where['cpu_count']} CPUs, load average {where['load_average'][0]}")

@@ -1,0 +1,188 @@
+"""``python -m infer.benchmark --synthetic``: presets at real shapes, the replay draft, the report."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dflash_jax import synthetic as syn
+from dflash_jax.speculative import Replay, generate, speculative_generate
+from pairs import random_pair
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return random_pair(block_size=8)
+
+
+PROMPTS = [[3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]  # ragged rows
+
+
+def _replayed(pair, probs, max_new_tokens=40, prompts=PROMPTS, **kw):
+    target, draft = pair
+    plain = generate(target, prompts, max_new_tokens=max_new_tokens, stop_token_ids=[])
+    spec = speculative_generate(target, draft, prompts, max_new_tokens=max_new_tokens, stop_token_ids=[],
+                                replay=Replay([r.output_ids for r in plain], probs), **kw)
+    return plain, spec
+
+
+@pytest.mark.parametrize("probs,length", [(np.eye(8)[0], 1), (np.eye(8)[2], 3), (np.eye(8)[7], 8), (None, None)])
+def test_replay_equals_plain_decoding_at_the_drawn_lengths(pair, probs, length):
+    """The replayed block is the reference up to the drawn length, then wrong tokens: every step commits exactly
+    that many tokens (only the row's last step is cut by the budget) and the output is plain decoding's."""
+    plain, spec = _replayed(pair, syn.geometric_probs(3.5, 8) if probs is None else probs)
+    for p, s in zip(plain, spec):
+        assert s.output_ids == p.output_ids
+        assert s.num_generated == 1 + sum(s.acceptance_lengths)
+        if length is not None:
+            assert set(s.acceptance_lengths[:-1]) == {length} and s.acceptance_lengths[-1] <= length
+
+
+def test_replay_block_smaller_than_trained(pair):
+    plain, spec = _replayed(pair, syn.geometric_probs(2.5, 4), block_size=4)
+    assert [s.output_ids for s in spec] == [p.output_ids for p in plain]
+    assert max(a for s in spec for a in s.acceptance_lengths) <= 4
+
+
+def test_realised_tau_is_the_requested_one(pair):
+    """Mean acceptance length over the steps that the budget did not cut (each row's last) is within 4 standard
+    errors of the requested tau: the lengths are i.i.d. draws from the distribution, so the error of their mean
+    is sd / sqrt(n); at 4 of them a correct engine fails with probability ~6e-5 for a random seed (and this
+    seed is fixed, so the test is deterministic)."""
+    probs = syn.geometric_probs(4.0, 8)
+    _, spec = _replayed(pair, probs, max_new_tokens=160, prompts=PROMPTS + [[20, 21], [30]])
+    acc = np.array([a for s in spec for a in s.acceptance_lengths[:-1]])
+    sd = np.sqrt((probs * (np.arange(1, 9) - 4.0) ** 2).sum())
+    assert len(acc) > 100
+    assert abs(acc.mean() - 4.0) < 4 * sd / np.sqrt(len(acc)), (acc.mean(), sd, len(acc))
+
+
+def test_replay_on_a_mesh(pair):
+    """Rows over data (3 prompts padded to 4 rows), weights over tensor: the reference rows travel with them."""
+    from dflash_jax import sharding
+
+    target, draft = pair
+    mesh = sharding.make_mesh("data=-1,tensor=2")
+    sharded = (sharding.shard_target(target, mesh), sharding.shard_draft(draft, mesh))
+    plain, spec = _replayed(sharded, np.eye(8)[3], max_new_tokens=20)
+    assert [s.output_ids for s in spec] == [p.output_ids for p in plain]
+    assert all(set(s.acceptance_lengths[:-1]) == {4} for s in spec)
+
+
+def test_replay_rejects_bad_input(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="8 probabilities"):
+        speculative_generate(target, draft, [[3, 4]], max_new_tokens=4, replay=Replay([[3, 4, 5]], [0.5, 0.5]))
+    with pytest.raises(ValueError, match="greedy"):
+        speculative_generate(target, draft, [[3, 4]], max_new_tokens=4, temperature=1.0,
+                             replay=Replay([[3, 4, 5]], np.eye(8)[0]))
+
+
+def test_replay_distributions(tmp_path):
+    for tau in (1.0, 2.5, 6.5, 15.0, 16.0):
+        p = syn.geometric_probs(tau, 16)
+        assert p.shape == (16,) and np.isclose(p.sum(), 1) and (p >= 0).all() and np.isclose(syn.probs_mean(p), tau)
+    r = syn.geometric_probs(6.5, 16)
+    assert np.allclose(r[1:-1] / r[:-2], r[1] / r[0])  # constant per-position acceptance (until the block's end)
+    with pytest.raises(ValueError, match="replay tau"):
+        syn.geometric_probs(17, 16)
+    assert np.allclose(syn.histogram_probs([1, 0, 3], 4), [0.25, 0, 0.75, 0])
+    with pytest.raises(ValueError, match="non-negative counts"):
+        syn.histogram_probs([1] * 5, 4)
+    (tmp_path / "a.json").write_text(json.dumps({"summary": True, "acceptance_histogram": [2, 1]}))
+    (tmp_path / "b.txt").write_text("2, 1\n")
+    assert syn.read_histogram(str(tmp_path / "a.json")) == syn.read_histogram(str(tmp_path / "b.txt")) == [2, 1]
+
+
+@pytest.mark.parametrize("name,params,tied,layers,ids", [
+    ("qwen3-4b", 4.022e9, True, 36, (1, 9, 17, 25, 33)),
+    ("qwen3-8b", 8.191e9, False, 36, (1, 9, 17, 25, 33)),
+    ("llama3.1-8b", 8.030e9, False, 32, (1, 8, 15, 22, 29)),
+])
+def test_presets_have_the_released_shapes(name, params, tied, layers, ids):
+    """Shapes only (``jax.eval_shape``: nothing allocated): the published parameter counts, the draft's 5 layers
+    of the target's width, block 16, its target layers, and it fits the target."""
+    from dflash_jax.draft import draft_param_shapes
+    from dflash_jax.target import param_shapes
+
+    p = syn.preset(name)
+    shapes, dshapes = param_shapes(p.target), draft_param_shapes(p.draft)
+    assert abs(syn.num_params(shapes) - params) < 0.001e9
+    assert ("lm_head" in shapes) is not tied and p.target.num_hidden_layers == layers
+    d = p.draft
+    assert (d.block_size, d.target_layer_ids, d.layers.num_hidden_layers) == (16, ids, 5)
+    assert dshapes["fc"]["kernel"].shape == (5 * p.target.hidden_size, p.target.hidden_size)
+    assert 0.5e9 < syn.num_params(dshapes) < 1.2e9
+    d.check_fits(p.target)
+    with pytest.raises(ValueError, match="unknown synthetic preset"):
+        syn.preset("qwen3-9000b")
+
+
+def test_synthetic_pair_on_a_mesh():
+    """Weights drawn on the devices in the requested dtype, each leaf on its tensor-parallel sharding."""
+    import jax
+
+    from dflash_jax import sharding
+
+    mesh = sharding.make_mesh("data=-1,tensor=2")
+    target, draft = syn.synthetic_pair("tiny", "bfloat16", mesh)
+    want = sharding.param_shardings(target, mesh)
+    for leaf, sh in zip(jax.tree_util.tree_leaves(target.params), jax.tree_util.tree_leaves(want)):
+        assert leaf.dtype == jax.numpy.bfloat16 and leaf.sharding.is_equivalent_to(sh, leaf.ndim)
+    q = target.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
+    assert 0.015 < float(jax.numpy.std(q.astype(np.float32))) < 0.025
+    assert float(target.params["norm"]["weight"].astype(np.float32).min()) == 1.0
+    assert jax.tree_util.tree_leaves(draft.params)[0].dtype == jax.numpy.bfloat16
+
+
+def test_cli_synthetic_tiny_prints_the_step_split(capsys):
+    """The CPU preset through the CLI, in-process: one JSON row per configuration, acceptance marked simulated,
+    output identical to plain decoding, the step split; then the same row as text."""
+    from infer import benchmark, synthetic
+
+    argv = ["--synthetic", "tiny", "--replay-tau", "4", "--context", "48", "--batch-size", "2", "--max-new-tokens",
+            "24", "--repeats", "1", "--json"]
+    assert benchmark.main(argv) == 0
+    out = capsys.readouterr()
+    (row,) = [json.loads(x) for x in out.out.strip().splitlines()]
+    assert "SIMULATED" in out.err
+    assert row["acceptance"] == "simulated" and row["synthetic"] == "tiny" and row["identical"] is True
+    assert (row["batch_size"], row["context"], row["block_size"]) == (2, 48, 16)
+    assert row["replay"]["distribution"] == "truncated geometric" and np.isclose(row["replay"]["requested_tau"], 4)
+    assert 1 <= row["tau"] <= 16 and sum(row["acceptance_histogram"]) > 0
+    split = row["step_split_s"]
+    assert set(split) == {"draft", "verify", "rest"} and split["draft"] > 0 and split["verify"] > 0
+    assert row["verify_forward_s_block1"] > 0 and row["plain_step_s"] > 0 and row["dflash_step_s"] > 0
+    assert np.isclose(row["engine_efficiency"], row["decode_speedup"] / row["tau"])
+    assert row["machine"]["backend"] == "cpu" and row["dtype"] == "float32"
+    args = benchmark.parse_args(argv[:-1])
+    synthetic.print_text([row], args, row["replay"], row["dtype"], row["machine"])
+    text = capsys.readouterr().out
+    assert "acceptance is SIMULATED" in text and "= draft" in text and "+ verify" in text and "+ rest" in text
+    assert "load average" in text
+
+
+def test_cli_synthetic_rejects_bad_options(capsys):
+    from infer import benchmark
+
+    for argv, msg in ((["--replay-tau", "4", "--replay-histogram", "x"], "not both"),
+                      (["--replay-tau", "20"], "replay tau must be in"),
+                      (["--batch-size", "0"], "positive integers"),
+                      (["--temperature", "0.7"], "--temperature 0"),
+                      (["--target", "x"], "builds its own target"),
+                      (["--block-size", "17"], "--block-size must be in")):
+        with pytest.raises(SystemExit):
+            benchmark.main(["--synthetic", "tiny", *argv])
+        assert msg in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit):
+        benchmark.main(["--synthetic", "nope"])
+    assert "unknown synthetic preset" in capsys.readouterr().err
+
+
+def test_synthetic_options_need_synthetic(capsys):
+    from infer import benchmark
+
+    with pytest.raises(SystemExit):
+        benchmark.main(["--replay-tau", "4", "--context", "64"])
+    assert "--replay-tau, --context only apply to the synthetic benchmark" in capsys.readouterr().err
