@@ -156,3 +156,33 @@ def lossless_greedy_with_partial_acceptance(model, target, blocks=(4, 8), new: i
             assert [r.output_ids for r in spec] == want, block
             partial += [a for r in spec for a in r.acceptance_lengths if 1 < a < block]
     assert partial, "no partial acceptance: the rollback was not exercised"
+
+
+def train_briefly(path, target, root, steps: int = 30):
+    """A 1-layer block-4 draft trained ``steps`` steps on ``target``'s own greedy answers to 8 random prompts
+    (make_data + train, as a user would); returns (draft, per-step losses)."""
+    import json
+    import os
+
+    import numpy as np
+
+    from train.config import TrainConfig
+    from train.loop import train
+    from train.make_data import make_data
+
+    quiet = lambda *a, **k: None  # noqa: E731
+    vocab = target.config.vocab_size
+    rng = np.random.RandomState(0)
+    prompts = os.path.join(root, "prompts.jsonl")
+    with open(prompts, "w") as f:
+        f.writelines(json.dumps({"prompt_ids": rng.randint(0, vocab, rng.randint(3, 8)).tolist()}) + "\n"
+                     for _ in range(8))
+    data = os.path.join(root, "data")
+    make_data(target, prompts, data, max_new_tokens=24, batch_size=8, shard_size=8, progress=False, log=quiet)
+    losses = []
+    cfg = TrainConfig(target=path, data=data, out=os.path.join(root, "run"), draft_layers=1, block_size=4,
+                      num_target_features=2, num_anchors=8, seq_len=32, batch_size=4, steps=steps, lr=1e-2,
+                      warmup_frac=0.1, dtype="float32", save_every=steps, log_every=steps, progress=False,
+                      eval_num_prompts=0, mask_token_id=vocab - 1)
+    draft = train(cfg, target=target, on_step=lambda s, m: losses.append(m["loss"]), log=quiet)
+    return draft, losses

@@ -313,24 +313,10 @@ def test_save_target_reloads_in_transformers(gptoss, tmp_path):
 
 @pytest.mark.slow  # ~25 s on 2 CPU cores
 def test_training_a_draft_for_gpt_oss_runs_and_the_loss_falls(gptoss, tmp_path):
-    from train.config import TrainConfig
-    from train.loop import train
-    from train.make_data import make_data
+    from pairs import train_briefly
 
     path, _, target = gptoss
-    quiet = lambda *a, **k: None  # noqa: E731
-    rng = np.random.RandomState(0)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt_ids": rng.randint(0, V, rng.randint(3, 8)).tolist()}) + "\n"
-                               for _ in range(8)))
-    make_data(target, str(prompts), str(tmp_path / "data"), max_new_tokens=24, batch_size=8, shard_size=8,
-              progress=False, log=quiet)
-    losses = []
-    cfg = TrainConfig(target=path, data=str(tmp_path / "data"), out=str(tmp_path / "run"), draft_layers=1,
-                      block_size=4, num_target_features=2, num_anchors=8, seq_len=32, batch_size=4, steps=30,
-                      lr=1e-2, warmup_frac=0.1, dtype="float32", save_every=30, log_every=30, progress=False,
-                      eval_num_prompts=0, mask_token_id=V - 1)
-    draft = train(cfg, target=target, on_step=lambda s, m: losses.append(m["loss"]), log=quiet)
+    draft, losses = train_briefly(path, target, str(tmp_path))
     assert draft.config.layers.hidden_size == D and draft.config.layers.rope == target.config.rope
     assert len(losses) == 30 and np.all(np.isfinite(losses))
     assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses
