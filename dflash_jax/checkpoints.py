@@ -214,8 +214,8 @@ def load_params(directory: str, shapes, table: NameTable, *, dtype=jnp.float32,
     """Read the checkpoint in ``directory`` into a tree shaped like ``shapes`` (a pytree of ShapeDtypeStructs).
 
     ``dtype``: a name, a dtype or "auto" (``auto_dtype``). Every parameter must be present with the shape
-    the config implies; ``place(path, array)`` puts
-    each converted tensor on its device(s) (default: ``jnp.asarray``); the table's ignored names are skipped.
+    the config implies; ``place(path, array)`` puts each converted tensor on its device(s) (default:
+    ``jnp.asarray``); the table's ignored names are skipped.
     """
     dtype = resolve_dtype(auto_dtype(directory) if dtype == "auto" else dtype)
     place = place or (lambda path, a: jnp.asarray(a))
@@ -224,13 +224,13 @@ def load_params(directory: str, shapes, table: NameTable, *, dtype=jnp.float32,
         name, transposed = table.name(path)
         expected[name] = (path, transposed, tuple(leaf.shape))
     found, unexpected, where = {}, [], {}
+    files = weight_files(directory)
 
     def tensors():  # every file's tensors, remembering which file each came from
-        for filename in weight_files(directory):
+        for filename in files:
             where["file"] = filename
             yield from iter_safetensors(filename)
 
-    files = weight_files(directory)
     big = sum(os.path.getsize(f) for f in files) > _PROGRESS_BYTES
     bar = progress_bar(len(expected), f"loading {os.path.basename(os.path.normpath(directory))}", "tensor", big)
     stream = tensors()

@@ -46,6 +46,8 @@ class EngineSpec:
     block_size: int
     greedy: bool
     mesh: Any = None  # jax.sharding.Mesh the params live on (None: one device); rows and caches go over data
+    acceptance: str = "rejection"  # "match" | "rejection" (sampling.py); greedy decoding always matches
+    replay: bool = False  # benchmarking (``Replay``): drafts replaced by a reference cut at a drawn length
 
     def place(self, state: "DecodeState") -> "DecodeState":
         """Pin the decode state's layout on the mesh (rows over data*fsdp, KV heads over tensor)."""
@@ -56,9 +58,6 @@ class EngineSpec:
         return state.replace(**dict(zip(("tokens", "generated", "budget", "finish", "acceptance", "steps"), rows)),
                              tcache=sharding.constrain_cache(state.tcache, self.mesh),
                              dcache=sharding.constrain_cache(state.dcache, self.mesh))
-
-    acceptance: str = "rejection"  # "match" | "rejection" (sampling.py); greedy decoding always matches
-    replay: bool = False  # benchmarking (``Replay``): drafts replaced by a reference cut at a drawn length
 
     @property
     def speculative(self) -> bool:

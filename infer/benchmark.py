@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from dflash_jax.machine import machine, warn_if_busy
 from dflash_jax.progress import progress_bar
 from infer import synthetic
 from infer.common import (DEMO_TARGET, add_model_args, die, encode, load_models, param_dtype, read_prompts_file,
@@ -149,22 +150,6 @@ def _fastest(repeats: int, plain, dflash):
         if any(r[m].output_ids != runs[0][m].output_ids for r in runs):
             raise ValueError(f"{name} decoding gave different outputs on repeated runs with the same seed")
     return tuple(min((r[m] for r in runs[1:]), key=lambda g: g.wall_time_s) for m in range(2))
-
-
-def machine() -> dict:
-    """Where the numbers were measured: backend, device, CPU count and load average (speedups are only
-    comparable at equal load: load slows plain decoding's many small steps more than DFlash's few)."""
-    import jax
-
-    load = os.getloadavg()
-    return {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
-            "cpu_count": os.cpu_count(), "load_average": [round(x, 2) for x in load]}
-
-
-def warn_if_busy(where: dict) -> None:
-    if where["backend"] == "cpu" and where["load_average"][0] > 0.5 * (where["cpu_count"] or 1):
-        print(f"warning: the machine is busy (load average {where['load_average'][0]} on {where['cpu_count']} CPUs): "
-              "speedups are only comparable at equal load", file=sys.stderr)
 
 
 def plot(summary: dict, rows: list[dict], path: str | None = None):

@@ -161,7 +161,7 @@ def measure(target, draft, batch: int, context: int, block: int, probs, args) ->
 def run(args) -> int:
     """The synthetic benchmark (``--synthetic``); rows printed as text or JSON lines."""
     from dflash_jax import synthetic as syn
-    from infer.benchmark import machine, warn_if_busy
+    from dflash_jax.machine import machine, warn_if_busy
 
     if args.target or args.draft or args.prompts_file or args.plot:
         die("--synthetic builds its own target, draft and prompts: drop --target / --draft / --prompts-file / --plot")

@@ -47,6 +47,8 @@ def test_tiny_preset_reports_the_split(tiny):
     sp = tiny["split"]
     assert sp["sum_s"] == pytest.approx(sp["features_s"] + sp["draft_step_s"])
     assert tiny["peak_source"] == "--peak-tflops" and tiny["shape"]["impl"] == "reference"
+    m = tiny["machine"]  # timings say where they ran and how loaded the machine was
+    assert m["backend"] == "cpu" and m["cpu_count"] >= 1 and len(m["load_average"]) == 3
 
 
 def test_table_output_and_no_mfu_on_cpu(capsys, tiny):

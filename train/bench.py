@@ -328,6 +328,7 @@ def run(args) -> dict:
 
     from dflash_jax import sharding
     from dflash_jax.checkpoints import resolve_dtype
+    from dflash_jax.machine import machine, warn_if_busy
     from train import objective
     from train.loop import cached_train_step
 
@@ -341,6 +342,8 @@ def run(args) -> dict:
     peak = args.peak_tflops or peak_tflops(dev.device_kind)
     peak_src = "--peak-tflops" if args.peak_tflops else (f"table ({dev.device_kind})" if peak else None)
     n_dev = mesh.size if mesh is not None else 1
+    where = machine()
+    warn_if_busy(where)
     state = {"params": st["params"], "opt_state": st["opt_state"]}
     lr, epoch = jnp.float32(1e-4), jnp.int32(0)
     phases = {}
@@ -389,7 +392,7 @@ def run(args) -> dict:
                                                 else "reference")
     result = {
         "preset": args.preset, "target": args.target or f"synthetic ({args.preset} dims, random weights)",
-        "platform": jax.default_backend(), "device_kind": dev.device_kind, "devices": n_dev,
+        "platform": jax.default_backend(), "device_kind": dev.device_kind, "devices": n_dev, "machine": where,
         "mesh": sharding.mesh_str(mesh) if mesh is not None else "none (one device)",
         "shape": {"seq_len": s, "batch_size": b, "grad_accum": a, "sequences": a * b, "tokens_per_step": tokens,
                   "num_anchors": cfg.num_anchors, "block_size": dcfg.block_size,
@@ -417,7 +420,8 @@ def run(args) -> dict:
 def format_table(r: dict) -> str:
     sh = r["shape"]
     lines = [f"train.bench: {r['target']}",
-             f"  {r['platform']} {r['device_kind']} x{r['devices']}, mesh {r['mesh']}",
+             f"  {r['platform']} {r['device_kind']} x{r['devices']}, mesh {r['mesh']}, "
+             f"{r['machine']['cpu_count']} CPUs, load average {r['machine']['load_average'][0]}",
              f"  S {sh['seq_len']}, {sh['sequences']} sequences/step ({sh['batch_size']} x {sh['grad_accum']} accum), "
              f"{sh['num_anchors']} anchors x block {sh['block_size']}, draft {sh['draft_layers']} layers, target "
              f"{sh['target_layers']} layers (features {sh['target_layer_ids']}), {sh['dtype']}, attention {sh['impl']}",
