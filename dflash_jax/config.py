@@ -210,10 +210,11 @@ class TargetConfig:
         )
 
     def to_hf(self) -> dict:
-        arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[self.model_type]
+        # another family's config (a subclass) writes its own architectures over this
+        arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}.get(self.model_type)
         eos = list(self.eos_token_id)
         out = {
-            "architectures": [arch],
+            "architectures": [arch] if arch else [],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,

@@ -34,8 +34,7 @@ class ToyConfig(TargetConfig):
         return cls(**{**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, "model_type": "toy"})
 
     def to_hf(self):
-        qwen3 = TargetConfig.to_hf(dataclasses.replace(self, model_type="qwen3"))
-        return {**qwen3, "model_type": "toy", "architectures": ["ToyForCausalLM"]}
+        return {**super().to_hf(), "model_type": "toy", "architectures": ["ToyForCausalLM"]}
 
 
 TOY = dataclasses.replace(dense.FAMILY, name="toy", config=ToyConfig)

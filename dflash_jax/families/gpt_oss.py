@@ -66,7 +66,7 @@ class GptOssConfig(TargetConfig):
                                    swiglu_limit=float(d.get("swiglu_limit", 7.0)))
 
     def to_hf(self) -> dict:
-        out = TargetConfig.to_hf(dataclasses.replace(self, model_type="qwen3"))
+        out = super().to_hf()
         for k in ("use_sliding_window", "max_window_layers"):
             del out[k]
         return {**out, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",

@@ -153,7 +153,7 @@ class Qwen35Config(TargetConfig):
             **cls._extra_fields(text))
 
     def to_hf(self) -> dict:
-        text = TargetConfig.to_hf(dataclasses.replace(self, model_type="qwen3", layer_types=()))
+        text = TargetConfig.to_hf(dataclasses.replace(self, layer_types=()))
         for k in ("use_sliding_window", "max_window_layers", "sliding_window"):
             del text[k]
         vl, text_only = self.MODEL_TYPES

@@ -66,17 +66,15 @@ class Qwen3MoeConfig(TargetConfig):
             raise ValueError(f"qwen3_moe config.json is missing {missing}")
         # transformers' Qwen3-MoE slides every layer when use_sliding_window (it has no max_window_layers);
         # intermediate_size (dense layers only) defaults as there.
-        base = TargetConfig._from_dict({"intermediate_size": 6144, **d, "max_window_layers": 0}, "qwen3")
-        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(TargetConfig)}
-        return cls(**{**fields, "model_type": "qwen3_moe"},
-                   num_experts=int(d["num_experts"]), num_experts_per_tok=int(d["num_experts_per_tok"]),
-                   moe_intermediate_size=int(d["moe_intermediate_size"]),
-                   norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-                   decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
-                   mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()))
+        base = cls._from_dict({"intermediate_size": 6144, **d, "max_window_layers": 0}, "qwen3_moe")
+        return dataclasses.replace(
+            base, qk_norm=True, num_experts=int(d["num_experts"]), num_experts_per_tok=int(d["num_experts_per_tok"]),
+            moe_intermediate_size=int(d["moe_intermediate_size"]), norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()))
 
     def to_hf(self) -> dict:
-        out = TargetConfig.to_hf(dataclasses.replace(self, model_type="qwen3"))
+        out = super().to_hf()
         out.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=self.num_experts,
                    num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_intermediate_size,
                    norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
