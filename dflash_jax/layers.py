@@ -37,6 +37,33 @@ def random_params(shapes, seed: int, *, std: float = INIT_STD, dtype=jnp.float32
     return traverse_util.unflatten_dict(out)
 
 
+@functools.lru_cache(maxsize=None)
+def _leaf_fn(shape, dtype, kind: str, sharding):
+    """A jitted maker of one parameter on its device(s); one compile per distinct (shape, kind, sharding)."""
+    def make(key):
+        if kind == "weight":
+            return jnp.ones(shape, dtype)
+        if kind == "bias":
+            return jnp.zeros(shape, dtype)
+        return (jax.random.normal(key, shape, jnp.float32) * INIT_STD).astype(dtype)
+
+    return jax.jit(make, out_shardings=sharding)
+
+
+def device_random_params(shapes, seed: int, dtype, shardings=None):
+    """Parameters like ``random_params`` (normal(std) matrices, unit norms, zero biases), each drawn by a
+    jitted function on the device(s) it lives on (``shardings``: a matching tree, or None = default
+    device); the host never holds a copy (an 8B model in seconds)."""
+    flat = traverse_util.flatten_dict(shapes)
+    flat_sh = traverse_util.flatten_dict(shardings) if shardings is not None else {}
+    key = jax.random.PRNGKey(seed)
+    out = {}
+    for i, (path, leaf) in enumerate(sorted(flat.items())):
+        kind = path[-1] if path[-1] in ("weight", "bias") else "normal"
+        out[path] = _leaf_fn(tuple(leaf.shape), jnp.dtype(dtype), kind, flat_sh.get(path))(jax.random.fold_in(key, i))
+    return traverse_util.unflatten_dict(out)
+
+
 class Linear(nn.Module):
     """y = x @ kernel (+ bias); kernel [in, out] with logical axes ``axes``."""
 

@@ -13,17 +13,14 @@ cut at an acceptance length drawn per step and row from ``replay_probs``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import traverse_util
 
 from dflash_jax.config import DraftConfig, RopeConfig, TargetConfig, choose_target_layer_ids
 from dflash_jax.draft import Draft, draft_param_shapes
-from dflash_jax.layers import INIT_STD
+from dflash_jax.layers import device_random_params
 from dflash_jax.target import Target, param_shapes
 
 
@@ -92,33 +89,6 @@ def preset(name: str) -> Preset:
     if key not in PRESETS:
         raise ValueError(f"unknown synthetic preset {name!r}; choose from {', '.join(PRESETS)}")
     return PRESETS[key]
-
-
-@functools.lru_cache(maxsize=None)
-def _leaf_fn(shape, dtype, kind: str, sharding):
-    """A jitted maker of one parameter on its device(s); one compile per distinct (shape, kind, sharding)."""
-    def make(key):
-        if kind == "weight":
-            return jnp.ones(shape, dtype)
-        if kind == "bias":
-            return jnp.zeros(shape, dtype)
-        return (jax.random.normal(key, shape, jnp.float32) * INIT_STD).astype(dtype)
-
-    return jax.jit(make, out_shardings=sharding)
-
-
-def device_random_params(shapes, seed: int, dtype, shardings=None):
-    """Parameters like ``layers.random_params`` (normal(0.02) matrices, unit norms, zero biases), each drawn
-    by a jitted function on the device(s) it lives on (``shardings``: a matching tree, or None = default
-    device); the host never holds a copy."""
-    flat = traverse_util.flatten_dict(shapes)
-    flat_sh = traverse_util.flatten_dict(shardings) if shardings is not None else {}
-    key = jax.random.PRNGKey(seed)
-    out = {}
-    for i, (path, leaf) in enumerate(sorted(flat.items())):
-        kind = path[-1] if path[-1] in ("weight", "bias") else "normal"
-        out[path] = _leaf_fn(tuple(leaf.shape), jnp.dtype(dtype), kind, flat_sh.get(path))(jax.random.fold_in(key, i))
-    return traverse_util.unflatten_dict(out)
 
 
 def synthetic_pair(name: str, dtype="bfloat16", mesh=None, seed: int = 0) -> tuple[Target, Draft]:

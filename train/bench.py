@@ -30,15 +30,15 @@ import time
 
 import numpy as np
 
+from dflash_jax.synthetic import preset as synthetic_preset
+
 # name -> (synthetic target config (Hugging Face keys), shape defaults)
 PRESETS = {
-    # Qwen3-8B's dimensions with random weights; the paper's training shape: 5-layer draft, block 16,
-    # 512 anchors, S = 3072; 16 sequences per optimizer step (4 per micro-batch x 4 accumulated).
+    # Qwen3-8B's dimensions (the synthetic benchmark's preset) with random weights; the paper's training
+    # shape: 5-layer draft, block 16, 512 anchors, S = 3072; 16 sequences per optimizer step (4 per
+    # micro-batch x 4 accumulated).
     "qwen3-8b-paper": (
-        {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
-         "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
-         "eos_token_id": 151645},
+        synthetic_preset("qwen3-8b").target.to_hf(),
         {"draft_layers": 5, "block_size": 16, "num_target_features": 5, "num_anchors": 512, "seq_len": 3072,
          "batch_size": 4, "grad_accum": 4, "dtype": "bfloat16"}),
     # a few-second CPU shape (the tests run it)
@@ -149,34 +149,6 @@ def model_flops(tcfg, dcfg, *, seq_len: int, anchors) -> dict:
 # --- setup -------------------------------------------------------------------------------------------
 
 
-def device_random_params(shapes, seed: int, dtype, shardings=None):
-    """Random parameters like ``dflash_jax.layers.random_params`` (normal(0.02) matrices, unit norm weights,
-    zero biases) drawn on the device(s) by one jitted function, straight into ``shardings``: an 8B target
-    in seconds, never whole on the host."""
-    import jax
-    import jax.numpy as jnp
-    from flax import traverse_util
-
-    from dflash_jax.layers import INIT_STD
-
-    flat = traverse_util.flatten_dict(shapes)
-    paths = sorted(flat)
-
-    def init(key):
-        out = {}
-        for i, path in enumerate(paths):
-            shape = flat[path].shape
-            if path[-1] == "weight":
-                out[path] = jnp.ones(shape, dtype)
-            elif path[-1] == "bias":
-                out[path] = jnp.zeros(shape, dtype)
-            else:
-                out[path] = jax.random.normal(jax.random.fold_in(key, i), shape, dtype) * jnp.asarray(INIT_STD, dtype)
-        return traverse_util.unflatten_dict(out)
-
-    return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed))
-
-
 class _SyntheticData:
     """What ``train.loop._device_batch`` reads from a ``TrainData``: ``batch(idx) -> (ids, mask)``."""
 
@@ -200,6 +172,7 @@ def setup(args):
     from dflash_jax.checkpoints import load_tokenizer, resolve_dtype
     from dflash_jax.config import TargetConfig
     from dflash_jax.draft import draft_param_shapes
+    from dflash_jax.layers import device_random_params
     from dflash_jax.target import Target, load_target, param_shapes
     from train import objective
     from train.config import TrainConfig
