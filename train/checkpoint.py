@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import sys
+import traceback
 
 import jax
 import orbax.checkpoint as ocp
@@ -59,23 +60,38 @@ class _FailedReadFilter(logging.Filter):
         return not ("never retrieved" in msg and _is_failed_read(msg + str(record.exc_info and record.exc_info[1])))
 
 
-def _drop_failed_reads() -> None:
-    """Silence the read coroutines / tasks a failed restore leaves behind: when they are collected (now, later
-    or at exit) Python prints "Exception ignored in: <coroutine ...>" and asyncio logs "Task exception was
-    never retrieved", each with a traceback, though the error was already reported once, by us. Installed on
-    the first failed restore (process-wide, for orbax's array reads only), then a collection."""
+def _is_closed_loop_callback(exc_type, exc, tb) -> bool:
+    """A tensorstore read finishing after orbax closed its event loop: RuntimeError raised in
+    ``call_soon_threadsafe`` called straight from tensorstore's C++ thread (no Python caller frame)."""
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    return (exc_type is RuntimeError and str(exc) == "Event loop is closed" and bool(frames)
+            and frames[0].name == "call_soon_threadsafe")
+
+
+def _quiet_abandoned_reads() -> None:
+    """Silence what the reads of a failed restore leave behind, though the error is reported once, by us:
+    reads still in flight when orbax closes its event loop print "Event loop is closed" tracebacks from
+    tensorstore's threads (through ``sys.excepthook`` or ``sys.unraisablehook``); their coroutines / tasks,
+    when collected (now, later or at exit), print "Exception ignored in: <coroutine ...>" and "Task exception
+    was never retrieved". Installed before the first restore (process-wide, matching only these), since the
+    reads outlive it."""
     global _quieted
-    if not _quieted:
-        _quieted = True
-        previous = sys.unraisablehook
+    if _quieted:
+        return
+    _quieted = True
+    previous_unraisable, previous_except = sys.unraisablehook, sys.excepthook
 
-        def hook(u):
-            if not (_is_failed_read(repr(u.object)) or _is_failed_read(str(u.exc_value))):
-                previous(u)
+    def unraisable(u):
+        if not (_is_failed_read(repr(u.object)) or _is_failed_read(str(u.exc_value))
+                or _is_closed_loop_callback(u.exc_type, u.exc_value, u.exc_traceback)):
+            previous_unraisable(u)
 
-        sys.unraisablehook = hook
-        logging.getLogger("asyncio").addFilter(_FailedReadFilter())
-    gc.collect()
+    def excepthook(exc_type, exc, tb):
+        if not _is_closed_loop_callback(exc_type, exc, tb):
+            previous_except(exc_type, exc, tb)
+
+    sys.unraisablehook, sys.excepthook = unraisable, excepthook
+    logging.getLogger("asyncio").addFilter(_FailedReadFilter())
 
 
 class Checkpointer:
@@ -117,6 +133,7 @@ class Checkpointer:
 
     def restore(self, step: int, params_like, opt_state_like=None):
         """-> (params, opt_state or None, meta); ``*_like`` give the structure (arrays or ShapeDtypeStructs)."""
+        _quiet_abandoned_reads()
         items = {"params": ocp.args.StandardRestore(_abstract(params_like)), "meta": ocp.args.JsonRestore()}
         if opt_state_like is not None:
             items["opt_state"] = ocp.args.StandardRestore(_abstract(opt_state_like))
@@ -127,7 +144,7 @@ class Checkpointer:
                                   f"({_reason(e)})")
         else:
             return r.params, (r.opt_state if opt_state_like is not None else None), r.meta
-        _drop_failed_reads()
+        gc.collect()  # the failed reads' coroutines: collected now, quietly
         raise err
 
     def set_aside(self, step: int, where: str) -> str:
