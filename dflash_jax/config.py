@@ -356,6 +356,29 @@ class DraftConfig:
         out["auto_map"] = {"AutoModel": "dflash.DFlashDraftModel"}
         return out
 
+    @classmethod
+    def for_target(cls, target: TargetConfig, *, draft_layers: int, block_size: int, mask_token_id: int,
+                   target_layer_ids) -> "DraftConfig":
+        """A new draft shaped as the released ones: a Qwen3 stack of ``draft_layers`` layers with the target's
+        widths, heads, norm eps, special tokens and rope (rotating the whole head: a hybrid target rotates part
+        of it in its own attention only). The MLP width is the target's ``intermediate_size`` (a mixture-of-
+        experts target's dense width, as the released drafts have) or, without one, its ``moe_intermediate_size``.
+        Built through ``from_hf``, so it equals what ``load_draft`` reads back from its export."""
+        t = target
+        d = {"model_type": "qwen3", "vocab_size": t.vocab_size, "hidden_size": t.hidden_size,
+             "intermediate_size": getattr(t, "intermediate_size", None) or t.moe_intermediate_size,
+             "num_hidden_layers": draft_layers, "num_attention_heads": t.num_attention_heads,
+             "num_key_value_heads": t.num_key_value_heads, "head_dim": t.head_dim, "rms_norm_eps": t.rms_norm_eps,
+             "max_position_embeddings": t.max_position_embeddings, "tie_word_embeddings": False,
+             "bos_token_id": t.bos_token_id, "eos_token_id": list(t.eos_token_id) or None,
+             "pad_token_id": t.pad_token_id, **dataclasses.replace(t.rope, partial_rotary_factor=1.0).to_hf(),
+             "block_size": block_size, "num_target_layers": t.num_hidden_layers,
+             "dflash_config": {"mask_token_id": int(mask_token_id),
+                               "target_layer_ids": [int(i) for i in target_layer_ids]}}
+        draft = cls.from_hf(d)
+        draft.check_fits(target)
+        return draft
+
     def check_fits(self, target: TargetConfig) -> None:
         """Raise (before any compute) when this draft cannot run on ``target``; name both sides."""
         n = target.num_hidden_layers

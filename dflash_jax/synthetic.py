@@ -38,14 +38,8 @@ class Preset:
     @property
     def draft(self) -> DraftConfig:
         """The draft: a Qwen3 layer stack with the target's widths and rope (as the released drafts)."""
-        t = self.target
-        layers = TargetConfig(model_type="qwen3", vocab_size=t.vocab_size, hidden_size=t.hidden_size,
-                              intermediate_size=t.intermediate_size, num_hidden_layers=self.draft_layers,
-                              num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
-                              head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps,
-                              max_position_embeddings=t.max_position_embeddings, rope=t.rope)
-        return DraftConfig(layers=layers, block_size=self.block_size, num_target_layers=t.num_hidden_layers,
-                           mask_token_id=self.mask_token_id, target_layer_ids=self.target_layer_ids)
+        return DraftConfig.for_target(self.target, draft_layers=self.draft_layers, block_size=self.block_size,
+                                      mask_token_id=self.mask_token_id, target_layer_ids=self.target_layer_ids)
 
 
 def _qwen3(hidden, inter, layers, tie, heads=32, kv=8) -> TargetConfig:

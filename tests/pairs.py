@@ -17,14 +17,9 @@ def tiny_target_config(vocab: int = 96, layers: int = 4, **kw) -> TargetConfig:
 
 def random_draft(tcfg, block_size: int = 16, seed: int = 1, draft_layers: int = 2,
                  target_layer_ids=(0, 2, 3)) -> Draft:
-    """A random draft for a target of any family: a plain Qwen3 stack with the target's hidden size, heads,
-    MLP width and rope (no biases, sinks or windows of the target's own layers)."""
-    dlayers = TargetConfig(model_type="qwen3", vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size,
-                           intermediate_size=tcfg.intermediate_size, num_hidden_layers=draft_layers,
-                           num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
-                           head_dim=tcfg.head_dim, rope=tcfg.rope)
-    dcfg = DraftConfig(layers=dlayers, block_size=block_size, num_target_layers=tcfg.num_hidden_layers,
-                       mask_token_id=tcfg.vocab_size - 1, target_layer_ids=tuple(target_layer_ids))
+    """A random draft for a target of any family, shaped as ``python -m train`` makes them."""
+    dcfg = DraftConfig.for_target(tcfg, draft_layers=draft_layers, block_size=block_size,
+                                  mask_token_id=tcfg.vocab_size - 1, target_layer_ids=target_layer_ids)
     return Draft(dcfg, init_draft_params(dcfg, seed))
 
 

@@ -85,33 +85,16 @@ def default_mask_token_id(target: Target, tokenizer=None) -> int:
 
 
 def build_draft_config(cfg: TrainConfig, target: Target, tokenizer=None) -> DraftConfig:
-    """A Qwen3 draft stack shaped like the target's layers (hidden, heads, head_dim, MLP, rope theta), with
-    ``cfg.draft_layers`` layers; built through ``DraftConfig.from_hf`` so it equals what ``load_draft``
-    reads back from the export. The draft's MLP width is the target's ``intermediate_size`` (a
-    mixture-of-experts target's dense MLP width, as the released drafts have) or, for a family without
-    one, its ``moe_intermediate_size``."""
-    tc = target.config
-    L = tc.num_hidden_layers
+    """The draft ``python -m train`` makes for ``target`` (``DraftConfig.for_target``) from the flags: its
+    layers, block size, target layer ids (chosen when not given) and mask token."""
+    L = target.config.num_hidden_layers
     ids = cfg.layer_ids() or choose_target_layer_ids(L, cfg.num_target_features)
     bad = [i for i in ids if not 0 <= i < L]
     if bad:
         raise ValueError(f"--target-layer-ids {list(ids)}: ids {bad} are outside the target's {L} layers (0..{L - 1})")
     mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else default_mask_token_id(target, tokenizer)
-    d = {"model_type": "qwen3", "vocab_size": tc.vocab_size, "hidden_size": tc.hidden_size,
-         "intermediate_size": getattr(tc, "intermediate_size", None) or tc.moe_intermediate_size,
-         "num_hidden_layers": cfg.draft_layers,
-         "num_attention_heads": tc.num_attention_heads, "num_key_value_heads": tc.num_key_value_heads,
-         "head_dim": tc.head_dim, "rms_norm_eps": tc.rms_norm_eps,
-         "max_position_embeddings": tc.max_position_embeddings, "tie_word_embeddings": False,
-         "bos_token_id": tc.bos_token_id, "eos_token_id": list(tc.eos_token_id) or None,
-         # the draft's layers are Qwen3 layers: the target's rope, rotating the whole head (a hybrid target
-         # rotates part of it in its own attention only)
-         "pad_token_id": tc.pad_token_id, **dataclasses.replace(tc.rope, partial_rotary_factor=1.0).to_hf(),
-         "block_size": cfg.block_size, "num_target_layers": L,
-         "dflash_config": {"mask_token_id": int(mask_id), "target_layer_ids": list(ids)}}
-    dcfg = DraftConfig.from_hf(d)
-    dcfg.check_fits(tc)
-    return dcfg
+    return DraftConfig.for_target(target.config, draft_layers=cfg.draft_layers, block_size=cfg.block_size,
+                                  mask_token_id=mask_id, target_layer_ids=ids)
 
 
 def lr_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
