@@ -225,9 +225,9 @@ def test_skipped_fraction():
     sorted_, unsorted = (skipped_fraction(a, 300, block_size=16, q_tile=128, k_tile=32)
                          for a in (np.sort(anchors, axis=1), anchors))
     starts = _doc_starts(rng, anchors)
-    for w, st in [(None, None), (7, None), (None, starts), (40, starts)]:  # "visible" against the dense mask
-        mask = block_mask(jnp.asarray(anchors), 300, block_size=16, sliding_window=w, ctx_start=st)
-        r = skipped_fraction(anchors, 300, block_size=16, sliding_window=w, ctx_start=st)
+    for w, lo in [(None, None), (7, None), (None, starts), (40, starts)]:  # "visible" against the dense mask
+        mask = block_mask(jnp.asarray(anchors), 300, block_size=16, sliding_window=w, ctx_start=lo)
+        r = skipped_fraction(anchors, 300, block_size=16, sliding_window=w, ctx_start=lo)
         assert r["visible"] == int(mask.sum()) and r["computed"] >= r["visible"]
     packed = skipped_fraction(np.sort(anchors, axis=1), 300, block_size=16, q_tile=128, k_tile=32,
                               ctx_start=np.minimum(np.sort(anchors, axis=1), 150))

@@ -330,10 +330,12 @@ class DecoderLayer(dense.DecoderLayer):
         else:
             super().token_mixer()
 
-    def mix(self, h, positions, state):
+    def mix(self, h, positions, state, segment_ids=None):
         if self.cfg.is_linear(self.index):
+            if segment_ids is not None:  # the conv window and the recurrent state would cross documents
+                raise ValueError("Gated DeltaNet layers cannot run packed segments (segment_ids)")
             return self.linear_attn(h, positions, state)
-        return super().mix(h, positions, state)
+        return super().mix(h, positions, state, segment_ids)
 
 
 class Decoder(dense.Decoder):
