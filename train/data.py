@@ -324,7 +324,7 @@ class TrainData:
         return int(sum(len(self.ids[j]) for i in np.asarray(indices).reshape(-1) for j in self.row(i)))
 
     def packing_summary(self) -> str:
-        """E.g. "packed 1234 sequences into 321 rows: padding 71% -> 6%" (one sequence per row -> packed)."""
+        """E.g. "packed 1234 sequences into 321 rows of 3072: padding 71% -> 6%" (one sequence per row -> packed)."""
         before = padding_fraction(self.num_tokens, len(self), self.seq_len)
         after = padding_fraction(self.num_tokens, self.num_rows, self.seq_len)
         return (f"packed {len(self)} sequences into {self.num_rows} rows of {self.seq_len}: padding "
