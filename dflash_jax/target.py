@@ -19,7 +19,7 @@ import numpy as np
 from dflash_jax.checkpoints import export_params, load_params, resolve_path, save_safetensors
 from dflash_jax.families import config_from_hf, family_of
 from dflash_jax.layers import random_params
-from dflash_jax.state import DecodeCache, KVSpec
+from dflash_jax.state import DecodeCache
 
 
 def decoder(cfg) -> nn.Module:
@@ -69,12 +69,6 @@ def forward(cfg, params, input_ids, positions, cache=None, feature_layer_ids=(),
     """The family decoder's forward: (logits float32, features or None, cache); see ``dense.Decoder``."""
     return decoder(cfg).apply({"params": params}, input_ids, positions, cache, feature_layer_ids, logits_index,
                               segment_ids)
-
-
-def packable(cfg) -> bool:
-    """Whether the target can run packed documents (``forward(segment_ids=...)``): not with recurrent
-    layers (Gated DeltaNet), whose conv window and state would need a reset at each document start."""
-    return all(isinstance(s, KVSpec) for s in family_of(cfg).state_specs(cfg))
 
 
 def embed(cfg, params, ids):

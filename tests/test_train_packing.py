@@ -9,9 +9,8 @@ import pytest
 
 from dflash_jax.config import DraftConfig, TargetConfig
 from dflash_jax.draft import draft_param_shapes
-from dflash_jax.families.qwen3_5 import Qwen35Config
 from dflash_jax.layers import random_params
-from dflash_jax.target import packable, param_shapes
+from dflash_jax.target import param_shapes
 from train import objective as O
 from train.data import TrainData, pack_sequences, padding_fraction
 
@@ -148,10 +147,3 @@ def test_packed_batches_rows_and_summary():
     np.testing.assert_array_equal(ids[0, 0, 14:23], data.ids[1])
     assert data.tokens([0, 1]) == sum(p + r for p, r in LENS)
     assert data.packing_summary() == "packed 4 sequences into 2 rows of 24: padding 55% -> 10%"
-
-
-def test_recurrent_targets_are_not_packed():
-    assert packable(TargetConfig("qwen3", 64, 32, 64, 4, 4, 2, 8))
-    assert not packable(Qwen35Config.from_hf({"model_type": "qwen3_5_text", "vocab_size": 64, "hidden_size": 32,
-                                              "intermediate_size": 64, "num_hidden_layers": 4,
-                                              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}))

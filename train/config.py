@@ -66,8 +66,7 @@ class TrainConfig:
     seq_len: int = _help("row length (longer sequences are truncated, shorter padded)", default=2048)
     pack: bool = _help("pack several sequences into each --seq-len row (anchors, labels, target features and "
                        "each block's context stay within its sequence; equal to training them unpacked, with "
-                       "less padding); --no-pack: one sequence per row. Targets with recurrent (Gated "
-                       "DeltaNet) layers always train unpacked", default=True)
+                       "less padding); --no-pack: one sequence per row", default=True)
     loss_chunk: int = _help("tokens per chunk of the lm_head + cross-entropy (bounds the logits memory)",
                             default=1024)
     # optimisation

@@ -10,9 +10,9 @@ inputs of the step, never differentiated. A non-finite loss or gradient leaves t
 and stops the run with the last good state saved.
 
 Sequences are packed several to a row by default (``--no-pack``: one per row, padded): anchors,
-labels, the target's features and each block's context stay within a document, so a packed row
-trains exactly as its sequences would unpacked, with far less padding. A target with recurrent
-layers (Gated DeltaNet) trains unpacked.
+labels, the target's features (attention, and the conv window and recurrent state of Gated
+DeltaNet layers) and each block's context stay within a document, so a packed row trains exactly as
+its sequences would unpacked, with far less padding.
 
 Data order and anchors depend only on (seed, step), and checkpoints hold the params, the optimizer
 state (with its step count) and the data position, so a resumed run continues bit-for-bit.
@@ -39,7 +39,7 @@ from dflash_jax.checkpoints import load_tokenizer, resolve_dtype
 from dflash_jax.config import MASK_TOKEN, DraftConfig, choose_target_layer_ids
 from dflash_jax.draft import Draft, check_fits, draft_param_shapes, init_draft_params, load_draft
 from dflash_jax.prompts import encode_prompt, read_prompts
-from dflash_jax.target import Target, load_target, packable
+from dflash_jax.target import Target, load_target
 from train import objective
 from train.checkpoint import CHECKPOINT_DIR, CheckpointError, Checkpointer
 from train.config import TrainConfig
@@ -362,13 +362,9 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
         if mesh is not None:
             target = sharding.shard_target(target, mesh)
     tokenizer = load_tokenizer(target.path)
-    pack = cfg.pack and packable(target.config)
-    if cfg.pack and not pack:
-        log(f"not packing sequences: the target's {target.config.model_type} recurrent layers (Gated DeltaNet) "
-            "would carry their state across documents; one sequence per row")
     data = TrainData.load(cfg.data, seq_len=cfg.seq_len, block_size=cfg.block_size,
-                          vocab_size=target.config.vocab_size, allow_partial=cfg.allow_partial_data, pack=pack)
-    if pack:
+                          vocab_size=target.config.vocab_size, allow_partial=cfg.allow_partial_data, pack=cfg.pack)
+    if cfg.pack:
         log(data.packing_summary())
 
     # checkpoints
@@ -483,7 +479,7 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
         f"params, block {dcfg.block_size}, target_layer_ids {list(dcfg.target_layer_ids)}, mask id "
         f"{dcfg.mask_token_id}, gamma {cfg.gamma_value:.3g}")
     log(f"data: {len(data)} sequences, {data.num_tokens} tokens; {spe} steps/epoch of {cfg.global_batch} "
-        f"{'rows' if pack else 'sequences'}; {total} steps")
+        f"{'rows' if cfg.pack else 'sequences'}; {total} steps")
     with open(os.path.join(cfg.out, "config.json") if primary else os.devnull, "w") as f:
         json.dump({"train_config": cfg.to_json(), "draft_config": dcfg.to_hf(), "total_steps": total,
                    "steps_per_epoch": spe}, f, indent=2)
