@@ -34,8 +34,7 @@ def _data(rows):
     return TrainData(ids, masks, [(0, i) for i in range(len(LENS))], SEQ_LEN, {}, rows)
 
 
-@pytest.fixture(scope="module")
-def step(models):
+def _step(models, impl):
     """jit(ids, mask, anchors, doc_start or None) -> (features, loss sums, gradients, block hidden)."""
     tcfg, tp, dcfg, dp = models
     w = O.position_weights(BK, 2.0)
@@ -44,17 +43,20 @@ def step(models):
         feats = O.target_features(tcfg, tp, ids, LAYERS, starts)
 
         def f(p):
-            s = O.loss_sums(tcfg, tp, dcfg, p, ids, mask, anchors, feats, weights=w, impl="reference",
-                            doc_start=starts)
+            s = O.loss_sums(tcfg, tp, dcfg, p, ids, mask, anchors, feats, weights=w, impl=impl, doc_start=starts)
             return s["wce"], s
 
         (_, sums), grads = jax.value_and_grad(f, has_aux=True)(dp)
         blocks, _, _ = O.make_blocks(ids, mask, anchors, BK, dcfg.mask_token_id, starts)
-        hidden = O.hidden_from_features(tcfg, tp, dcfg, dp, blocks, anchors, feats, impl="reference",
-                                        doc_start=starts)
+        hidden = O.hidden_from_features(tcfg, tp, dcfg, dp, blocks, anchors, feats, impl=impl, doc_start=starts)
         return feats, sums, grads, hidden
 
     return jax.jit(run)
+
+
+@pytest.fixture(scope="module")
+def step(models):
+    return _step(models, "reference")
 
 
 def _offsets(data, seqs):
@@ -92,6 +94,20 @@ def test_packed_loss_and_gradients_equal_unpacked(step):
     for key in su:
         np.testing.assert_allclose(sp[key], su[key], rtol=1e-5, atol=1e-5, err_msg=key)
     for a, b in zip(jax.tree_util.tree_leaves(gp), jax.tree_util.tree_leaves(gu)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_loss_through_the_kernel(models, step):
+    """The Pallas kernel (interpret mode) with the documents' context starts gives the reference's packed
+    loss sums and gradients."""
+    packed = _data(ROWS)
+    ids, mask, starts = packed.batch(np.arange(2))
+    anchors = np.asarray(O.sample_batch_anchors(0, 0, jnp.arange(2), jnp.asarray(mask), 2 * N, jnp.asarray(starts)))
+    _, s_ref, g_ref, _ = step(ids, mask, anchors, starts)
+    _, s_ker, g_ker, _ = _step(models, "interpret")(ids, mask, anchors, starts)
+    for key in s_ref:
+        np.testing.assert_allclose(s_ker[key], s_ref[key], rtol=1e-5, atol=1e-5, err_msg=key)
+    for a, b in zip(jax.tree_util.tree_leaves(g_ker), jax.tree_util.tree_leaves(g_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
