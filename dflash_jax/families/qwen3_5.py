@@ -204,36 +204,36 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, per_token: b
     q, k, v, g, beta = (chunks(a) for a in (q, k, v, g, beta))
     cum = jnp.cumsum(g, axis=-1)  # [N, B, H, C]
     lower = jnp.tril(jnp.ones((c, c), bool))
-    from_start, to_end = jnp.exp(cum), jnp.exp(cum[..., -1:] - cum)  # decay since the chunk start / until its end
+    carried = last = None  # segments: the tokens the incoming state reaches / that reach the outgoing one
     if segments is not None:  # cut every path between tokens of different segments
         seg = jnp.pad(segments, [(0, 0), (0, pad)], mode="edge").reshape(b, n, 1, c)
         seg = jnp.broadcast_to(jnp.moveaxis(seg, 1, 0), (n, b, h, c))
         before = jnp.concatenate([seg[:1, ..., :1], seg[:-1, ..., -1:]])  # the segment the incoming state holds
-        carried = seg == before
+        carried, last = seg == before, seg == seg[..., -1:]
         lower = lower & (seg[..., :, None] == seg[..., None, :])
-        from_start, to_end = from_start * carried, to_end * (seg == seg[..., -1:])
+    keep = lambda x, m: x if m is None else x * m  # noqa: E731
     decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # exp(G_i - G_j), j <= i
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     system = jnp.where(jnp.tril(lower, -1), (k_beta @ jnp.swapaxes(k, -1, -2)) * decay, 0) + jnp.eye(c)
     solve = lambda rhs: jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True,  # noqa: E731
                                                         unit_diagonal=True)
-    u, w = solve(v_beta), solve(k_beta * from_start[..., None])
+    u, w = solve(v_beta), solve(k_beta * keep(jnp.exp(cum), carried)[..., None])
     intra = (q @ jnp.swapaxes(k, -1, -2)) * decay
-    q_dec = q * from_start[..., None]
-    k_dec = k * to_end[..., None]
-    chunk_decay = from_start[..., -1:, None]
+    q_dec = q * keep(jnp.exp(cum), carried)[..., None]
+    k_dec = k * keep(jnp.exp(cum[..., -1:] - cum), last)[..., None]
+    chunk_decay = keep(jnp.exp(cum[..., -1]), None if carried is None else carried[..., -1])[..., None, None]
 
     def step(s, x):
-        u_i, w_i, q_i, k_i, kd_i, intra_i, dec_i, start_i, decay_i = x
+        u_i, w_i, q_i, k_i, kd_i, intra_i, dec_i, cum_i, decay_i, carried_i = x
         v_new = u_i - w_i @ s  # the corrections each token writes
         out = q_i @ s + intra_i @ v_new
         states = None
         if per_token:
-            states = (start_i[..., None, None] * s[:, :, None]
+            states = (keep(jnp.exp(cum_i), carried_i)[..., None, None] * s[:, :, None]
                       + jnp.einsum("bhij,bhjk,bhjv->bhikv", decay_i, k_i, v_new))
         return s * dec_i + jnp.swapaxes(kd_i, -1, -2) @ v_new, (out, states)
 
-    final, (out, states) = jax.lax.scan(step, state, (u, w, q_dec, k, k_dec, intra, chunk_decay, from_start, decay))
+    final, (out, states) = jax.lax.scan(step, state, (u, w, q_dec, k, k_dec, intra, chunk_decay, cum, decay, carried))
 
     def unchunk(a):  # [N, B, H, C, ...] -> [B, T, H, ...]
         a = jnp.moveaxis(jnp.moveaxis(a, 2, 3), 0, 1)
