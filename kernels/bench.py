@@ -142,7 +142,8 @@ def main(argv=None):
         return result
     print(f"score entries computed by the kernel vs the dense [N*Bk, S+N*Bk] reference "
           f"(tiles {result['skip'][0]['q_tile']}x{result['skip'][0]['k_tile']}, {args.backend} formulation"
-          + (f"; rows packed with documents of ~{args.doc_len} tokens, each block seeing its own" if args.doc_len else "")
+          + (f"; rows packed with documents of ~{args.doc_len} tokens, each block seeing its own"
+             if args.doc_len else "")
           + ")")
     print(f"{'S':>6} {'N':>5} {'Bk':>3} {'window':>6} {'anchors':>9} {'skipped':>8} {'computed':>9} {'visible':>8}")
     for r in result["skip"]:

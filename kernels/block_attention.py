@@ -578,9 +578,10 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int, 
     to whole blocks (and to what the backend needs); ``k_tile`` context keys per tile.
 
     Skipping works per query tile (``q_tile // Bk`` consecutive blocks): a tile computes the context
-    tiles from its smallest context start (or window start) up to its largest anchor. Blocks are independent, so callers should order each row's blocks
-    by anchor (sorted anchors): at S=3072, N=512, Bk=16 the kernel then evaluates ~16% of the dense
-    score entries instead of ~26% for random order (``python -m kernels.bench``).
+    tiles from its smallest context start (or window start) up to its largest anchor. Blocks are
+    independent, so callers should order each row's blocks by anchor (sorted anchors): at S=3072, N=512,
+    Bk=16 the kernel then evaluates ~16% of the dense score entries instead of ~26% for random order
+    (``python -m kernels.bench``).
     """
     _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, ctx_start)
     platform = _platform()

@@ -11,9 +11,9 @@ Layout of a feature directory::
 Features are those of the truncated training sequences in ``TrainData`` order, computed by the same
 frozen target forward as the online path (batches padded to seq_len; the target is causal, so the
 padding never changes a real position's features). A packed row's features are its sequences'
-features one after the other: what the online path computes within each document. The fingerprint (token ids, seq_len, layer ids,
-target) guards against training from features of other data or another target. Writing is
-resumable: finished shards are kept, the manifest is updated after each one.
+features one after the other: what the online path computes within each document. The fingerprint
+(token ids, seq_len, layer ids, target) guards against training from features of other data or
+another target. Writing is resumable: finished shards are kept, the manifest is updated after each one.
 """
 from __future__ import annotations
 

@@ -558,8 +558,8 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
                          else "no checkpoint was saved (it failed before the first step)")
                 raise TrainingDiverged(
                     f"non-finite loss at step {step + 1} (loss {loss}, gradient norm {float(gnorm)}; epoch {epoch}, "
-                    f"sequences {[j for i in idx.reshape(-1) for j in data.row(i)]}): training stopped without applying that update; "
-                    f"{where}. Check the data / cached features for NaN, lower --lr, or use --dtype float32.")
+                    f"sequences {[j for i in idx.reshape(-1) for j in data.row(i)]}): training stopped without "
+                    f"applying that update; {where}. Check the data / cached features for NaN, lower --lr, or use --dtype float32.")
             step += 1
             n_tok = data.tokens(idx)
             tokens_total += n_tok

@@ -259,7 +259,8 @@ def causal_conv(x, window, weight, valid, windows_after, segments=None):
     if segments is not None:
         seg = jnp.take_along_axis(segments, order, 1)
         seg = jnp.concatenate([jnp.repeat(seg[:, :1], kernel - 1, axis=1), seg], axis=1)  # aligned with xs
-        xs_at = lambda j: jnp.where((seg[:, j:j + t] == seg[:, kernel - 1:])[..., None], xs[:, j:j + t], 0)  # noqa: E731
+        same = lambda j: (seg[:, j:j + t] == seg[:, kernel - 1:])[..., None]  # noqa: E731
+        xs_at = lambda j: jnp.where(same(j), xs[:, j:j + t], 0)  # noqa: E731
     else:
         xs_at = lambda j: xs[:, j:j + t]  # noqa: E731
     out = sum(xs_at(j) * w[:, j] for j in range(kernel))
