@@ -15,12 +15,12 @@ __all__ = ["attend", "block_attention", "position_mask"]
 
 
 def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
-                    sliding_window: int | None = None, scale: float | None = None, impl: str = "auto"):
+                    sliding_window: int | None = None, scale: float | None = None, impl: str = "auto", ctx_start=None):
     """The draft's training attention: N blocks of ``block_size`` queries, block b anchored at ``anchors[:, b]``.
 
     q [B, N*Bk, Hq, D]; k_ctx, v_ctx [B, S, Hkv, D]; k_blk, v_blk [B, N*Bk, Hkv, D]; anchors [B, N] int32
-    (negative = padding block). Block b sees context positions < anchor (within the window) and its own
-    block bidirectionally. ``impl``: "auto" (Pallas kernel on TPU / GPU with compute capability >= 8.0,
+    (negative = padding block); ``ctx_start`` [B, N] int32 or None (0). Block b sees context positions in
+    [ctx_start, anchor) (within the window) and its own block bidirectionally. ``impl``: "auto" (Pallas kernel on TPU / GPU with compute capability >= 8.0,
     the dense reference elsewhere), "kernel", "reference" or "interpret" (kernel on CPU).
     See ``kernels/block_attention.py``.
     """
@@ -28,8 +28,9 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
         impl = "kernel" if kernel_supported(block_size=block_size, head_dim=q.shape[-1]) else "reference"
     if impl == "reference":
         return block_attention_reference(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size=block_size,
-                                         sliding_window=sliding_window, scale=scale)
+                                         sliding_window=sliding_window, scale=scale, ctx_start=ctx_start)
     if impl not in ("kernel", "interpret"):
         raise ValueError(f"impl must be auto, kernel, reference or interpret, not {impl!r}")
     return block_attention_kernel(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size=block_size,
-                                  sliding_window=sliding_window, scale=scale, interpret=impl == "interpret")
+                                  sliding_window=sliding_window, scale=scale, interpret=impl == "interpret",
+                                  ctx_start=ctx_start)

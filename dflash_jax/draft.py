@@ -38,12 +38,12 @@ class DraftLayer(DecoderLayer):
     def context_kv(self, ctx, positions):
         return self.self_attn.keys_values(ctx, positions)
 
-    def __call__(self, x, positions, anchors, k_ctx, v_ctx, impl: str = "auto"):
+    def __call__(self, x, positions, anchors, k_ctx, v_ctx, impl: str = "auto", ctx_start=None):
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, positions)
         k, v = self.self_attn.keys_values(h, positions)
         o = block_attention(q, k_ctx, v_ctx, k, v, anchors, block_size=x.shape[1] // anchors.shape[1],
-                            sliding_window=self.cfg.layer_window(self.index), impl=impl)
+                            sliding_window=self.cfg.layer_window(self.index), impl=impl, ctx_start=ctx_start)
         x = x + self.self_attn.output(o)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -66,15 +66,16 @@ class DFlashDraft(nn.Module):
         kv = [layer.context_kv(ctx, positions) for layer in self.layers]
         return tuple(k for k, _ in kv), tuple(v for _, v in kv)
 
-    def __call__(self, x, anchors, k_ctx, v_ctx, impl: str = "auto"):
+    def __call__(self, x, anchors, k_ctx, v_ctx, impl: str = "auto", ctx_start=None):
         """Block embeddings x [B, N*Bk, D] (block b anchored at anchors[:, b]) -> final-normed hidden.
 
-        k_ctx / v_ctx: per-layer [B, S, K, H] context K/V, slot s holding position s.
+        k_ctx / v_ctx: per-layer [B, S, K, H] context K/V, slot s holding position s; ``ctx_start``
+        [B, N] (training on packed rows): the first context slot each block sees (None: 0).
         """
         block = x.shape[1] // anchors.shape[1]
         positions = (anchors[:, :, None] + jnp.arange(block, dtype=anchors.dtype)).reshape(x.shape[:2])
         for layer, k, v in zip(self.layers, k_ctx, v_ctx):
-            x = layer(x, positions, anchors, k, v, impl)
+            x = layer(x, positions, anchors, k, v, impl, ctx_start)
         return self.norm(x)
 
     def initialize(self, features, x):
@@ -150,12 +151,14 @@ def materialize(cfg: DraftConfig, params, cache: DecodeCache, features, position
     return cache.replace(layers=tuple(s.write(ki, vi, positions) for s, ki, vi in zip(cache.layers, k, v)))
 
 
-def draft_hidden(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto"):
+def draft_hidden(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto",
+                 ctx_start=None):
     """THE draft forward (decoding and training): block token ids [B, N*Bk], block b anchored at
-    ``anchors[:, b]``, embedded with the target's table; per-layer context K/V [B, S, K, H] (slot s =
-    position s) -> final-normed hidden states [B, N*Bk, D] in the context's dtype."""
+    ``anchors[:, b]`` (seeing context slots from ``ctx_start[:, b]``, default 0), embedded with the
+    target's table; per-layer context K/V [B, S, K, H] (slot s = position s) -> final-normed hidden
+    states [B, N*Bk, D] in the context's dtype."""
     x = target_lib.embed(tcfg, tparams, block_ids).astype(k_ctx[0].dtype)
-    return DFlashDraft(cfg).apply({"params": params}, x, anchors, k_ctx, v_ctx, impl)
+    return DFlashDraft(cfg).apply({"params": params}, x, anchors, k_ctx, v_ctx, impl, ctx_start)
 
 
 def block_logits(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto",

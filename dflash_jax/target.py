@@ -64,9 +64,11 @@ def init_params(cfg, seed: int = 0, dtype=jnp.float32):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "feature_layer_ids"))
-def forward(cfg, params, input_ids, positions, cache=None, feature_layer_ids=(), logits_index=None):
+def forward(cfg, params, input_ids, positions, cache=None, feature_layer_ids=(), logits_index=None,
+            segment_ids=None):
     """The family decoder's forward: (logits float32, features or None, cache); see ``dense.Decoder``."""
-    return decoder(cfg).apply({"params": params}, input_ids, positions, cache, feature_layer_ids, logits_index)
+    return decoder(cfg).apply({"params": params}, input_ids, positions, cache, feature_layer_ids, logits_index,
+                              segment_ids)
 
 
 def embed(cfg, params, ids):

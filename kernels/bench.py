@@ -2,6 +2,7 @@
 
     python -m kernels.bench                       # skip table at S 1024/3072/4096, N 512; small timing
     python -m kernels.bench --time-seq 3072 --time-blocks 512 --heads 32 --kv-heads 8 --head-dim 128
+    python -m kernels.bench --doc-len 700         # packed rows: documents of ~700 tokens (context starts)
     python -m kernels.bench --json
     (from the repository root; installed, anywhere: python -m dflash_jax.kernels.bench)
 
@@ -10,6 +11,8 @@ compiled kernel evaluates (whole context tiles in each query tile's [lo, hi) plu
 per query tile) against the dense reference's [N*Bk, S+N*Bk]. ``visible`` is what the mask keeps.
 Anchors are drawn uniformly from [0, S) without replacement; "sorted" orders them within each row
 (the loss does not depend on block order, and sorted anchors give tighter [lo, hi) per query tile).
+With ``--doc-len`` each row is packed with documents of exponentially distributed lengths and each
+block's context starts at its document's start (``ctx_start``), as in packed training.
 
 Timing runs the kernel and the reference on the default backend. On CPU the kernel runs in Pallas
 interpret mode (an emulation, not a performance figure), so the CPU default times a small shape.
@@ -32,6 +35,18 @@ def draw_anchors(rng, batch, n, s):
     return np.stack([rng.choice(s, size=n, replace=n > s) for _ in range(batch)])
 
 
+def doc_starts(rng, anchors, s, mean_len):
+    """The start of each anchor's document in rows of S packed with documents of exponential lengths
+    (mean ``mean_len``); None when ``mean_len`` is 0 (one document per row)."""
+    if not mean_len:
+        return None
+    out = np.empty_like(anchors)
+    for b in range(anchors.shape[0]):
+        starts = np.concatenate([[0], np.cumsum(1 + rng.exponential(mean_len, size=s)).astype(np.int64)])
+        out[b] = starts[np.searchsorted(starts, anchors[b], side="right") - 1]
+    return out
+
+
 def skip_rows(args):
     rng = np.random.default_rng(args.seed)
     rows = []
@@ -39,8 +54,10 @@ def skip_rows(args):
         drawn = draw_anchors(rng, args.batch, args.blocks, s)
         for order, a in (("sorted", np.sort(drawn, axis=1)), ("unsorted", drawn)):
             r = skipped_fraction(a, s, block_size=args.block_size, sliding_window=args.window,
-                                 q_tile=args.q_tile, k_tile=args.k_tile, backend=args.backend)
+                                 q_tile=args.q_tile, k_tile=args.k_tile, backend=args.backend,
+                                 ctx_start=doc_starts(np.random.default_rng(args.seed), a, s, args.doc_len))
             rows.append({"S": s, "N": args.blocks, "Bk": args.block_size, "window": args.window, "anchors": order,
+                         "doc_len": args.doc_len,
                          "skipped": r["skipped"], "computed_over_dense": r["computed"] / r["dense"],
                          "visible_over_dense": r["visible"] / r["dense"], "q_tile": r["q_tile"],
                          "k_tile": r["k_tile"]})
@@ -101,6 +118,8 @@ def main(argv=None):
     p.add_argument("--blocks", type=int, default=512, help="blocks per sequence N for the skip table")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--window", type=int, default=None, help="sliding window (default: none)")
+    p.add_argument("--doc-len", type=int, default=0,
+                   help="mean document length of packed rows for the skip table (default 0: one per row)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--q-tile", type=int, default=128)
     p.add_argument("--k-tile", type=int, default=128)
@@ -122,7 +141,10 @@ def main(argv=None):
         print(json.dumps(result))
         return result
     print(f"score entries computed by the kernel vs the dense [N*Bk, S+N*Bk] reference "
-          f"(tiles {result['skip'][0]['q_tile']}x{result['skip'][0]['k_tile']}, {args.backend} formulation)")
+          f"(tiles {result['skip'][0]['q_tile']}x{result['skip'][0]['k_tile']}, {args.backend} formulation"
+          + (f"; rows packed with documents of ~{args.doc_len} tokens, each block seeing its own"
+             if args.doc_len else "")
+          + ")")
     print(f"{'S':>6} {'N':>5} {'Bk':>3} {'window':>6} {'anchors':>9} {'skipped':>8} {'computed':>9} {'visible':>8}")
     for r in result["skip"]:
         print(f"{r['S']:>6} {r['N']:>5} {r['Bk']:>3} {str(r['window']):>6} {r['anchors']:>9} {r['skipped']:>8.1%} "

@@ -4,8 +4,9 @@ The draft's training attention. Per sequence the queries are N blocks of Bk toke
 contiguously (block b = query rows b*Bk .. b*Bk+Bk-1); block b is anchored at the runtime position
 ``anchors[batch, b]`` and its token i sits at position a_b + i. Keys are [context 0..S-1 | all blocks].
 
-  * block b sees context key p iff p < a_b (offset-causal), and with a sliding window W also
-    (a_b + i) - p < W;
+  * block b sees context key p iff start_b <= p < a_b (offset-causal; ``ctx_start`` gives start_b,
+    default 0: packed rows hold several documents and a block sees only its own one), and with a
+    sliding window W also (a_b + i) - p < W;
   * block b sees its own Bk block keys bidirectionally (with a window also |i - j| < W), never
     another block's;
   * a negative anchor marks a padding block: it sees nothing, outputs 0 and gets zero gradients;
@@ -16,20 +17,21 @@ Shapes (T = N * Bk):
   k_ctx, v_ctx [batch, S, Hkv, D]       context keys / values (positions 0..S-1)
   k_blk, v_blk [batch, T, Hkv, D]       block keys / values (same row layout as q)
   anchors      [batch, N] int32         runtime anchor of each block (< 0: padding block)
+  ctx_start    [batch, N] int32         runtime lower bound of each block's context (optional)
   returns      [batch, T, Hq, D]        in q.dtype
 
 Kernel layout: the wrapper moves heads in front ([batch, H, rows, D]) and pads the rows to whole
 query tiles (padding blocks, anchor -1) and the context to whole key tiles (keys p >= S masked).
 A query tile holds ``q_tile // Bk`` whole blocks; its own-block keys are exactly the same rows of
 k_blk, so one diagonal (block-masked) key tile finishes it. For each (batch, query tile) the wrapper
-computes from the anchors the range [lo, hi) of context key tiles any of its rows can see; tiles
-outside it are skipped:
+computes from the anchors and context starts the range [lo, hi) of context key tiles any of its
+rows can see; tiles outside it (past every anchor, before every start or window) are skipped:
 
   * TPU (Mosaic): grid (batch, Hq, q tiles, context tiles + 1), online softmax in VMEM scratch.
     lo/hi are scalar-prefetched (SMEM); a skipped step's index map re-points at a tile already in
     VMEM (no DMA) and its compute is guarded by ``pl.when``. The last step is the own-block tile.
   * GPU (Triton): grid (batch, Hq, q tiles); a ``fori_loop`` over [lo, hi) (computed in-kernel
-    from the anchors, which are passed as an ordinary input), then the own-block tile.
+    from the per-row anchors and starts, passed as ordinary inputs), then the own-block tile.
   * ``interpret=True`` runs either formulation on CPU (that is how the tests run it).
 
 Backward (``jax.custom_vjp``): FlashAttention-2 style Pallas kernels recomputing the probabilities
@@ -65,14 +67,17 @@ _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 
 
 @functools.partial(jax.jit, static_argnames=("ctx_len", "block_size", "sliding_window"))
-def block_mask(anchors, ctx_len: int, *, block_size: int, sliding_window: int | None = None):
-    """Visibility [batch, N*Bk, S + N*Bk] of keys [context | blocks] for the block queries."""
+def block_mask(anchors, ctx_len: int, *, block_size: int, sliding_window: int | None = None, ctx_start=None):
+    """Visibility [batch, N*Bk, S + N*Bk] of keys [context | blocks] for the block queries
+    (``ctx_start`` [batch, N]: the first context position each block may see; None: 0)."""
     batch, n = anchors.shape
     a = jnp.repeat(anchors.astype(jnp.int32), block_size, axis=1)  # [B, T] anchor of each row
     qpos = a + jnp.tile(jnp.arange(block_size, dtype=jnp.int32), n)  # [B, T] position of each row
     p = jnp.arange(ctx_len, dtype=jnp.int32)
-    ctx = position_mask(qpos, p, causal=True, sliding_window=sliding_window,
-                        k_valid=p[None, None, :] < a[:, :, None])
+    seen = p[None, None, :] < a[:, :, None]
+    if ctx_start is not None:
+        seen &= p[None, None, :] >= jnp.repeat(ctx_start.astype(jnp.int32), block_size, axis=1)[:, :, None]
+    ctx = position_mask(qpos, p, causal=True, sliding_window=sliding_window, k_valid=seen)
     blk_id = jnp.arange(n * block_size) // block_size
     same = (blk_id[:, None] == blk_id[None, :])[None] & (a >= 0)[:, :, None]
     blk = position_mask(qpos, qpos, causal=False, sliding_window=sliding_window, k_valid=same)
@@ -80,19 +85,22 @@ def block_mask(anchors, ctx_len: int, *, block_size: int, sliding_window: int | 
 
 
 def block_attention_reference(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
-                              sliding_window: int | None = None, scale: float | None = None):
+                              sliding_window: int | None = None, scale: float | None = None, ctx_start=None):
     """Dense [T, S+T] mask + the project's one attention reference (``reference.attend``)."""
-    _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size)
-    mask = block_mask(anchors, k_ctx.shape[1], block_size=block_size, sliding_window=sliding_window)
+    _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, ctx_start)
+    mask = block_mask(anchors, k_ctx.shape[1], block_size=block_size, sliding_window=sliding_window,
+                      ctx_start=ctx_start)
     k = jnp.concatenate([k_ctx, k_blk], axis=1)
     v = jnp.concatenate([v_ctx, v_blk], axis=1)
     return attend(q, k, v, mask, scale=scale)
 
 
-def _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, anchors, bk):
+def _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, anchors, bk, ctx_start=None):
     b, t, hq, d = q.shape
     s, hkv = k_ctx.shape[1], k_ctx.shape[2]
     n = anchors.shape[1]
+    if ctx_start is not None and ctx_start.shape != anchors.shape:
+        raise ValueError(f"ctx_start {ctx_start.shape} must have the shape of anchors {anchors.shape}")
     if (anchors.shape != (b, n) or t != n * bk or k_ctx.shape != (b, s, hkv, d)
             or v_ctx.shape != k_ctx.shape or k_blk.shape != (b, t, hkv, d) or v_blk.shape != k_blk.shape):
         raise ValueError(f"shapes q {q.shape} k_ctx {k_ctx.shape} v_ctx {v_ctx.shape} k_blk {k_blk.shape} "
@@ -142,20 +150,19 @@ def _pick_tiles(n_blocks, bk, ctx_len, q_tile, k_tile, backend, interpret):
     return nbt * bk, tk
 
 
-def _ctx_tile_range(a, ctx_len, tk, window, axis=None):
-    """[lo, hi) of context key tiles visible to the rows with anchors ``a`` (reduced over ``axis``).
+def _ctx_tile_range(a, start, ctx_len, tk, window, axis=None):
+    """[lo, hi) of context key tiles visible to the rows with anchors ``a`` and context starts ``start``
+    (reduced over ``axis``).
 
-    Rows see context p in [max(0, a - W + 1), min(a, S)); padding rows (a < 0) see none. An empty
-    range is returned as (0, 0) so the skipped index map points at tile 0.
+    Rows see context p in [max(0, start, a - W + 1), min(a, S)); padding rows (a < 0) see none. An
+    empty range is returned as (0, 0) so the skipped index map points at tile 0.
     """
     valid = a >= 0
     hi_pos = jnp.minimum(jnp.max(jnp.where(valid, a, 0), axis=axis), ctx_len)
     hi = lax.div(hi_pos + (tk - 1), tk)
-    if window is None:
-        lo = jnp.zeros_like(hi)
-    else:
-        lo_pos = jnp.maximum(jnp.min(jnp.where(valid, a, _BIG), axis=axis) - (window - 1), 0)
-        lo = lax.div(lo_pos, tk)
+    row_lo = start if window is None else jnp.maximum(start, a - (window - 1))
+    lo_pos = jnp.maximum(jnp.min(jnp.where(valid, row_lo, _BIG), axis=axis), 0)
+    lo = lax.div(lo_pos, tk)
     nonempty = lo < hi
     return jnp.where(nonempty, lo, 0), jnp.where(nonempty, hi, 0)
 
@@ -169,11 +176,11 @@ def _divmod(x, d):
     return qt, x - qt * d
 
 
-def _ctx_vis(a, j, c: _Cfg, shape):
-    """Rows (anchors a [tq, 1]) x context key tile j -> bool [tq, tk]."""
+def _ctx_vis(a, st, j, c: _Cfg, shape):
+    """Rows (anchors a, context starts st [tq, 1]) x context key tile j -> bool [tq, tk]."""
     r = lax.broadcasted_iota(jnp.int32, shape, 0)
     p = j * c.tk + lax.broadcasted_iota(jnp.int32, shape, 1)
-    vis = (p < a) & (p < c.ctx_len)
+    vis = (p < a) & (p >= st) & (p < c.ctx_len)
     if c.window is not None:
         vis &= (a + _divmod(r, c.bk)[1] - p) < c.window
     return vis
@@ -237,7 +244,7 @@ def _rows(ref):
 # ----------------------------------------------------------------------------- TPU kernels
 
 
-def _tpu_fwd_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, o_ref, lse_ref,
+def _tpu_fwd_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, rs_ref, o_ref, lse_ref,
                     m_sc, l_sc, acc_sc, *, c: _Cfg, nq, nk):
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     t = b * nq + i
@@ -258,7 +265,7 @@ def _tpu_fwd_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_re
 
     @pl.when((j >= lo_ref[t]) & (j < hi_ref[t]))
     def _ctx():
-        step(kc_ref, vc_ref, _ctx_vis(_rows(ra_ref), j, c, (c.tq, c.tk)))
+        step(kc_ref, vc_ref, _ctx_vis(_rows(ra_ref), _rows(rs_ref), j, c, (c.tq, c.tk)))
 
     @pl.when(j == nk)
     def _own_block():
@@ -267,7 +274,7 @@ def _tpu_fwd_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_re
         lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
 
 
-def _tpu_dq_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, do_ref, lse_ref,
+def _tpu_dq_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, rs_ref, do_ref, lse_ref,
                    dl_ref, dq_ref, dkb_ref, dvb_ref, dq_sc, *, c: _Cfg, nq, nk):
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     t = b * nq + i
@@ -282,7 +289,7 @@ def _tpu_dq_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref
 
     @pl.when((j >= lo_ref[t]) & (j < hi_ref[t]))
     def _ctx():
-        _, ds = grads(kc_ref, vc_ref, _ctx_vis(_rows(ra_ref), j, c, (c.tq, c.tk)))
+        _, ds = grads(kc_ref, vc_ref, _ctx_vis(_rows(ra_ref), _rows(rs_ref), j, c, (c.tq, c.tk)))
         dq_sc[...] = _acc_dq(dq_sc[...], ds, kc_ref[...])
 
     @pl.when(j == nk)
@@ -295,7 +302,7 @@ def _tpu_dq_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref
         dvb_ref[...] = dv
 
 
-def _tpu_dkv_kernel(ql_ref, qn_ref, q_ref, kc_ref, vc_ref, ra_ref, do_ref, lse_ref, dl_ref,
+def _tpu_dkv_kernel(ql_ref, qn_ref, q_ref, kc_ref, vc_ref, ra_ref, rs_ref, do_ref, lse_ref, dl_ref,
                     dk_ref, dv_ref, dk_sc, dv_sc, *, c: _Cfg, nq, nk):
     b, kj, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
@@ -306,7 +313,7 @@ def _tpu_dkv_kernel(ql_ref, qn_ref, q_ref, kc_ref, vc_ref, ra_ref, do_ref, lse_r
 
     @pl.when(lax.rem(s, nq) < qn_ref[b * nk + kj])
     def _acc():
-        vis = _ctx_vis(_rows(ra_ref), kj, c, (c.tq, c.tk))
+        vis = _ctx_vis(_rows(ra_ref), _rows(rs_ref), kj, c, (c.tq, c.tk))
         q, do = q_ref[...], do_ref[...]
         p, ds = _bwd_step(q, kc_ref[...], vc_ref[...], do, _rows(lse_ref), _rows(dl_ref), vis, c.scale)
         dk_sc[...], dv_sc[...] = _acc_dkv(dk_sc[...], dv_sc[...], p, ds, q, do)
@@ -320,13 +327,13 @@ def _tpu_dkv_kernel(ql_ref, qn_ref, q_ref, kc_ref, vc_ref, ra_ref, do_ref, lse_r
 # ----------------------------------------------------------------------------- GPU kernels
 
 
-def _gpu_fwd_kernel(q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, o_ref, lse_ref, *, c: _Cfg):
-    q, a = q_ref[...], _rows(ra_ref)
-    lo, hi = _ctx_tile_range(a, c.ctx_len, c.tk, c.window)
+def _gpu_fwd_kernel(q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, rs_ref, o_ref, lse_ref, *, c: _Cfg):
+    q, a, st = q_ref[...], _rows(ra_ref), _rows(rs_ref)
+    lo, hi = _ctx_tile_range(a, st, c.ctx_len, c.tk, c.window)
 
     def body(j, carry):
         kv = pl.ds(pl.multiple_of(j * c.tk, c.tk), c.tk)
-        return _fwd_step(q, kc_ref[kv, :], vc_ref[kv, :], _ctx_vis(a, j, c, (c.tq, c.tk)), carry, c.scale)
+        return _fwd_step(q, kc_ref[kv, :], vc_ref[kv, :], _ctx_vis(a, st, j, c, (c.tq, c.tk)), carry, c.scale)
 
     carry = (jnp.full((c.tq, 1), _MASK, jnp.float32), jnp.zeros((c.tq, 1), jnp.float32),
              jnp.zeros(q.shape, jnp.float32))
@@ -336,15 +343,16 @@ def _gpu_fwd_kernel(q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, o_ref, lse_re
     lse_ref[...] = lse
 
 
-def _gpu_dq_kernel(q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, do_ref, lse_ref, dl_ref,
+def _gpu_dq_kernel(q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, rs_ref, do_ref, lse_ref, dl_ref,
                    dq_ref, dkb_ref, dvb_ref, *, c: _Cfg):
-    q, do, lse, delta, a = q_ref[...], do_ref[...], lse_ref[...], dl_ref[...], _rows(ra_ref)
-    lo, hi = _ctx_tile_range(a, c.ctx_len, c.tk, c.window)
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], dl_ref[...]
+    a, st = _rows(ra_ref), _rows(rs_ref)
+    lo, hi = _ctx_tile_range(a, st, c.ctx_len, c.tk, c.window)
 
     def body(j, dq):
         kv = pl.ds(pl.multiple_of(j * c.tk, c.tk), c.tk)
         k = kc_ref[kv, :]
-        _, ds = _bwd_step(q, k, vc_ref[kv, :], do, lse, delta, _ctx_vis(a, j, c, (c.tq, c.tk)), c.scale)
+        _, ds = _bwd_step(q, k, vc_ref[kv, :], do, lse, delta, _ctx_vis(a, st, j, c, (c.tq, c.tk)), c.scale)
         return _acc_dq(dq, ds, k)
 
     dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
@@ -355,15 +363,14 @@ def _gpu_dq_kernel(q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, do_ref, lse_re
     dkb_ref[...], dvb_ref[...] = _acc_dkv(zero, zero, p, ds, q, do)
 
 
-def _gpu_dkv_kernel(q_ref, kc_ref, vc_ref, ra_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref, *,
+def _gpu_dkv_kernel(q_ref, kc_ref, vc_ref, ra_ref, rs_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref, *,
                     c: _Cfg, nq, groups):
     kj = pl.program_id(2)
     k, v = kc_ref[...], vc_ref[...]
 
     def visit(qi, carry):
         rows = pl.ds(pl.multiple_of(qi * c.tq, c.tq), c.tq)
-        a = ra_ref[rows][:, None]
-        vis = _ctx_vis(a, kj, c, (c.tq, c.tk))
+        vis = _ctx_vis(ra_ref[rows][:, None], rs_ref[rows][:, None], kj, c, (c.tq, c.tk))
         for g in range(groups):  # the query heads sharing this K/V head
             q, do = q_ref[g, rows, :], do_ref[g, rows, :]
             p, ds = _bwd_step(q, k, v, do, lse_ref[g, rows, :], dl_ref[g, rows, :], vis, c.scale)
@@ -371,8 +378,8 @@ def _gpu_dkv_kernel(q_ref, kc_ref, vc_ref, ra_ref, do_ref, lse_ref, dl_ref, dk_r
         return carry
 
     def body(qi, carry):
-        lo, hi = _ctx_tile_range(ra_ref[pl.ds(pl.multiple_of(qi * c.tq, c.tq), c.tq)], c.ctx_len,
-                                 c.tk, c.window)
+        rows = pl.ds(pl.multiple_of(qi * c.tq, c.tq), c.tq)
+        lo, hi = _ctx_tile_range(ra_ref[rows], rs_ref[rows], c.ctx_len, c.tk, c.window)
         return lax.cond((kj >= lo) & (kj < hi), visit, lambda _, cr: cr, qi, carry)
 
     zero = jnp.zeros(k.shape, jnp.float32)
@@ -384,8 +391,8 @@ def _gpu_dkv_kernel(q_ref, kc_ref, vc_ref, ra_ref, do_ref, lse_ref, dl_ref, dk_r
 # ----------------------------------------------------------------------------- wrapper
 
 
-def _prepare(q, k_ctx, v_ctx, k_blk, v_blk, anchors, c: _Cfg):
-    """Head-major, padded operands and the per-tile context ranges."""
+def _prepare(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c: _Cfg):
+    """Head-major, padded operands, the per-row anchors / context starts and the per-tile context ranges."""
     batch, t = q.shape[:2]
     nbt = c.tq // c.bk
     n_pad = _round_up(anchors.shape[1], nbt)
@@ -394,13 +401,18 @@ def _prepare(q, k_ctx, v_ctx, k_blk, v_blk, anchors, c: _Cfg):
     def heads(x, rows):
         return jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, rows - x.shape[1]), (0, 0)))
 
-    anc = jnp.pad(anchors.astype(jnp.int32), ((0, 0), (0, n_pad - anchors.shape[1])), constant_values=-1)
-    lo, hi = _ctx_tile_range(anc.reshape(batch, n_pad // nbt, nbt), c.ctx_len, c.tk, c.window, axis=-1)
-    ra = jnp.repeat(anc, c.bk, axis=1)  # [B, t_pad] anchor of every row
-    if c.backend == "tpu":
-        ra = jnp.broadcast_to(ra[:, :, None], (*ra.shape, c.lanes))
+    pad = ((0, 0), (0, n_pad - anchors.shape[1]))
+    anc = jnp.pad(anchors.astype(jnp.int32), pad, constant_values=-1)
+    st = jnp.pad(ctx_start.astype(jnp.int32), pad)
+    tiles = (batch, n_pad // nbt, nbt)
+    lo, hi = _ctx_tile_range(anc.reshape(tiles), st.reshape(tiles), c.ctx_len, c.tk, c.window, axis=-1)
+
+    def per_row(x):  # [B, n_pad] -> [B, t_pad] (x lanes on TPU)
+        x = jnp.repeat(x, c.bk, axis=1)
+        return jnp.broadcast_to(x[:, :, None], (*x.shape, c.lanes)) if c.backend == "tpu" else x
+
     return dict(q=heads(q, t_pad), kc=heads(k_ctx, s_pad), vc=heads(v_ctx, s_pad), kb=heads(k_blk, t_pad),
-                vb=heads(v_blk, t_pad), ra=ra, lo=lo, hi=hi, t=t)
+                vb=heads(v_blk, t_pad), ra=per_row(anc), rs=per_row(st), lo=lo, hi=hi, t=t)
 
 
 def _lanes(x, c):  # [B, H, rows] float32 -> the kernels' per-row layout
@@ -426,7 +438,8 @@ def _call(c: _Cfg, kernel, grid, in_specs, out_specs, out_shape, prefetch=(), sc
 
 def _query_tile_call(c: _Cfg, x, kernel, n_tiles, n_stats, out_shape, out_specs_kinds, scratch=()):
     """pallas_call over (batch, Hq, query tiles[, context tiles + 1]) with inputs
-    [q, k_ctx, v_ctx, k_blk, v_blk, row anchors] + ``n_tiles`` q-shaped + ``n_stats`` per-row inputs."""
+    [q, k_ctx, v_ctx, k_blk, v_blk, row anchors, row context starts] + ``n_tiles`` q-shaped + ``n_stats``
+    per-row inputs."""
     batch, hq, t_pad, d = x["q"].shape
     hkv, s_pad = x["kc"].shape[1:3]
     groups, nq, nk = hq // hkv, t_pad // c.tq, s_pad // c.tk
@@ -450,26 +463,26 @@ def _query_tile_call(c: _Cfg, x, kernel, n_tiles, n_stats, out_shape, out_specs_
         grid, prefetch = (batch, hq, nq), ()
     row = (None, None, c.tq, c.lanes)
     in_specs = ([pl.BlockSpec(tile_q, q_map), ctx_spec, ctx_spec, pl.BlockSpec(tile_q, blk_map),
-                 pl.BlockSpec(tile_q, blk_map), ra_spec]
+                 pl.BlockSpec(tile_q, blk_map), ra_spec, ra_spec]
                 + [pl.BlockSpec(tile_q, q_map)] * n_tiles + [pl.BlockSpec(row, q_map)] * n_stats)
     out_specs = [pl.BlockSpec(tile_q if kind == "tile" else row, q_map) for kind in out_specs_kinds]
     return _call(c, functools.partial(kernel, c=c), grid, in_specs, out_specs, out_shape, prefetch, scratch)
 
 
-def _forward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, c: _Cfg):
-    x = _prepare(q, k_ctx, v_ctx, k_blk, v_blk, anchors, c)
+def _forward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c: _Cfg):
+    x = _prepare(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c)
     out_shape = (jax.ShapeDtypeStruct(x["q"].shape, q.dtype),
                  jax.ShapeDtypeStruct((*x["q"].shape[:3], c.lanes), jnp.float32))
     tq, d = c.tq, x["q"].shape[3]
     kernel, scratch = (_tpu_fwd_kernel, [(tq, c.lanes), (tq, c.lanes), (tq, d)]) if c.backend == "tpu" \
         else (_gpu_fwd_kernel, [])
     o, lse = _query_tile_call(c, x, kernel, 0, 0, out_shape, ["tile", "row"], scratch)(
-        x["q"], x["kc"], x["vc"], x["kb"], x["vb"], x["ra"])
+        x["q"], x["kc"], x["vc"], x["kb"], x["vb"], x["ra"], x["rs"])
     return o, lse[..., 0]
 
 
-def _backward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, out, lse, do, c: _Cfg):
-    x = _prepare(q, k_ctx, v_ctx, k_blk, v_blk, anchors, c)
+def _backward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, out, lse, do, c: _Cfg):
+    x = _prepare(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c)
     batch, hq, t_pad, d = x["q"].shape
     hkv, s_pad = x["kc"].shape[1:3]
     groups, nq, nk = hq // hkv, t_pad // c.tq, s_pad // c.tk
@@ -484,7 +497,7 @@ def _backward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, out, lse, do, c: _Cfg):
     dq, dkb, dvb = _query_tile_call(
         c, x, kernel, 1, 2, (jax.ShapeDtypeStruct(x["q"].shape, q.dtype), f32, f32), ["tile"] * 3,
         [(c.tq, d)] if c.backend == "tpu" else [])(
-        x["q"], x["kc"], x["vc"], x["kb"], x["vb"], x["ra"], do_h, lse_l, dl_l)
+        x["q"], x["kc"], x["vc"], x["kb"], x["vb"], x["ra"], x["rs"], do_h, lse_l, dl_l)
 
     # Context dk / dv: per (batch, Hkv, context tile), over the GQA group's heads and the query tiles
     # that see the tile.
@@ -519,9 +532,9 @@ def _backward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, out, lse, do, c: _Cfg):
         grid, prefetch, scratch = (batch, hkv, nk), (), ()
         kernel = functools.partial(_gpu_dkv_kernel, c=c, nq=nq, groups=groups)
     k_spec = pl.BlockSpec(tile_k, k_map)
-    dkc, dvc = _call(c, kernel, grid, [q_spec, k_spec, k_spec, ra_spec, q_spec, stat_spec, stat_spec],
+    dkc, dvc = _call(c, kernel, grid, [q_spec, k_spec, k_spec, ra_spec, ra_spec, q_spec, stat_spec, stat_spec],
                      [k_spec, k_spec], dkv_shape, prefetch, scratch)(
-        x["q"], x["kc"], x["vc"], x["ra"], do_h, lse_l, dl_l)
+        x["q"], x["kc"], x["vc"], x["ra"], x["rs"], do_h, lse_l, dl_l)
 
     t, s = x["t"], c.ctx_len
     rows = lambda g, n: jnp.swapaxes(g[:, :, :n], 1, 2)  # [B, H, rows, D] -> [B, n, H, D]
@@ -530,19 +543,19 @@ def _backward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, out, lse, do, c: _Cfg):
             rows(per_kv(dkb), t).astype(k_blk.dtype), rows(per_kv(dvb), t).astype(v_blk.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, c):
-    return _block_attention_fwd(q, k_ctx, v_ctx, k_blk, v_blk, anchors, c)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c):
+    return _block_attention_fwd(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c)[0]
 
 
-def _block_attention_fwd(q, k_ctx, v_ctx, k_blk, v_blk, anchors, c):
-    o, lse = _forward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, c)
+def _block_attention_fwd(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c):
+    o, lse = _forward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c)
     out = jnp.swapaxes(o[:, :, :q.shape[1]], 1, 2)
-    return out, (q, k_ctx, v_ctx, k_blk, v_blk, anchors, out, lse)  # out: shared with the caller's graph
+    return out, (q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, out, lse)  # out: shared with the caller's graph
 
 
 def _block_attention_bwd(c, res, do):
-    return (*_backward(*res, do, c), None)  # no cotangent for the integer anchors
+    return (*_backward(*res, do, c), None, None)  # no cotangent for the integer anchors / context starts
 
 
 _block_attention.defvjp(_block_attention_fwd, _block_attention_bwd)
@@ -557,7 +570,7 @@ def _platform():
                                              "k_tile", "backend"))
 def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int, sliding_window: int | None = None,
                     scale: float | None = None, interpret: bool | None = None, q_tile: int = 128,
-                    k_tile: int = 128, backend: str | None = None):
+                    k_tile: int = 128, backend: str | None = None, ctx_start=None):
     """Pallas block attention (shapes in the module docstring); differentiable in q, k_*, v_*.
 
     ``backend``: "tpu" (Mosaic formulation) or "gpu" (Triton); default: the platform of the default
@@ -565,18 +578,20 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int, 
     to whole blocks (and to what the backend needs); ``k_tile`` context keys per tile.
 
     Skipping works per query tile (``q_tile // Bk`` consecutive blocks): a tile computes the context
-    tiles up to its largest anchor. Blocks are independent, so callers should order each row's blocks
-    by anchor (sorted anchors): at S=3072, N=512, Bk=16 the kernel then evaluates ~16% of the dense
-    score entries instead of ~26% for random order (``python -m kernels.bench``).
+    tiles from its smallest context start (or window start) up to its largest anchor. Blocks are
+    independent, so callers should order each row's blocks by anchor (sorted anchors): at S=3072, N=512,
+    Bk=16 the kernel then evaluates ~16% of the dense score entries instead of ~26% for random order
+    (``python -m kernels.bench``).
     """
-    _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size)
+    _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, ctx_start)
     platform = _platform()
     backend = backend or ("gpu" if platform == "gpu" else "tpu")
     interpret = platform == "cpu" if interpret is None else bool(interpret)
     tq, tk = _pick_tiles(anchors.shape[1], block_size, k_ctx.shape[1], q_tile, k_tile, backend, interpret)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     c = _Cfg(block_size, sliding_window, scale, tq, tk, k_ctx.shape[1], backend, interpret)
-    return _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors.astype(jnp.int32), c)
+    ctx_start = jnp.zeros_like(anchors, jnp.int32) if ctx_start is None else ctx_start.astype(jnp.int32)
+    return _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors.astype(jnp.int32), ctx_start, c)
 
 
 def kernel_supported(*, block_size: int, head_dim: int) -> bool:
@@ -595,7 +610,7 @@ def kernel_supported(*, block_size: int, head_dim: int) -> bool:
 
 
 def skipped_fraction(anchors, ctx_len: int, *, block_size: int, sliding_window: int | None = None,
-                     q_tile: int = 128, k_tile: int = 128, backend: str = "tpu") -> dict:
+                     q_tile: int = 128, k_tile: int = 128, backend: str = "tpu", ctx_start=None) -> dict:
     """Score entries the compiled kernel computes vs the dense [T, S+T] reference, from the anchors alone.
 
     ``computed``: whole tiles the kernel evaluates (context tiles in [lo, hi) + one own-block tile per
@@ -603,15 +618,19 @@ def skipped_fraction(anchors, ctx_len: int, *, block_size: int, sliding_window: 
     """
     anchors = np.asarray(anchors, np.int64)
     batch, n = anchors.shape
+    start = np.zeros_like(anchors) if ctx_start is None else np.asarray(ctx_start, np.int64)
     bk, s, w = block_size, ctx_len, sliding_window
     tq, tk = _pick_tiles(n, bk, s, q_tile, k_tile, backend, False)
     nbt = tq // bk
-    anc = np.pad(anchors, ((0, 0), (0, _round_up(n, nbt) - n)), constant_values=-1).reshape(batch, -1, nbt)
-    lo, hi = (np.asarray(x) for x in _ctx_tile_range(jnp.asarray(anc, jnp.int32), s, tk, w, -1))
+    pad = ((0, 0), (0, _round_up(n, nbt) - n))
+    anc = np.pad(anchors, pad, constant_values=-1).reshape(batch, -1, nbt)
+    st = np.pad(start, pad).reshape(batch, -1, nbt)
+    lo, hi = (np.asarray(x) for x in _ctx_tile_range(jnp.asarray(anc, jnp.int32), jnp.asarray(st, jnp.int32),
+                                                     s, tk, w, -1))
     computed = ((hi - lo) * tq * tk).sum() + anc.shape[1] * tq * tq * batch
     i = np.arange(bk)
     a = anchors[..., None]  # [B, N, 1] against row offsets i
-    ctx_lo = 0 if w is None else np.maximum(a + i - w + 1, 0)
+    ctx_lo = np.maximum(start[..., None], 0 if w is None else a + i - w + 1)
     ctx = np.maximum(np.minimum(a, s) - ctx_lo, 0)
     own = bk if w is None else np.minimum(bk, i + w) - np.maximum(0, i - w + 1)
     visible = np.where(a >= 0, np.broadcast_to(ctx + own, (batch, n, bk)), 0).sum()

@@ -56,16 +56,17 @@ def anchor_pattern(rng, kind, batch, n, s):
 @functools.lru_cache(maxsize=None)
 def value_and_grads(impl, block_size, window=None, q_tile=128, k_tile=128, backend=None, interpret=None,
                     jit=jax.jit):
-    """jit(xs, anchors, proj) -> (out, d<out, proj>/d(q, k_ctx, v_ctx, k_blk, v_blk)) of the kernel or the
-    reference; anchors are a runtime argument, so one compile serves every anchor pattern of a shape."""
+    """jit(xs, anchors, proj[, ctx_start]) -> (out, d<out, proj>/d(q, k_ctx, v_ctx, k_blk, v_blk)) of the kernel
+    or the reference; anchors (and context starts) are runtime arguments, so one compile serves every
+    anchor pattern of a shape."""
     if impl == "kernel":
         fn = functools.partial(block_attention, block_size=block_size, sliding_window=window, q_tile=q_tile,
                                k_tile=k_tile, backend=backend, interpret=interpret)
     else:
         fn = functools.partial(block_attention_reference, block_size=block_size, sliding_window=window)
 
-    def run(xs, anchors, proj):
-        out, vjp = jax.vjp(lambda *a: fn(*a, anchors), *xs)
+    def run(xs, anchors, proj, ctx_start=None):
+        out, vjp = jax.vjp(lambda *a: fn(*a, anchors, ctx_start=ctx_start), *xs)
         return out, vjp(proj.astype(out.dtype))
 
     return jit(run)

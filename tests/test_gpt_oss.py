@@ -320,3 +320,20 @@ def test_training_a_draft_for_gpt_oss_runs_and_the_loss_falls(gptoss, tmp_path):
     assert draft.config.layers.hidden_size == D and draft.config.layers.rope == target.config.rope
     assert len(losses) == 30 and np.all(np.isfinite(losses))
     assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses
+
+
+def test_packed_documents_keep_their_features(gptoss):
+    """Two documents packed in one row (sliding window, sinks, experts): each one's features equal its own
+    unpacked forward's, since attention stays inside the document and positions restart at 0."""
+    from train.objective import target_features
+
+    _, _, target = gptoss
+    rng = np.random.RandomState(3)
+    a, b = rng.randint(0, V, 9), rng.randint(0, V, 7)
+    row = np.zeros((1, 20), np.int32)
+    row[0, :9], row[0, 9:16] = a, b
+    starts = np.array([[0] * 9 + [9] * 7 + [16] * 4], np.int32)
+    packed = np.asarray(target_features(target.config, target.params, row, ALL, starts))
+    for doc, at in ((a, 0), (b, 9)):
+        alone = np.asarray(target_features(target.config, target.params, doc[None].astype(np.int32), ALL))
+        np.testing.assert_allclose(packed[0, at:at + len(doc)], alone[0], rtol=1e-5, atol=1e-5)

@@ -39,10 +39,11 @@ def _rel_err(x, ref):
     return np.abs(x - ref).max() / max(np.abs(ref).max(), 1e-2)
 
 
-def _check(cfg, xs, anchors, proj, tol=1e-5, ref_xs=None):
+def _check(cfg, xs, anchors, proj, tol=1e-5, ref_xs=None, ctx_start=None):
     backend, bk, window, q_tile, k_tile = cfg
-    out, grads = _compiled("kernel", bk, window, q_tile, k_tile, backend)(xs, anchors, proj)
-    out_r, grads_r = _compiled("reference", bk, window)(ref_xs or xs, anchors, proj)
+    starts = () if ctx_start is None else (ctx_start,)
+    out, grads = _compiled("kernel", bk, window, q_tile, k_tile, backend)(xs, anchors, proj, *starts)
+    out_r, grads_r = _compiled("reference", bk, window)(ref_xs or xs, anchors, proj, *starts)
     assert out.dtype == xs[0].dtype and all(g.dtype == x.dtype for g, x in zip(grads, xs))
     assert _rel_err(out, out_r) <= tol
     for name, g, g_r in zip(["q", "k_ctx", "v_ctx", "k_blk", "v_blk"], grads, grads_r):
@@ -86,6 +87,39 @@ def test_kernel_random_anchors(case):
         _check((backend, bk, window, q_tile, k_tile), xs, jnp.asarray(values, jnp.int32).reshape(batch, n), proj)
 
     check()
+
+
+def _doc_starts(rng, anchors):
+    """A random context start in [0, anchor] per real block (0 for padding blocks): packed documents."""
+    a = np.asarray(anchors)
+    return jnp.asarray(np.where(a >= 0, rng.integers(0, np.maximum(a, 0) + 1), 0), jnp.int32)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=["tpu", "gpu-window"])
+def test_kernel_ctx_start(case):
+    """Per-block context lower bounds (packed documents), forward and gradients against the reference,
+    with and without a window."""
+    backend, batch, n, bk, s, hq, hkv, d, window, q_tile, k_tile = case
+    xs, proj = _inputs(n * s + hq, batch, n, bk, s, hq, hkv, d)
+    rng = np.random.default_rng(3)
+    for kind in ["sorted", "unsorted", "edges", "ragged"]:
+        anchors = anchor_pattern(rng, kind, batch, n, s)
+        _check((backend, bk, window, q_tile, k_tile), xs, anchors, proj, ctx_start=_doc_starts(rng, anchors))
+
+
+def test_tiles_before_ctx_start_are_not_read():
+    """NaN in the context tile before every block's start: skipped, as the tiles past the anchors are."""
+    backend, batch, n, bk, s, hq, hkv, d, window, q_tile, k_tile = CASES[0]  # reuses test_kernel_ctx_start's compile
+    xs, proj = _inputs(n * s + hq, batch, n, bk, s, hq, hkv, d)
+    bad = [x.at[:, :16].set(jnp.nan) if i in (1, 2) else x for i, x in enumerate(xs)]
+    anchors = jnp.asarray([[20, 30, 17, 36, 25, -1], [16, 16, 33, -1, 21, 19]], jnp.int32)
+    starts = jnp.asarray([[16, 18, 16, 20, 16, 0], [16, 16, 30, 0, 17, 16]], jnp.int32)
+    out, grads = _compiled("kernel", bk, window, q_tile, k_tile, backend)(bad, anchors, proj, starts)
+    out_r, grads_r = _compiled("reference", bk, window)(xs, anchors, proj, starts)
+    assert _rel_err(out, out_r) <= 1e-5
+    for g, g_r in zip(grads, grads_r):
+        assert _rel_err(g, g_r) <= 1e-5
+    assert np.all(np.asarray(grads[1])[:, :16] == 0) and np.all(np.asarray(grads[2])[:, :16] == 0)
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
@@ -190,9 +224,14 @@ def test_skipped_fraction():
     anchors = rng.integers(0, 300, size=(1, 64))
     sorted_, unsorted = (skipped_fraction(a, 300, block_size=16, q_tile=128, k_tile=32)
                          for a in (np.sort(anchors, axis=1), anchors))
-    for w in (None, 7):  # "visible" against the dense mask
-        mask = block_mask(jnp.asarray(anchors), 300, block_size=16, sliding_window=w)
-        assert skipped_fraction(anchors, 300, block_size=16, sliding_window=w)["visible"] == int(mask.sum())
+    starts = _doc_starts(rng, anchors)
+    for w, lo in [(None, None), (7, None), (None, starts), (40, starts)]:  # "visible" against the dense mask
+        mask = block_mask(jnp.asarray(anchors), 300, block_size=16, sliding_window=w, ctx_start=lo)
+        r = skipped_fraction(anchors, 300, block_size=16, sliding_window=w, ctx_start=lo)
+        assert r["visible"] == int(mask.sum()) and r["computed"] >= r["visible"]
+    packed = skipped_fraction(np.sort(anchors, axis=1), 300, block_size=16, q_tile=128, k_tile=32,
+                              ctx_start=np.minimum(np.sort(anchors, axis=1), 150))
+    assert packed["skipped"] > sorted_["skipped"]  # a start skips the tiles before it
     for r in (sorted_, unsorted):
         assert 0 < r["skipped"] < 1 and r["computed"] >= r["visible"]
     assert sorted_["skipped"] > unsorted["skipped"]  # sorted anchors make tighter context ranges

@@ -97,6 +97,45 @@ def test_chunked_form_equals_recurrent_form():
     assert max_diff(final, want_states[:, -1]) <= 1e-5
 
 
+def test_chunked_form_restarts_at_segment_starts():
+    """Segments [0:3), [3:9) (crossing a chunk boundary), [9:11): each one equals the recurrence run on it
+    alone, the first from the given state, the others from zero (packed documents)."""
+    rng = np.random.RandomState(1)
+    b, t, h, dk, dv = 2, 11, 3, 4, 5
+    q, k = (jnp.asarray(rng.randn(b, t, h, dk), jnp.float32) for _ in range(2))
+    q, k = q / jnp.linalg.norm(q, axis=-1, keepdims=True), k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jnp.asarray(rng.randn(b, t, h, dv), jnp.float32)
+    g = jnp.asarray(-rng.rand(b, t, h), jnp.float32)
+    beta = jnp.asarray(rng.rand(b, t, h), jnp.float32)
+    s0 = jnp.asarray(rng.randn(b, h, dk, dv), jnp.float32)
+    cuts = [(0, 3), (3, 9), (9, 11)]
+    segments = jnp.asarray(np.repeat([lo for lo, hi in cuts], [hi - lo for lo, hi in cuts])[None].repeat(b, 0))
+    out, final, states = chunked_delta_rule(q, k, v, g, beta, s0, chunk=4, per_token=True, segments=segments)
+    for lo, hi in cuts:
+        init = s0 if lo == 0 else jnp.zeros_like(s0)
+        want_out, want_states = recurrent_delta_rule(*(a[:, lo:hi] for a in (q, k, v, g, beta)), init)
+        assert max_diff(out[:, lo:hi], want_out) <= 1e-5 and max_diff(states[:, lo:hi], want_states) <= 1e-5
+    assert max_diff(final, want_states[:, -1]) <= 1e-5
+
+
+def test_packed_documents_keep_their_features(qwen):
+    """Two documents packed in one row: the conv window and the recurrent state restart at the second, the
+    attention layers stay inside each, so each document's features equal its own unpacked forward's."""
+    from train.objective import target_features
+
+    _, _, target = qwen
+    layers = tuple(range(target.config.num_hidden_layers))
+    rng = np.random.RandomState(3)
+    a, b = rng.randint(0, target.config.vocab_size, 9), rng.randint(0, target.config.vocab_size, 7)
+    row = np.zeros((1, 20), np.int32)
+    row[0, :9], row[0, 9:16] = a, b
+    starts = np.array([[0] * 9 + [9] * 7 + [16] * 4], np.int32)
+    packed = np.asarray(target_features(target.config, target.params, row, layers, starts))
+    for doc, at in ((a, 0), (b, 9)):
+        alone = np.asarray(target_features(target.config, target.params, doc[None].astype(np.int32), layers))
+        np.testing.assert_allclose(packed[0, at:at + len(doc)], alone[0], rtol=1e-5, atol=1e-5)
+
+
 def test_incremental_decoding_equals_one_shot(qwen):
     """A ragged prefill (9 and 3 tokens), then 7-token chunks, then single tokens (the recurrent form):
     logits and features equal the one-shot forward."""

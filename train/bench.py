@@ -150,13 +150,14 @@ def model_flops(tcfg, dcfg, *, seq_len: int, anchors) -> dict:
 
 
 class _SyntheticData:
-    """What ``train.loop._device_batch`` reads from a ``TrainData``: ``batch(idx) -> (ids, mask)``."""
+    """What ``train.loop._device_batch`` reads from a ``TrainData``: ``batch(idx) -> (ids, mask, doc_start)``
+    (unpacked: no doc_start)."""
 
     def __init__(self, ids, mask):
         self.ids, self.mask = ids, mask
 
     def batch(self, idx):
-        return self.ids[idx], self.mask[idx]
+        return self.ids[idx], self.mask[idx], None
 
 
 def _one_line(e: BaseException) -> str:
@@ -233,7 +234,7 @@ def setup(args):
     mask = np.zeros((a * b, s), np.int32)
     mask[:, s // 8:] = 1  # a prompt, then the supervised response
     idx = np.arange(a * b).reshape(a, b)
-    ids_d, mask_d, idx_d, _ = _device_batch(_SyntheticData(ids, mask), None, idx, mesh, cfg.dtype)
+    ids_d, mask_d, idx_d, _, _ = _device_batch(_SyntheticData(ids, mask), None, idx, mesh, cfg.dtype)
     anchors = np.concatenate([np.asarray(objective.sample_batch_anchors(cfg.seed, 0, jnp.asarray(idx[i]),
                                                                         jnp.asarray(mask[idx[i]]), cfg.num_anchors))
                               for i in range(a)])

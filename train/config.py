@@ -60,10 +60,13 @@ class TrainConfig:
     mask_token_id: int = _help("mask token id; -1: first unused embedding row (len(tokenizer) < vocab), "
                                "else the pad token, else vocab_size-1", default=-1)
     # the objective
-    num_anchors: int = _help("anchors (blocks) per sequence, re-drawn every epoch", default=512)
+    num_anchors: int = _help("anchors (blocks) per row, re-drawn every epoch", default=512)
     gamma: float = _help("loss weight decay gamma, w_k = exp(-(k-1)/gamma); 0: 7/5/4 for B=16/10/8, "
                          "interpolated otherwise", default=0.0)
-    seq_len: int = _help("sequence length (longer sequences are truncated, shorter padded)", default=2048)
+    seq_len: int = _help("row length (longer sequences are truncated, shorter padded)", default=2048)
+    pack: bool = _help("pack several sequences into each --seq-len row (anchors, labels, target features and "
+                       "each block's context stay within its sequence; equal to training them unpacked, with "
+                       "less padding); --no-pack: one sequence per row", default=True)
     loss_chunk: int = _help("tokens per chunk of the lm_head + cross-entropy (bounds the logits memory)",
                             default=1024)
     # optimisation
@@ -74,7 +77,7 @@ class TrainConfig:
     weight_decay: float = _help("AdamW weight decay (matrices only, not norm weights)", default=0.0)
     beta1: float = _help("AdamW beta1", default=0.9)
     beta2: float = _help("AdamW beta2", default=0.95)
-    batch_size: int = _help("sequences per micro-batch", default=1)
+    batch_size: int = _help("rows per micro-batch (one sequence each with --no-pack)", default=1)
     grad_accum: int = _help("micro-batches per optimizer step", default=1)
     steps: int = _help("optimizer steps (0: --epochs passes over the data)", default=0)
     epochs: float = _help("passes over the data when --steps is 0", default=1.0)
@@ -164,6 +167,7 @@ class TrainConfig:
     @classmethod
     def from_json(cls, d: dict) -> "TrainConfig":
         names = {f.name for f in dataclasses.fields(cls)}
+        d = {"pack": False, **d}  # written before packing existed: those runs trained unpacked
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def replace(self, **kw) -> "TrainConfig":

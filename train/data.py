@@ -9,12 +9,14 @@ Layout of a data directory (written by ``python -m train.make_data``)::
                          (1 = supervised: the response), offsets int64 [n + 1]
 
 A sequence is prompt + response; only the response is supervised. ``TrainData`` loads a directory,
-truncates to ``seq_len``, drops sequences that cannot train (with a count), and serves padded
-batches in a per-epoch order that depends only on (seed, epoch), so a resumed run sees exactly the
-batches the interrupted one would have.
+truncates to ``seq_len``, drops sequences that cannot train (with a count), packs the sequences into
+rows of ``seq_len`` tokens (best-fit decreasing, once; ``pack=False``: one sequence per row) and
+serves padded rows in a per-epoch order that depends only on (seed, epoch), so a resumed run sees
+exactly the batches the interrupted one would have.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import warnings
@@ -211,6 +213,29 @@ def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([int(seed), int(epoch), 0x5EED]).permutation(n)
 
 
+def pack_sequences(lengths, capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: sequence indices grouped into rows of at most ``capacity`` tokens (each length
+    <= capacity); longest first, each into the fullest row it fits, ties by index (deterministic)."""
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, row), sorted
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = bisect.bisect_left(free, (lengths[i], -1))
+        if k < len(free):
+            room, r = free.pop(k)
+            rows[r].append(i)
+        else:
+            room, r = capacity, len(rows)
+            rows.append([i])
+        if room - lengths[i] > 0:
+            bisect.insort(free, (room - lengths[i], r))
+    return rows
+
+
+def padding_fraction(num_tokens: int, num_rows: int, seq_len: int) -> float:
+    """Share of the ``num_rows`` x ``seq_len`` token slots that are padding."""
+    return 1.0 - num_tokens / max(num_rows * seq_len, 1)
+
+
 def num_anchor_positions(mask: np.ndarray) -> int:
     """Positions a with mask[a] and mask[a+1] (the anchor and its next token supervised)."""
     return int(np.sum(mask[:-1].astype(bool) & mask[1:].astype(bool))) if len(mask) > 1 else 0
@@ -218,19 +243,22 @@ def num_anchor_positions(mask: np.ndarray) -> int:
 
 @dataclass
 class TrainData:
-    """All training sequences (truncated to seq_len, unusable ones dropped) and the batch order."""
+    """All training sequences (truncated to seq_len, unusable ones dropped), their rows and the batch order.
+
+    An example (what a batch index names) is a row: several packed sequences, or one when ``rows`` is None."""
 
     ids: list  # per sequence int32 [len <= seq_len]
     masks: list  # per sequence uint8
     source: list  # (shard index, index in shard) of each kept sequence
     seq_len: int
     manifest: dict
+    rows: list | None = None  # packed: the sequence indices of each row
 
     @classmethod
     def load(cls, data_dir: str, *, seq_len: int, block_size: int, vocab_size: int | None = None,
-             verbose: bool = True, allow_partial: bool = False) -> "TrainData":
+             verbose: bool = True, allow_partial: bool = False, pack: bool = False) -> "TrainData":
         """Refuses (``DataError``) a directory whose make_data run did not finish unless ``allow_partial``
-        (then warns with the number of missing records)."""
+        (then warns with the number of missing records). ``pack``: rows of several sequences."""
         manifest = read_manifest(data_dir)
         if not manifest["shards"]:
             raise DataError(f"{data_dir}/manifest.json lists no shards (no data was written?)")
@@ -273,38 +301,76 @@ class TrainData:
         if truncated and verbose:
             warnings.warn(f"{truncated} of {total} sequences are longer than --seq-len {seq_len} and were truncated",
                           stacklevel=2)
-        return cls(ids, masks, source, seq_len, manifest)
+        rows = pack_sequences([len(x) for x in ids], seq_len) if pack else None
+        return cls(ids, masks, source, seq_len, manifest, rows)
 
     def __len__(self) -> int:
         return len(self.ids)
 
     @property
+    def num_rows(self) -> int:
+        return len(self) if self.rows is None else len(self.rows)
+
+    def row(self, i: int) -> list[int]:
+        """The sequence indices of row (example) ``i``."""
+        return [int(i)] if self.rows is None else self.rows[i]
+
+    @property
     def num_tokens(self) -> int:
         return int(sum(len(x) for x in self.ids))
 
+    def tokens(self, indices) -> int:
+        """Sequence tokens in the rows ``indices``."""
+        return int(sum(len(self.ids[j]) for i in np.asarray(indices).reshape(-1) for j in self.row(i)))
+
+    def packing_summary(self) -> str:
+        """E.g. "packed 1234 sequences into 321 rows of 3072: padding 71% -> 6%" (one sequence per row -> packed)."""
+        before = padding_fraction(self.num_tokens, len(self), self.seq_len)
+        after = padding_fraction(self.num_tokens, self.num_rows, self.seq_len)
+        return (f"packed {len(self)} sequences into {self.num_rows} rows of {self.seq_len}: padding "
+                f"{before:.0%} -> {after:.0%}")
+
     def steps_per_epoch(self, global_batch: int) -> int:
-        n = len(self) // global_batch
+        n = self.num_rows // global_batch
         if n == 0:
-            raise DataError(f"the data has {len(self)} usable sequences, fewer than one optimizer step's "
+            what = "usable sequences" if self.rows is None else f"rows of packed sequences ({len(self)} sequences)"
+            raise DataError(f"the data has {self.num_rows} {what}, fewer than one optimizer step's "
                             f"batch_size x grad_accum = {global_batch}")
         return n
 
     def step_indices(self, step: int, *, seed: int, grad_accum: int, batch_size: int) -> tuple[int, np.ndarray]:
-        """(epoch, example indices [grad_accum, batch_size]) of optimizer step ``step`` (0-based)."""
+        """(epoch, example (row) indices [grad_accum, batch_size]) of optimizer step ``step`` (0-based)."""
         g = grad_accum * batch_size
         spe = self.steps_per_epoch(g)
         epoch, pos = divmod(step, spe)
-        order = epoch_order(seed, epoch, len(self))
+        order = epoch_order(seed, epoch, self.num_rows)
         return epoch, order[pos * g:(pos + 1) * g].reshape(grad_accum, batch_size)
 
-    def batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Padded (ids int32, loss_mask int32) of shape indices.shape + [seq_len]; padding is 0 / unsupervised."""
-        flat = np.asarray(indices).reshape(-1)
-        ids = np.zeros((len(flat), self.seq_len), np.int32)
-        mask = np.zeros((len(flat), self.seq_len), np.int32)
-        for r, i in enumerate(flat):
-            n = len(self.ids[i])
-            ids[r, :n] = self.ids[i]
-            mask[r, :n] = self.masks[i]
+    def sequences(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """Padded (ids int32, loss_mask int32) of the SEQUENCES ``indices``, shape indices.shape + [seq_len];
+        padding is 0 / unsupervised."""
+        ids, mask, _ = self._fill([[int(i)] for i in np.asarray(indices).reshape(-1)])
         shape = tuple(np.shape(indices)) + (self.seq_len,)
         return ids.reshape(shape), mask.reshape(shape)
+
+    def batch(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(ids int32, loss_mask int32, doc_start int32 or None) of the rows ``indices``, each indices.shape +
+        [seq_len]: a row's sequences one after the other, then padding (0 / unsupervised). ``doc_start``
+        (packed data only): the row position where each token's sequence starts (the padding after the
+        last one counts as one more)."""
+        ids, mask, start = self._fill([self.row(i) for i in np.asarray(indices).reshape(-1)])
+        shape = tuple(np.shape(indices)) + (self.seq_len,)
+        return ids.reshape(shape), mask.reshape(shape), None if self.rows is None else start.reshape(shape)
+
+    def _fill(self, rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        ids = np.zeros((len(rows), self.seq_len), np.int32)
+        mask = np.zeros((len(rows), self.seq_len), np.int32)
+        start = np.zeros((len(rows), self.seq_len), np.int32)
+        for r, seqs in enumerate(rows):
+            at = 0
+            for j in seqs:
+                n = len(self.ids[j])
+                ids[r, at:at + n], mask[r, at:at + n], start[r, at:at + n] = self.ids[j], self.masks[j], at
+                at += n
+            start[r, at:] = at
+        return ids, mask, start

@@ -10,9 +10,10 @@ Layout of a feature directory::
 
 Features are those of the truncated training sequences in ``TrainData`` order, computed by the same
 frozen target forward as the online path (batches padded to seq_len; the target is causal, so the
-padding never changes a real position's features). The fingerprint (token ids, seq_len, layer ids,
-target) guards against training from features of other data or another target. Writing is
-resumable: finished shards are kept, the manifest is updated after each one.
+padding never changes a real position's features). A packed row's features are its sequences'
+features one after the other: what the online path computes within each document. The fingerprint
+(token ids, seq_len, layer ids, target) guards against training from features of other data or
+another target. Writing is resumable: finished shards are kept, the manifest is updated after each one.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def fingerprint(data: TrainData, layer_ids, target_path: str | None, target_dtyp
 
 
 class FeatureStore:
-    """Read side: memory-mapped shards; ``batch(indices)`` -> padded [..., seq_len, width]."""
+    """Read side: memory-mapped shards; ``batch(indices)`` -> rows (as ``TrainData.batch``) [..., seq_len, width]."""
 
     def __init__(self, directory: str, data: TrainData, manifest: dict):
         self.directory, self.data, self.manifest = directory, data, manifest
@@ -69,9 +70,12 @@ class FeatureStore:
         flat = np.asarray(indices).reshape(-1)
         out = np.zeros((len(flat), self.data.seq_len, self.width), _NP[self.dtype])
         for r, i in enumerate(flat):
-            si, start = self._where[i]
-            n = len(self.data.ids[i])
-            out[r, :n] = self._shards[si][start:start + n].view(_NP[self.dtype])
+            at = 0
+            for j in self.data.row(i):
+                si, start = self._where[j]
+                n = len(self.data.ids[j])
+                out[r, at:at + n] = self._shards[si][start:start + n].view(_NP[self.dtype])
+                at += n
         return out.reshape(tuple(np.shape(indices)) + out.shape[1:])
 
     @property
@@ -124,7 +128,7 @@ def build_feature_store(target, layer_ids, data: TrainData, directory: str, *, b
             for b0 in range(0, len(idx), batch_size):
                 chunk = idx[b0:b0 + batch_size]
                 padded = np.concatenate([chunk, np.full(batch_size - len(chunk), chunk[0])])  # one shape
-                ids, _ = data.batch(padded)
+                ids, _ = data.sequences(padded)
                 feats = np.asarray(jax.device_get(fn(target.params, jnp.asarray(ids))).astype(_NP[dtype]))
                 for r, i in enumerate(chunk):
                     n = len(data.ids[i])

@@ -9,6 +9,11 @@ parameters (fc, hidden_norm, layers, norm) are trained: the target's embedding a
 inputs of the step, never differentiated. A non-finite loss or gradient leaves the state unchanged
 and stops the run with the last good state saved.
 
+Sequences are packed several to a row by default (``--no-pack``: one per row, padded): anchors,
+labels, the target's features (attention, and the conv window and recurrent state of Gated
+DeltaNet layers) and each block's context stay within a document, so a packed row trains exactly as
+its sequences would unpacked, with far less padding.
+
 Data order and anchors depend only on (seed, step), and checkpoints hold the params, the optimizer
 state (with its step count) and the data position, so a resumed run continues bit-for-bit.
 """
@@ -49,7 +54,7 @@ from dflash_jax.progress import progress_bar
 # are warned about since the resumed run is then no longer bit-exact.
 _RESUME_FIXED = ("draft_layers", "block_size", "num_target_features", "target_layer_ids",
                  "mask_token_id", "num_anchors", "gamma", "seq_len", "batch_size", "grad_accum", "seed",
-                 "dtype", "param_dtype", "init_draft")
+                 "dtype", "param_dtype", "init_draft", "pack")
 _RESUME_ROUNDING = ("impl", "loss_chunk")
 # The collapse warning: this many consecutive steps with the loss within COLLAPSE_TOL nats of ln(vocab)
 # (uniform predictions) or a gradient norm of exactly 0.
@@ -123,36 +128,38 @@ def cached_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, *, offline: boo
 
 
 def make_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, optimizer, *, offline: bool):
-    """Jitted ``step(params, opt_state, tparams, ids, mask, idx, epoch, feats, lr)`` ->
-    (params, opt_state, sums, ok, grad_norm); ids/mask [A, B, S], idx [A, B], feats [A, B, S, F] or None.
+    """Jitted ``step(params, opt_state, tparams, ids, mask, idx, epoch, feats, lr, starts=None)`` ->
+    (params, opt_state, sums, ok, grad_norm); ids/mask [A, B, S], idx [A, B], feats [A, B, S, F] or None,
+    starts [A, B, S] (packed rows: ``TrainData.batch``'s doc_start) or None.
     params / opt_state are donated; when ``ok`` is False they come back unchanged."""
     weights = objective.position_weights(dcfg.block_size, cfg.gamma_value)
     dtype = resolve_dtype(cfg.dtype)
 
-    def micro(params, tparams, ids, mask, idx, epoch, feats):
-        anchors = objective.sample_batch_anchors(cfg.seed, epoch, idx, mask, cfg.num_anchors)
+    def micro(params, tparams, ids, mask, idx, epoch, feats, starts):
+        anchors = objective.sample_batch_anchors(cfg.seed, epoch, idx, mask, cfg.num_anchors, starts)
         if feats is None:
-            feats = objective.target_features(tcfg, tparams, ids, dcfg.target_layer_ids)
+            feats = objective.target_features(tcfg, tparams, ids, dcfg.target_layer_ids, starts)
 
         def f(p):
             s = objective.loss_sums(tcfg, tparams, dcfg, p, ids, mask, anchors, feats, weights=weights,
-                                    impl=cfg.impl, chunk=cfg.loss_chunk, dtype=dtype)
+                                    impl=cfg.impl, chunk=cfg.loss_chunk, dtype=dtype, doc_start=starts)
             return s["wce"], s
 
         (_, sums), grads = jax.value_and_grad(f, has_aux=True)(params)
         return grads, sums
 
-    def step(params, opt_state, tparams, ids, mask, idx, epoch, feats, lr):
+    def step(params, opt_state, tparams, ids, mask, idx, epoch, feats, lr, starts=None):
         first = lambda a: None if a is None else a[0]  # noqa: E731
-        grads, sums = micro(params, tparams, ids[0], mask[0], idx[0], epoch, first(feats))
+        grads, sums = micro(params, tparams, ids[0], mask[0], idx[0], epoch, first(feats), first(starts))
         if ids.shape[0] > 1:
             def body(carry, xs):
-                i, m, j, f = xs
-                g, s = micro(params, tparams, i, m, j, epoch, f)
+                i, m, j, f, st = xs
+                g, s = micro(params, tparams, i, m, j, epoch, f, st)
                 return jax.tree_util.tree_map(jnp.add, carry, (g, s)), None
 
             rest = lambda a: None if a is None else a[1:]  # noqa: E731
-            (grads, sums), _ = jax.lax.scan(body, (grads, sums), (ids[1:], mask[1:], idx[1:], rest(feats)))
+            (grads, sums), _ = jax.lax.scan(body, (grads, sums),
+                                            (ids[1:], mask[1:], idx[1:], rest(feats), rest(starts)))
         weight = jnp.maximum(sums["weight"], 1e-12)
         grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
         loss = sums["wce"] / weight
@@ -287,19 +294,21 @@ class CollapseDetector:
                       f"{self.lr:g}; default 6e-4) and a new --out")
 
 def _device_batch(data: TrainData, store, idx, mesh, dtype):
-    """(ids, mask, idx, feats or None) of the global step ``idx`` [A, B] on the device(s). On a mesh each
-    process reads only its ``process_slice`` of the B rows and the rows are split over data*fsdp. Cached
-    features travel in their storage dtype and are cast on the device (one compiled step for any cache dtype)."""
+    """(ids, mask, idx, feats or None, doc starts or None) of the global step ``idx`` [A, B] on the device(s).
+    On a mesh each process reads only its ``process_slice`` of the B rows and the rows are split over
+    data*fsdp. Cached features travel in their storage dtype and are cast on the device (one compiled step
+    for any cache dtype)."""
     if mesh is not None:
         idx = idx[:, sharding.process_slice(idx.shape[1])]
-    ids, mask = data.batch(idx)
+    ids, mask, starts = data.batch(idx)
     feats = None if store is None else store.batch(idx)
     if mesh is None:
-        arrays = (jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(idx, jnp.int32))
-        return arrays + (None if feats is None else jnp.asarray(feats).astype(dtype),)
-    arrays = sharding.shard_local_batch((ids, mask, np.asarray(idx, np.int32)), mesh, batch_axis=1)
-    return tuple(arrays) + (None if feats is None else
-                            sharding.shard_local_batch(feats, mesh, batch_axis=1).astype(dtype),)
+        put = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
+    else:
+        put = lambda x: None if x is None else sharding.shard_local_batch(x, mesh, batch_axis=1)  # noqa: E731
+    feats = put(feats)
+    return (put(ids), put(mask), put(np.asarray(idx, np.int32)), None if feats is None else feats.astype(dtype),
+            put(starts))
 
 
 def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[int, dict], None] | None = None,
@@ -337,7 +346,9 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
             target = sharding.shard_target(target, mesh)
     tokenizer = load_tokenizer(target.path)
     data = TrainData.load(cfg.data, seq_len=cfg.seq_len, block_size=cfg.block_size,
-                          vocab_size=target.config.vocab_size, allow_partial=cfg.allow_partial_data)
+                          vocab_size=target.config.vocab_size, allow_partial=cfg.allow_partial_data, pack=cfg.pack)
+    if cfg.pack:
+        log(data.packing_summary())
 
     # checkpoints
     ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINT_DIR), keep=cfg.keep_checkpoints)
@@ -451,7 +462,7 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
         f"params, block {dcfg.block_size}, target_layer_ids {list(dcfg.target_layer_ids)}, mask id "
         f"{dcfg.mask_token_id}, gamma {cfg.gamma_value:.3g}")
     log(f"data: {len(data)} sequences, {data.num_tokens} tokens; {spe} steps/epoch of {cfg.global_batch} "
-        f"sequences; {total} steps")
+        f"{'rows' if cfg.pack else 'sequences'}; {total} steps")
     with open(os.path.join(cfg.out, "config.json") if primary else os.devnull, "w") as f:
         json.dump({"train_config": cfg.to_json(), "draft_config": dcfg.to_hf(), "total_steps": total,
                    "steps_per_epoch": spe}, f, indent=2)
@@ -515,9 +526,9 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
             epoch, idx = data.step_indices(step, seed=cfg.seed, grad_accum=cfg.grad_accum, batch_size=cfg.batch_size)
             lr = lr_at(cfg, step, total)
             t0 = time.perf_counter()
-            ids, mask, idx_d, feats = _device_batch(data, store, idx, mesh, cfg.dtype)
+            ids, mask, idx_d, feats, starts = _device_batch(data, store, idx, mesh, cfg.dtype)
             params, opt_state, sums, ok, gnorm = step_fn(params, opt_state, target.params, ids, mask, idx_d,
-                                                         jnp.int32(epoch), feats, jnp.float32(lr))
+                                                         jnp.int32(epoch), feats, jnp.float32(lr), starts)
             sums, ok, gnorm = jax.device_get((sums, ok, gnorm))
             dt = time.perf_counter() - t0
             if not ok:
@@ -530,10 +541,10 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
                          else "no checkpoint was saved (it failed before the first step)")
                 raise TrainingDiverged(
                     f"non-finite loss at step {step + 1} (loss {loss}, gradient norm {float(gnorm)}; epoch {epoch}, "
-                    f"sequences {idx.reshape(-1).tolist()}): training stopped without applying that update; "
-                    f"{where}. Check the data / cached features for NaN, lower --lr, or use --dtype float32.")
+                    f"sequences {[j for i in idx.reshape(-1) for j in data.row(i)]}): training stopped without "
+                    f"applying that update; {where}. Check the data / cached features for NaN, lower --lr, or use --dtype float32.")
             step += 1
-            n_tok = int(sum(len(data.ids[i]) for i in idx.reshape(-1)))
+            n_tok = data.tokens(idx)
             tokens_total += n_tok
             if step == start + 1:
                 compile_s = dt  # the first step includes compilation

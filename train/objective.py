@@ -14,6 +14,11 @@ For a sequence x[0:S) with loss mask m (1 on the response):
   masked when a_b + k >= S or m[a_b + k] = 0 (blocks may run past the response end).
 * loss = sum_k w_k CE_k / sum of the weights of the unmasked labels, w_k = exp(-(k-1)/gamma):
   early block positions matter most (a miss at k ends the accepted prefix).
+* packed rows (``doc_start`` [B, S]: where each token's document starts in the row; None: one
+  sequence per row) hold several documents: anchors and labels stay inside a document, the target
+  runs causally within each one (positions restarting at 0), and a block sees only the context of its
+  own document, doc_start <= p < anchor. The same sequences with the same anchors give the same loss
+  sums packed or not (the draft's RoPE is relative, so its packed-row positions change nothing).
 
 Logits go through the target's frozen lm_head (or tied embedding) in chunks of ``chunk`` tokens
 under ``jax.checkpoint``, so the [tokens, vocab] logits never exist whole (N*B*vocab floats per
@@ -41,17 +46,23 @@ def anchor_key(seed: int, epoch, example_index):
     return jax.random.fold_in(jax.random.fold_in(key, epoch), example_index)
 
 
-def valid_anchor_positions(loss_mask):
-    """[..., S] -> bool [..., S]: m[a] and m[a+1] (the last position never qualifies)."""
+def _next(x, fill):
+    """x[..., a + 1] at a (``fill`` past the end)."""
+    return jnp.concatenate([x[..., 1:], jnp.full_like(x[..., :1], fill)], axis=-1)
+
+
+def valid_anchor_positions(loss_mask, doc_start=None):
+    """[..., S] -> bool [..., S]: m[a] and m[a+1], a+1 in a's document (the last position never qualifies)."""
     m = loss_mask.astype(bool)
-    nxt = jnp.concatenate([m[..., 1:], jnp.zeros_like(m[..., :1])], axis=-1)
-    return m & nxt
+    valid = m & _next(m, False)
+    return valid if doc_start is None else valid & (_next(doc_start, -1) == doc_start)
 
 
-def sample_anchors(key, loss_mask, num_anchors: int):
-    """One sequence: loss_mask [S] -> anchors [N] int32, sorted, distinct, valid ones first, -1 padding."""
+def sample_anchors(key, loss_mask, num_anchors: int, doc_start=None):
+    """One row: loss_mask [S] (doc_start [S] or None) -> anchors [N] int32, sorted, distinct, valid ones
+    first, -1 padding; the N anchors of a packed row are shared by its documents."""
     s = loss_mask.shape[-1]
-    valid = valid_anchor_positions(loss_mask)
+    valid = valid_anchor_positions(loss_mask, doc_start)
     score = jnp.where(valid, jax.random.uniform(key, (s,)), -1.0)
     k = min(num_anchors, s)
     top, idx = jax.lax.top_k(score, k)
@@ -63,17 +74,19 @@ def sample_anchors(key, loss_mask, num_anchors: int):
     return anchors
 
 
-def sample_batch_anchors(seed: int, epoch, example_indices, loss_mask, num_anchors: int):
-    """[B] example indices, [B, S] loss masks -> anchors [B, N] (keys from (seed, epoch, index))."""
+def sample_batch_anchors(seed: int, epoch, example_indices, loss_mask, num_anchors: int, doc_start=None):
+    """[B] example indices, [B, S] loss masks (and doc starts) -> anchors [B, N] (keys from (seed, epoch, index))."""
     keys = jax.vmap(lambda i: anchor_key(seed, epoch, i))(example_indices)
-    return jax.vmap(lambda k, m: sample_anchors(k, m, num_anchors))(keys, loss_mask)
+    if doc_start is None:
+        return jax.vmap(lambda k, m: sample_anchors(k, m, num_anchors))(keys, loss_mask)
+    return jax.vmap(lambda k, m, d: sample_anchors(k, m, num_anchors, d))(keys, loss_mask, doc_start)
 
 
-def make_blocks(input_ids, loss_mask, anchors, block_size: int, mask_token_id: int):
+def make_blocks(input_ids, loss_mask, anchors, block_size: int, mask_token_id: int, doc_start=None):
     """-> block_ids [B, N*Bk] ([x[a], MASK...] per block), labels [B, N, Bk], label_mask [B, N, Bk] (bool).
 
     labels[b, n, k] = x[a_n + k]; the mask is off at k = 0 (the anchor is given), for padding
-    blocks, past the sequence end and where the loss mask is 0.
+    blocks, past the sequence (document) end and where the loss mask is 0.
     """
     b, s = input_ids.shape
     k = jnp.arange(block_size, dtype=jnp.int32)
@@ -81,6 +94,8 @@ def make_blocks(input_ids, loss_mask, anchors, block_size: int, mask_token_id: i
     inside = (anchors[..., None] >= 0) & (pos < s)
     safe = jnp.clip(pos, 0, s - 1)
     rows = jnp.arange(b)[:, None, None]
+    if doc_start is not None:
+        inside &= doc_start[rows, safe] == doc_start[rows, jnp.maximum(anchors, 0)[..., None]]
     tokens = input_ids[rows, safe]
     labels = jnp.where(inside, tokens, 0)
     label_mask = inside & (loss_mask[rows, safe] > 0) & (k >= 1)
@@ -98,14 +113,17 @@ def position_weights(block_size: int, gamma: float) -> np.ndarray:
 # --- forward pieces -------------------------------------------------------------------------------------
 
 
-def target_features(tcfg, tparams, input_ids, layer_ids: tuple[int, ...]):
-    """Frozen target forward: [B, S] ids -> features [B, S, n*D] (outputs of ``layer_ids``), no gradient.
+def target_features(tcfg, tparams, input_ids, layer_ids: tuple[int, ...], doc_start=None):
+    """Frozen target forward: [B, S] ids -> features [B, S, n*D] (outputs of ``layer_ids``), no gradient;
+    with ``doc_start`` causal within each document, at positions counted from its start.
 
     Logits are taken at one position only (the features are all we need)."""
     b, s = input_ids.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    if doc_start is not None:
+        positions = positions - doc_start
     _, feats, _ = target_lib.forward(tcfg, tparams, input_ids, positions, None, tuple(layer_ids),
-                                     jnp.zeros((b,), jnp.int32))
+                                     jnp.zeros((b,), jnp.int32), doc_start)
     return jax.lax.stop_gradient(feats)
 
 
@@ -115,17 +133,24 @@ def cast_tree(tree, dtype):
     return jax.tree_util.tree_map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
+def block_ctx_start(anchors, doc_start):
+    """[B, N] start of each block's document (0 for padding blocks): its context lower bound."""
+    return jnp.where(anchors >= 0, jnp.take_along_axis(doc_start, jnp.maximum(anchors, 0), axis=1), 0)
+
+
 def hidden_from_features(tcfg, tparams, dcfg: DraftConfig, dparams, block_ids, anchors, features, *, impl: str = "auto",
-                 dtype=None):
+                         dtype=None, doc_start=None):
     """``dflash_jax.draft.draft_hidden`` in the compute ``dtype`` (default: the features'), the context K/V
-    computed from ``features`` [B, S, n*D] at positions 0..S-1."""
+    computed from ``features`` [B, S, n*D] at positions 0..S-1; with ``doc_start`` each block sees only
+    its own document's context."""
     dtype = dtype or features.dtype
     dparams = cast_tree(dparams, dtype)
     features = features.astype(dtype)
     b, s = features.shape[:2]
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     k_ctx, v_ctx = draft_lib.context_kv(dcfg, dparams, features, positions)
-    return draft_lib.draft_hidden(tcfg, tparams, dcfg, dparams, block_ids, anchors, k_ctx, v_ctx, impl)
+    ctx_start = None if doc_start is None else block_ctx_start(anchors, doc_start)
+    return draft_lib.draft_hidden(tcfg, tparams, dcfg, dparams, block_ids, anchors, k_ctx, v_ctx, impl, ctx_start)
 
 
 def chunked_cross_entropy(tcfg, tparams, hidden, labels, chunk: int):
@@ -151,8 +176,8 @@ def chunked_cross_entropy(tcfg, tparams, hidden, labels, chunk: int):
 
 
 def loss_sums(tcfg, tparams, dcfg: DraftConfig, dparams, input_ids, loss_mask, anchors, features,
-              *, weights, impl: str = "auto", chunk: int = 1024, dtype=None) -> dict:
-    """Unnormalised sums of one micro-batch (so micro-batches add up exactly):
+              *, weights, impl: str = "auto", chunk: int = 1024, dtype=None, doc_start=None) -> dict:
+    """Unnormalised sums of one micro-batch (so micro-batches add up exactly; ``doc_start``: packed rows):
 
     ``wce`` sum of w_k CE over unmasked labels, ``weight`` sum of their w_k, ``ce``/``tokens`` plain
     CE sum and label count, ``correct_k``/``count_k`` [Bk] per-position hits and labels,
@@ -160,8 +185,9 @@ def loss_sums(tcfg, tparams, dcfg: DraftConfig, dparams, input_ids, loss_mask, a
     (a training-time proxy of the acceptance length: tau ~ 1 + accepted / blocks).
     """
     bk = dcfg.block_size
-    block_ids, labels, label_mask = make_blocks(input_ids, loss_mask, anchors, bk, dcfg.mask_token_id)
-    h = hidden_from_features(tcfg, tparams, dcfg, dparams, block_ids, anchors, features, impl=impl, dtype=dtype)
+    block_ids, labels, label_mask = make_blocks(input_ids, loss_mask, anchors, bk, dcfg.mask_token_id, doc_start)
+    h = hidden_from_features(tcfg, tparams, dcfg, dparams, block_ids, anchors, features, impl=impl, dtype=dtype,
+                             doc_start=doc_start)
     ce, correct = chunked_cross_entropy(tcfg, tparams, h.reshape(-1, h.shape[-1]), labels.reshape(-1), chunk)
     ce = ce.reshape(labels.shape)
     correct = correct.reshape(labels.shape) & label_mask

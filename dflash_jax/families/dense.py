@@ -40,21 +40,24 @@ class DecoderLayer(nn.Module):
         """The block after attention (``mlp``): the gated MLP here; a family with experts overrides it."""
         return MLP(self.cfg)
 
-    def mix(self, h, positions, state):
-        """The token mixer on the normed input h [B, T, D] -> (output [B, T, D], new layer state or None)."""
+    def mix(self, h, positions, state, segment_ids=None):
+        """The token mixer on the normed input h [B, T, D] -> (output [B, T, D], new layer state or None);
+        ``segment_ids`` [B, T] (no state): a token sees only keys of its own segment (packed documents)."""
         q, gate = self.self_attn.gated_queries(h, positions)
         k, v = self.self_attn.keys_values(h, positions)
         if state is None:
             k_pos, exists = positions, positions >= 0
+            if segment_ids is not None:
+                exists = exists[:, None, :] & (segment_ids[:, :, None] == segment_ids[:, None, :])
         else:
             state, k, v, k_pos, exists = state.update(k, v, positions)
         mask = position_mask(positions, k_pos, causal=True, sliding_window=self.cfg.layer_window(self.index),
                              k_valid=exists)
         return self.self_attn.output(attend(q, k, v, mask, sinks=self.self_attn.sink_logits()), gate), state
 
-    def __call__(self, x, positions, state):
+    def __call__(self, x, positions, state, segment_ids=None):
         """x [B, T, D] at ``positions`` [B, T] -> (x, new layer state or None)."""
-        out, state = self.mix(self.input_layernorm(x), positions, state)
+        out, state = self.mix(self.input_layernorm(x), positions, state, segment_ids)
         x = x + out
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, state
@@ -84,18 +87,20 @@ class Decoder(nn.Module):
         return self.lm_head(h).astype(jnp.float32)
 
     def __call__(self, input_ids, positions, cache: DecodeCache | None = None, feature_layer_ids: tuple = (),
-                 logits_index=None):
+                 logits_index=None, segment_ids=None):
         """input_ids, positions [B, T] -> (logits [B, T or 1, V] float32, features [B, T, n*D] or None, cache).
 
         Features are Hugging Face ``hidden_states[id + 1]`` for each id in ``feature_layer_ids``,
         concatenated in that order: the output of layer ``id``, except that for the LAST layer Hugging
         Face (and so every released draft) sees it after the final norm. ``logits_index`` [B] keeps
         only the logits at one position per row (prefill needs just the last prompt token's).
+        ``segment_ids`` [B, T] (without a cache): attention stays within each segment, so a row packed
+        with several documents (positions restarting at 0 in each) gives each its unpacked features.
         """
         x = self.embed(input_ids)
         hidden, states = [], []
         for i, layer in enumerate(self.layers):
-            x, s = layer(x, positions, None if cache is None else cache.layers[i])
+            x, s = layer(x, positions, None if cache is None else cache.layers[i], segment_ids)
             hidden.append(x)
             states.append(s)
         last = self.cfg.num_hidden_layers - 1

@@ -185,8 +185,10 @@ def recurrent_delta_rule(q, k, v, g, beta, state):
     return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
 
 
-def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, per_token: bool = False):
+def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, per_token: bool = False, segments=None):
     """Chunk-parallel within chunks, recurrent across them; same arguments as ``recurrent_delta_rule``.
+    ``segments`` [B, T] (packed documents, contiguous, distinct ids): the state restarts from zero at each
+    segment's first token (``state`` feeds the first segment only).
     -> (outputs [B, T, H, dv], final state [B, H, dk, dv], state after each token [B, T, H, dk, dv] when
     ``per_token``, else None)."""
     b, t, h, dk = k.shape
@@ -202,28 +204,36 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, per_token: b
     q, k, v, g, beta = (chunks(a) for a in (q, k, v, g, beta))
     cum = jnp.cumsum(g, axis=-1)  # [N, B, H, C]
     lower = jnp.tril(jnp.ones((c, c), bool))
+    carried = last = None  # segments: the tokens the incoming state reaches / that reach the outgoing one
+    if segments is not None:  # cut every path between tokens of different segments
+        seg = jnp.pad(segments, [(0, 0), (0, pad)], mode="edge").reshape(b, n, 1, c)
+        seg = jnp.broadcast_to(jnp.moveaxis(seg, 1, 0), (n, b, h, c))
+        before = jnp.concatenate([seg[:1, ..., :1], seg[:-1, ..., -1:]])  # the segment the incoming state holds
+        carried, last = seg == before, seg == seg[..., -1:]
+        lower = lower & (seg[..., :, None] == seg[..., None, :])
+    keep = lambda x, m: x if m is None else x * m  # noqa: E731
     decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # exp(G_i - G_j), j <= i
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     system = jnp.where(jnp.tril(lower, -1), (k_beta @ jnp.swapaxes(k, -1, -2)) * decay, 0) + jnp.eye(c)
     solve = lambda rhs: jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True,  # noqa: E731
                                                         unit_diagonal=True)
-    u, w = solve(v_beta), solve(k_beta * jnp.exp(cum)[..., None])
+    u, w = solve(v_beta), solve(k_beta * keep(jnp.exp(cum), carried)[..., None])
     intra = (q @ jnp.swapaxes(k, -1, -2)) * decay
-    q_dec = q * jnp.exp(cum)[..., None]
-    k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-    chunk_decay = jnp.exp(cum[..., -1])[..., None, None]
+    q_dec = q * keep(jnp.exp(cum), carried)[..., None]
+    k_dec = k * keep(jnp.exp(cum[..., -1:] - cum), last)[..., None]
+    chunk_decay = keep(jnp.exp(cum[..., -1]), None if carried is None else carried[..., -1])[..., None, None]
 
     def step(s, x):
-        u_i, w_i, q_i, k_i, kd_i, intra_i, dec_i, cum_i, decay_i = x
+        u_i, w_i, q_i, k_i, kd_i, intra_i, dec_i, cum_i, decay_i, carried_i = x
         v_new = u_i - w_i @ s  # the corrections each token writes
         out = q_i @ s + intra_i @ v_new
         states = None
         if per_token:
-            states = (jnp.exp(cum_i)[..., None, None] * s[:, :, None]
+            states = (keep(jnp.exp(cum_i), carried_i)[..., None, None] * s[:, :, None]
                       + jnp.einsum("bhij,bhjk,bhjv->bhikv", decay_i, k_i, v_new))
         return s * dec_i + jnp.swapaxes(kd_i, -1, -2) @ v_new, (out, states)
 
-    final, (out, states) = jax.lax.scan(step, state, (u, w, q_dec, k, k_dec, intra, chunk_decay, cum, decay))
+    final, (out, states) = jax.lax.scan(step, state, (u, w, q_dec, k, k_dec, intra, chunk_decay, cum, decay, carried))
 
     def unchunk(a):  # [N, B, H, C, ...] -> [B, T, H, ...]
         a = jnp.moveaxis(jnp.moveaxis(a, 2, 3), 0, 1)
@@ -232,20 +242,28 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, per_token: b
     return unchunk(out), final, (unchunk(states) if per_token else None)
 
 
-def causal_conv(x, window, weight, valid, windows_after):
+def causal_conv(x, window, weight, valid, windows_after, segments=None):
     """Depthwise causal conv1d + SiLU over the valid tokens of each row, continuing from ``window``.
 
     x [B, T, C] new inputs, window [B, C, K-1] the K-1 inputs before them (oldest first), weight [C, 1, K],
     valid [B, T]. Padding tokens are skipped (valid tokens keep their order). ``windows_after`` [B, T'] :
-    how many valid new tokens each returned window has taken in. -> (outputs [B, T, C] (padding: any
-    value), windows [B, T', C, K-1])."""
+    how many valid new tokens each returned window has taken in. ``segments`` [B, T] (packed documents):
+    a tap never reaches into another segment (``window`` feeds the first one). -> (outputs [B, T, C]
+    (padding: any value), windows [B, T', C, K-1])."""
     kernel = weight.shape[-1]
     order = jnp.argsort(~valid, axis=1, stable=True)  # valid tokens first
     xs = jnp.concatenate([jnp.swapaxes(window, 1, 2).astype(x.dtype), jnp.take_along_axis(x, order[..., None], 1)],
                          axis=1)  # [B, K-1+T, C]
     t = x.shape[1]
     w = weight[:, 0, :].astype(x.dtype)  # [C, K]
-    out = sum(xs[:, j:j + t] * w[:, j] for j in range(kernel))
+    if segments is not None:
+        seg = jnp.take_along_axis(segments, order, 1)
+        seg = jnp.concatenate([jnp.repeat(seg[:, :1], kernel - 1, axis=1), seg], axis=1)  # aligned with xs
+        same = lambda j: (seg[:, j:j + t] == seg[:, kernel - 1:])[..., None]  # noqa: E731
+        xs_at = lambda j: jnp.where(same(j), xs[:, j:j + t], 0)  # noqa: E731
+    else:
+        xs_at = lambda j: xs[:, j:j + t]  # noqa: E731
+    out = sum(xs_at(j) * w[:, j] for j in range(kernel))
     out = jnp.take_along_axis(jax.nn.silu(out), jnp.argsort(order, axis=1)[..., None], 1)
     idx = windows_after[..., None] + jnp.arange(kernel - 1)  # [B, T', K-1]
     windows = jnp.take_along_axis(xs[:, None], idx[..., None], axis=2)  # [B, T', K-1, C]
@@ -264,7 +282,8 @@ class DepthwiseConv(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """``Qwen3_5GatedDeltaNet``: (x [B, T, D], positions [B, T], Recurrent state or None) -> (out, state)."""
+    """``Qwen3_5GatedDeltaNet``: (x [B, T, D], positions [B, T], Recurrent state or None, segment ids [B, T] or
+    None (packed documents, without a state: conv window and state restart at each)) -> (out, state)."""
 
     cfg: Qwen35Config
 
@@ -281,7 +300,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(c.rms_norm_eps, axis_name="head_dim")
         self.out_proj = Linear(c.hidden_size, False, (None, "embed"))
 
-    def __call__(self, x, positions, state):
+    def __call__(self, x, positions, state, segment_ids=None):
         c = self.cfg
         b, t, _ = x.shape
         hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
@@ -294,7 +313,7 @@ class GatedDeltaNet(nn.Module):
         else:
             window, s0 = state.value["conv"], state.value["ssm"]
         seen = jnp.cumsum(valid, axis=1) if snapshots else jnp.sum(valid, axis=1, keepdims=True)
-        mixed, windows = causal_conv(self.in_proj_qkv(x), window, self.conv1d.conv_weight, valid, seen)
+        mixed, windows = causal_conv(self.in_proj_qkv(x), window, self.conv1d.conv_weight, valid, seen, segment_ids)
         q, k, v = jnp.split(mixed.astype(jnp.float32), [hk * dk, 2 * hk * dk], axis=-1)
         q, k = (jnp.repeat(_l2norm(a.reshape(b, t, hk, dk)), hv // hk, axis=2) for a in (q, k))
         q = q * dk ** -0.5
@@ -307,7 +326,7 @@ class GatedDeltaNet(nn.Module):
             out, states = recurrent_delta_rule(q, k, v, g, beta, s0)
             final = states[:, -1]
         else:
-            out, final, states = chunked_delta_rule(q, k, v, g, beta, s0, per_token=snapshots)
+            out, final, states = chunked_delta_rule(q, k, v, g, beta, s0, per_token=snapshots, segments=segment_ids)
         z = self.in_proj_z(x).reshape(b, t, hv, dv)
         out = self.norm(out.astype(x.dtype)) * jax.nn.silu(z.astype(jnp.float32)).astype(x.dtype)
         out = self.out_proj(out.reshape(b, t, hv * dv))
@@ -330,10 +349,10 @@ class DecoderLayer(dense.DecoderLayer):
         else:
             super().token_mixer()
 
-    def mix(self, h, positions, state):
+    def mix(self, h, positions, state, segment_ids=None):
         if self.cfg.is_linear(self.index):
-            return self.linear_attn(h, positions, state)
-        return super().mix(h, positions, state)
+            return self.linear_attn(h, positions, state, segment_ids)
+        return super().mix(h, positions, state, segment_ids)
 
 
 class Decoder(dense.Decoder):
