@@ -73,11 +73,11 @@ def distinct_4grams(ids: list[int]) -> float:
 
 
 def time_forwards(target, draft, block_sizes=(4, 8, 16), context: int = 256, iters: int = 20,
-                  repeats: int = 5, batch: int = 1, cache_len: int | None = None) -> dict:
+                  repeats: int = 5, batch: int = 1, cache_len: int | None = None, attention_impl: str = "auto") -> dict:
     """Seconds per draft forward (``propose``) and per target verify forward at block K, with ``context``
-    tokens of cache (of ``cache_len`` slots, default context + 32) for ``batch`` rows. Each is timed as ONE
-    jitted loop of ``iters`` forwards, each fed the previous one's output (as inside the decode loop: no
-    per-call dispatch, no cache copies), best of ``repeats``."""
+    tokens of cache (of ``cache_len`` slots, default context + 32) for ``batch`` rows, attending as the
+    engine does with ``attention_impl``. Each is timed as ONE jitted loop of ``iters`` forwards, each fed the
+    previous one's output (as inside the decode loop: no per-call dispatch, no cache copies), best of ``repeats``."""
     import jax
     import jax.numpy as jnp
 
@@ -99,12 +99,13 @@ def time_forwards(target, draft, block_sizes=(4, 8, 16), context: int = 256, ite
 
     def draft_fwd(ids, tp, dp, dk, dv):
         anchors = jnp.full((batch, 1), context)
-        return ids.at[:, 1:].set(draft_lib.propose(tcfg, tp, draft.config, dp, ids, anchors, dk, dv))
+        return ids.at[:, 1:].set(draft_lib.propose(tcfg, tp, draft.config, dp, ids, anchors, dk, dv,
+                                                   decode_impl=attention_impl))
 
     def verify(carry, tp):
         ids, cache = carry
         pos = jnp.broadcast_to(context + jnp.arange(ids.shape[1]), ids.shape)
-        logits, _, cache = target_lib.forward(tcfg, tp, ids, pos, cache)
+        logits, _, cache = target_lib.forward(tcfg, tp, ids, pos, cache, attention_impl=attention_impl)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
     cache_len = cache_len or context + 32
