@@ -399,14 +399,15 @@ def generate(target: Target, prompts, *, max_new_tokens: int, **kw) -> list[Gene
 def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int, block_size: int | None = None,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     stop_token_ids: Sequence[int] | None = None, seed: int = 0,
-                    max_length: int | None = None,
-                    acceptance: str = "rejection") -> Iterator[list[list[int]] | list[GenerationResult]]:
+                    max_length: int | None = None, acceptance: str = "rejection",
+                    attention_impl: str = "auto") -> Iterator[list[list[int]] | list[GenerationResult]]:
     """Host loop over the same jitted step: yields, after prefill and each step, the new token ids of
     every row (a list per row), and finally the list of ``GenerationResult`` (with the time to the first
     token). Prefill and step are compiled and run once before the clock starts, so timings exclude
     compilation as in ``speculative_generate``."""
     sampling = SamplingParams(temperature, top_k, top_p, acceptance)
-    req = _prepare(target, draft, prompts, max_new_tokens, block_size, sampling, stop_token_ids, seed, max_length)
+    req = _prepare(target, draft, prompts, max_new_tokens, block_size, sampling, stop_token_ids, seed, max_length,
+                   attention_impl=attention_impl)
     tparams, dparams, padded, lens, budget, stop_arr, samp, key, mask_id = req.args
 
     def prefill():

@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     prompts = prompt_ids(args, tokenizer)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, acceptance=args.acceptance, stop_token_ids=stop_ids(args, target), seed=args.seed,
-              max_length=args.max_length)
+              max_length=args.max_length, attention_impl=args.attention)
     block = args.block_size or draft.config.block_size
     if args.plot:
         try:
@@ -251,7 +251,8 @@ def main(argv=None) -> int:
     summary["plain_step_s"] = plain_time / plain_tokens
     summary["dflash_step_s"] = spec_time / (len(all_acc) + len(prompts))
     if not args.no_timing_split:
-        summary.update(time_forwards(target, draft, block_sizes=sorted({4, 8, 16, block})))
+        summary.update(time_forwards(target, draft, block_sizes=sorted({4, 8, 16, block}),
+                                     attention_impl=args.attention))
         d, v = summary.get(f"draft_forward_s_block{block}", 0.0), summary[f"verify_forward_s_block{block}"]
         summary["step_split_s"] = {"draft": d, "verify": v, "rest": summary["dflash_step_s"] - d - v}
     if args.json:

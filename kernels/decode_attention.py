@@ -108,7 +108,7 @@ def _new_vis(qp, kp, window):
     """Queries at qp [.., R, 1] x their own new keys at kp [.., 1, T]: bidirectional within the window."""
     vis = (qp >= 0) & (kp >= 0)
     if window is not None:
-        vis &= jnp.abs(qp - kp) < window
+        vis &= (qp - kp < window) & (kp - qp < window)
     return vis
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import attention, draft as draft_lib, target as target_lib
+from dflash_jax import attention, draft as draft_lib, speculative as S, target as target_lib
 from dflash_jax.kernels.decode_attention import decode_attention, decode_attention_loop, decode_attention_reference
 from dflash_jax.state import FullKV
 from pairs import random_pair
@@ -145,3 +145,17 @@ def test_draft_decode_equals_block_attention(pair):
     for impl in ("loop", "interpret"):
         out = draft_lib.draft_hidden(*args, decode_impl=impl)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-4, err_msg=impl)
+
+
+def test_engine_output_is_the_same_with_every_attention(pair):
+    """Speculative decoding, ragged rows in a bucket much longer than them: the bounded default ("auto":
+    the tiled loop on CPU), the kernel in interpret mode and the dense path all give the same tokens."""
+    target, draft = pair
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(2, 90, n).tolist() for n in (3, 20, 1)]
+    outs = {impl: [r.output_ids for r in S.speculative_generate(target, draft, prompts, max_new_tokens=12,
+                                                                 attention_impl=impl, cache_len=512)]
+            for impl in ("reference", "auto", "interpret")}
+    assert outs["auto"] == outs["reference"] == outs["interpret"]
+    with pytest.raises(ValueError, match="attention_impl"):
+        S.speculative_generate(target, draft, prompts, max_new_tokens=2, attention_impl="dense")
