@@ -304,6 +304,8 @@ def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, samplin
     stop_arr[:len(stops)] = stops
     dparams = draft.params if draft is not None and block_size > 1 else None
     mesh = sharding.mesh_of(target.params, dparams)
+    if attention_impl == "auto" and mesh is not None and mesh.size > 1:
+        attention_impl = "loop"  # the Pallas decode kernel sees one device's arrays (no shard_map around it yet)
     spec = EngineSpec(target.config, draft.config if draft is not None else None, block_size, sampling.greedy, mesh,
                       sampling.acceptance, replay is not None, attention_impl)
     replay_args = () if replay is None else (_replay_arrays(replay, spec, len(rows), cache_len),)

@@ -339,9 +339,8 @@ def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding
 
 
 def decode_kernel_supported(*, head_dim: int, kv_heads: int, ctx_len: int) -> bool:
-    """Whether the compiled decode kernel is expected to run on the default backend (one device)."""
-    if jax.device_count() != 1:  # sharded caches would need a shard_map around the kernel
-        return False
+    """Whether the compiled decode kernel is expected to run on the default backend (unsharded operands:
+    sharded caches would need a shard_map around it)."""
     platform = _platform()
     if platform == "tpu":  # one head's lanes of the [B, S, K*D] view, whole tiles of 8 sublanes
         return (head_dim % 128 == 0 or kv_heads == 1) and ctx_len % 8 == 0
