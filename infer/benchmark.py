@@ -88,12 +88,16 @@ def time_forwards(target, draft, block_sizes=(4, 8, 16), context: int = 256, ite
     tcfg = target.config
 
     def timed(body, carry, *consts):
-        loop = jax.jit(lambda c, *a: jax.lax.fori_loop(0, iters, lambda i, c: body(c, *a), c))
-        jax.block_until_ready(loop(carry, *consts))
+        # The carry (the cache) is donated, a fresh copy per run made before the clock starts: otherwise every
+        # run would first copy the whole cache into the loop's buffers, a cost of the bucket, not of a forward.
+        loop = jax.jit(lambda c, *a: jax.lax.fori_loop(0, iters, lambda i, c: body(c, *a), c), donate_argnums=0)
+        fresh = lambda: jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, carry))  # noqa: E731
+        jax.block_until_ready(loop(fresh(), *consts))
         best = float("inf")
         for _ in range(repeats):
+            c = fresh()
             start = time.perf_counter()
-            jax.block_until_ready(loop(carry, *consts))
+            jax.block_until_ready(loop(c, *consts))
             best = min(best, time.perf_counter() - start)
         return best / iters
 
