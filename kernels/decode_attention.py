@@ -1,6 +1,6 @@
 """Length-bounded decode attention: dense reference, tiled jnp loop (CPU), Pallas kernel (TPU / GPU), wrapper.
 
-The T (<= a few dozen) new queries of each row against that row's cache, reading only the key tiles
+The T (<= ``MAX_QUERIES``) new queries of each row against its cache, reading only the key tiles
 the row can see, so a step costs what the row's real length costs, not its bucket:
 
   * query t of row b sits at position ``q_pos[b, t]`` (< 0: padding, it sees nothing and outputs 0);
