@@ -1,27 +1,36 @@
-"""Attention for target and draft: the dense reference and position mask, and the draft's block attention.
+"""Attention for target and draft: the dense reference and position mask, the draft's block attention and
+the length-bounded decode attention.
 
 ``attend`` and ``position_mask`` (the one reference, shared by target and draft) live with the Pallas
-kernel in ``kernels/`` (installed as ``dflash_jax.kernels``) and are re-exported here;
+kernels in ``kernels/`` (installed as ``dflash_jax.kernels``) and are re-exported here;
 ``block_attention`` below dispatches the draft's training attention to the kernel on TPU/GPU and to
-the dense reference on CPU.
+the dense reference on CPU; ``decode_attention`` dispatches decode / verify / draft-decode attention to
+the Pallas decode kernel on TPU/GPU and to the tiled jnp loop elsewhere (both read only the key tiles
+below each row's length).
 """
 from __future__ import annotations
 
 from dflash_jax.kernels.block_attention import block_attention as block_attention_kernel
 from dflash_jax.kernels.block_attention import block_attention_reference, kernel_supported
+from dflash_jax.kernels.decode_attention import MAX_QUERIES, decode_attention_loop, decode_attention_reference
+from dflash_jax.kernels.decode_attention import decode_attention as decode_attention_kernel
+from dflash_jax.kernels.decode_attention import decode_kernel_supported
 from dflash_jax.kernels.reference import attend, position_mask
 
-__all__ = ["attend", "block_attention", "position_mask"]
+__all__ = ["DECODE_IMPLS", "MAX_QUERIES", "attend", "block_attention", "decode_attention", "position_mask"]
+
+DECODE_IMPLS = ("auto", "kernel", "interpret", "loop", "reference")
 
 
 def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
-                    sliding_window: int | None = None, scale: float | None = None, impl: str = "auto", ctx_start=None):
+                    sliding_window: int | None = None, scale: float | None = None, impl: str = "auto",
+                    ctx_start=None):
     """The draft's training attention: N blocks of ``block_size`` queries, block b anchored at ``anchors[:, b]``.
 
     q [B, N*Bk, Hq, D]; k_ctx, v_ctx [B, S, Hkv, D]; k_blk, v_blk [B, N*Bk, Hkv, D]; anchors [B, N] int32
     (negative = padding block); ``ctx_start`` [B, N] int32 or None (0). Block b sees context positions in
-    [ctx_start, anchor) (within the window) and its own block bidirectionally. ``impl``: "auto" (Pallas kernel on TPU / GPU with compute capability >= 8.0,
-    the dense reference elsewhere), "kernel", "reference" or "interpret" (kernel on CPU).
+    [ctx_start, anchor) (within the window) and its own block bidirectionally. ``impl``: "auto" (Pallas
+    kernel on TPU / GPU with compute capability >= 8.0, the dense reference elsewhere), "kernel", "reference" or "interpret" (kernel on CPU).
     See ``kernels/block_attention.py``.
     """
     if impl == "auto":
@@ -34,3 +43,24 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
     return block_attention_kernel(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size=block_size,
                                   sliding_window=sliding_window, scale=scale, interpret=impl == "interpret",
                                   ctx_start=ctx_start)
+
+
+def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding_window: int | None = None,
+                     sinks=None, impl: str = "auto"):
+    """New queries q [B, T, Hq, D] at ``q_pos`` [B, T] against a cache k, v [B, S, Hkv, D] (slot = position)
+    of which row b may see slots < ``lengths[b]`` (and <= the query's position, within the window), plus
+    optionally the queries' own keys ``k_new`` / ``v_new`` [B, T, Hkv, D] bidirectionally; see
+    ``kernels/decode_attention.py``. ``impl``: "auto" (the Pallas kernel on one TPU / GPU where supported,
+    the tiled jnp loop elsewhere), "kernel", "interpret" (kernel on CPU), "loop" or "reference" (dense and
+    masked over the whole cache: the unbounded path, for comparison)."""
+    if impl == "auto":
+        supported = decode_kernel_supported(head_dim=q.shape[-1], kv_heads=k.shape[2], ctx_len=k.shape[1])
+        impl = "kernel" if supported else "loop"
+    kw = dict(sliding_window=sliding_window, sinks=sinks)
+    if impl == "reference":
+        return decode_attention_reference(q, k, v, q_pos, lengths, k_new=k_new, v_new=v_new, **kw)
+    if impl == "loop":
+        return decode_attention_loop(q, k, v, q_pos, lengths, k_new, v_new, **kw)
+    if impl not in ("kernel", "interpret"):
+        raise ValueError(f"impl must be one of {', '.join(DECODE_IMPLS)}, not {impl!r}")
+    return decode_attention_kernel(q, k, v, q_pos, lengths, k_new, v_new, interpret=impl == "interpret", **kw)

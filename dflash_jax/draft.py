@@ -3,7 +3,8 @@
 Context: concatenated target layer outputs -> ``fc`` -> ``hidden_norm``; each layer projects it with its
 own k_proj (+k_norm, RoPE at the context positions) and v_proj, without ``input_layernorm``. A block
 of queries anchored at position a sees context positions < a and its own block bidirectionally
-(``attention.block_attention``); inference runs one block per row against the draft cache, training
+(``attention.block_attention``); inference runs one block per row against the draft cache (with a
+``decode_impl``: ``attention.decode_attention``, reading only the context below each row's anchor), training
 many blocks per sequence against the whole context: ``draft_hidden`` is the one forward of both.
 Embedding and lm_head are the target's.
 """
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import target as target_lib
-from dflash_jax.attention import block_attention
+from dflash_jax.attention import block_attention, decode_attention
 from dflash_jax.checkpoints import NameTable, export_params, load_params, resolve_path, save_safetensors
 from dflash_jax.config import DraftConfig
 from dflash_jax.families.dense import DecoderLayer
@@ -38,12 +39,19 @@ class DraftLayer(DecoderLayer):
     def context_kv(self, ctx, positions):
         return self.self_attn.keys_values(ctx, positions)
 
-    def __call__(self, x, positions, anchors, k_ctx, v_ctx, impl: str = "auto", ctx_start=None):
+    def __call__(self, x, positions, anchors, k_ctx, v_ctx, impl: str = "auto", ctx_start=None,
+                 decode_impl: str | None = None):
         h = self.input_layernorm(x)
         q = self.self_attn.queries(h, positions)
         k, v = self.self_attn.keys_values(h, positions)
-        o = block_attention(q, k_ctx, v_ctx, k, v, anchors, block_size=x.shape[1] // anchors.shape[1],
-                            sliding_window=self.cfg.layer_window(self.index), impl=impl, ctx_start=ctx_start)
+        window = self.cfg.layer_window(self.index)
+        if decode_impl is None:
+            o = block_attention(q, k_ctx, v_ctx, k, v, anchors, block_size=x.shape[1] // anchors.shape[1],
+                                sliding_window=window, impl=impl, ctx_start=ctx_start)
+        else:  # one block per row: context slots < its anchor, its own block bidirectionally
+            q_pos = jnp.where(anchors >= 0, positions, -1)
+            o = decode_attention(q, k_ctx, v_ctx, q_pos, jnp.maximum(anchors[:, 0], 0), k, v, sliding_window=window,
+                                 impl=decode_impl)
         x = x + self.self_attn.output(o)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -66,16 +74,20 @@ class DFlashDraft(nn.Module):
         kv = [layer.context_kv(ctx, positions) for layer in self.layers]
         return tuple(k for k, _ in kv), tuple(v for _, v in kv)
 
-    def __call__(self, x, anchors, k_ctx, v_ctx, impl: str = "auto", ctx_start=None):
+    def __call__(self, x, anchors, k_ctx, v_ctx, impl: str = "auto", ctx_start=None, decode_impl: str | None = None):
         """Block embeddings x [B, N*Bk, D] (block b anchored at anchors[:, b]) -> final-normed hidden.
 
         k_ctx / v_ctx: per-layer [B, S, K, H] context K/V, slot s holding position s; ``ctx_start``
-        [B, N] (training on packed rows): the first context slot each block sees (None: 0).
+        [B, N] (training on packed rows): the first context slot each block sees (None: 0). ``impl``: the
+        block attention's (training); ``decode_impl`` (decoding, one block per row): the decode attention's
+        instead.
         """
         block = x.shape[1] // anchors.shape[1]
+        if decode_impl is not None and anchors.shape[1] != 1:
+            raise ValueError(f"decode attention takes one block per row, got {anchors.shape[1]}")
         positions = (anchors[:, :, None] + jnp.arange(block, dtype=anchors.dtype)).reshape(x.shape[:2])
         for layer, k, v in zip(self.layers, k_ctx, v_ctx):
-            x = layer(x, positions, anchors, k, v, impl, ctx_start)
+            x = layer(x, positions, anchors, k, v, impl, ctx_start, decode_impl)
         return self.norm(x)
 
     def initialize(self, features, x):
@@ -152,27 +164,30 @@ def materialize(cfg: DraftConfig, params, cache: DecodeCache, features, position
 
 
 def draft_hidden(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto",
-                 ctx_start=None):
+                 ctx_start=None, decode_impl: str | None = None):
     """THE draft forward (decoding and training): block token ids [B, N*Bk], block b anchored at
     ``anchors[:, b]`` (seeing context slots from ``ctx_start[:, b]``, default 0), embedded with the
     target's table; per-layer context K/V [B, S, K, H] (slot s = position s) -> final-normed hidden
-    states [B, N*Bk, D] in the context's dtype."""
+    states [B, N*Bk, D] in the context's dtype. ``decode_impl``: see ``DFlashDraft.__call__`` (not
+    differentiable; None for training)."""
     x = target_lib.embed(tcfg, tparams, block_ids).astype(k_ctx[0].dtype)
-    return DFlashDraft(cfg).apply({"params": params}, x, anchors, k_ctx, v_ctx, impl, ctx_start)
+    return DFlashDraft(cfg).apply({"params": params}, x, anchors, k_ctx, v_ctx, impl, ctx_start, decode_impl)
 
 
 def block_logits(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto",
-                 drop_anchor: bool = False):
+                 drop_anchor: bool = False, decode_impl: str | None = None):
     """``draft_hidden`` -> float32 logits through the target's lm_head.
     ``drop_anchor`` (one block per row): logits of positions 1.. only, [B, Bk-1, V]; the lm_head then skips
     the anchor row, whose logits decoding never uses (on a CPU the head is a large part of a draft forward)."""
-    h = draft_hidden(tcfg, tparams, cfg, params, block_ids, anchors, k_ctx, v_ctx, impl)
+    h = draft_hidden(tcfg, tparams, cfg, params, block_ids, anchors, k_ctx, v_ctx, impl, decode_impl=decode_impl)
     return target_lib.head(tcfg, tparams, h[:, 1:] if drop_anchor else h)
 
 
-def propose(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto"):
+def propose(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto",
+            decode_impl: str | None = None):
     """Greedy draft tokens for one block per row: block_ids [B, K] = [anchor token, mask...] -> [B, K-1] int32."""
-    logits = block_logits(tcfg, tparams, cfg, params, block_ids, anchors, k_ctx, v_ctx, impl, drop_anchor=True)
+    logits = block_logits(tcfg, tparams, cfg, params, block_ids, anchors, k_ctx, v_ctx, impl, drop_anchor=True,
+                          decode_impl=decode_impl)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 

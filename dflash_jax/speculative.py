@@ -29,6 +29,7 @@ import numpy as np
 from dflash_jax import draft as draft_lib
 from dflash_jax import sharding
 from dflash_jax import target as target_lib
+from dflash_jax.attention import DECODE_IMPLS
 from dflash_jax.config import DraftConfig
 from dflash_jax.sampling import SamplingParams, accepted_length, choose, filtered_scores, rejection_sample
 from dflash_jax.state import DecodeCache
@@ -48,6 +49,7 @@ class EngineSpec:
     mesh: Any = None  # jax.sharding.Mesh the params live on (None: one device); rows and caches go over data
     acceptance: str = "rejection"  # "match" | "rejection" (sampling.py); greedy decoding always matches
     replay: bool = False  # benchmarking (``Replay``): drafts replaced by a reference cut at a drawn length
+    attention_impl: str = "auto"  # target decode / verify and draft attention (``attention.decode_attention``)
 
     def place(self, state: "DecodeState") -> "DecodeState":
         """Pin the decode state's layout on the mesh (rows over data*fsdp, KV heads over tensor)."""
@@ -96,7 +98,7 @@ def _prefill(spec: EngineSpec, tparams, dparams, prompts, lens, budget, stop_ids
     offsets = jnp.arange(p, dtype=jnp.int32)
     positions = jnp.where(offsets < lens[:, None], offsets, -1)  # padding: never cached, never attended
     logits, features, tcache = target_lib.forward(spec.target, tparams, prompts, positions, tcache,
-                                                  spec.feature_layer_ids, lens - 1)
+                                                  spec.feature_layer_ids, lens - 1, spec.attention_impl)
     key, sub = jax.random.split(key)
     first = choose(logits[:, 0], sub, *sampling, greedy=spec.greedy)
     rows = jnp.arange(b)
@@ -142,10 +144,12 @@ def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, samp
         context = (block, n[:, None], *draft_lib.cache_kv(state.dcache))
         if spec.rejection:  # drafts sampled from the draft's own processed distribution
             draft_scores = filtered_scores(draft_lib.block_logits(spec.target, tparams, spec.draft, dparams, *context,
-                                                                  drop_anchor=True), *sampling)
+                                                                  drop_anchor=True, decode_impl=spec.attention_impl),
+                                           *sampling)
             drafts = jax.random.categorical(k_draft, draft_scores, axis=-1).astype(jnp.int32)
         else:
-            drafts = draft_lib.propose(spec.target, tparams, spec.draft, dparams, *context)
+            drafts = draft_lib.propose(spec.target, tparams, spec.draft, dparams, *context,
+                                       decode_impl=spec.attention_impl)
             if spec.replay:
                 drafts = _replayed(drafts, *replay, n, k_draft, spec.target.vocab_size)
         block = block.at[:, 1:].set(drafts)
@@ -154,7 +158,7 @@ def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, samp
     offsets = jnp.arange(k, dtype=jnp.int32)
     positions = n[:, None] + offsets
     logits, features, tcache = target_lib.forward(spec.target, tparams, block, positions, state.tcache,
-                                                  spec.feature_layer_ids)
+                                                  spec.feature_layer_ids, attention_impl=spec.attention_impl)
     if spec.rejection:  # posterior: d_1..d_a, then the residual / bonus token
         a, posterior = rejection_sample(draft_scores, drafts, filtered_scores(logits, *sampling), k_target)
     else:
@@ -254,7 +258,8 @@ class _Request:
 
 
 def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, sampling: SamplingParams,
-             stop_token_ids, seed, max_length, replay: Replay | None = None) -> _Request:
+             stop_token_ids, seed, max_length, replay: Replay | None = None, attention_impl: str = "auto",
+             cache_len: int | None = None) -> _Request:
     """Validate everything before any compute and build padded, bucketed inputs."""
     if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
         prompts = list(prompts)
@@ -286,9 +291,11 @@ def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, samplin
     if too_long:
         raise ValueError(f"prompt {too_long[0]} has {lens[too_long[0]]} tokens; the max length is {limit} "
                          "(prompt + generated tokens), so nothing can be generated")
+    if attention_impl not in DECODE_IMPLS:
+        raise ValueError(f"attention_impl must be one of {', '.join(DECODE_IMPLS)}, got {attention_impl!r}")
     budget = np.minimum(max_new_tokens, limit - lens).astype(np.int32)
     p_bucket = _round_up(int(lens.max()), 32)  # buckets bound the number of compilations
-    cache_len = _round_up(max(int((lens + budget).max()), p_bucket) + block_size + 1, 128)
+    cache_len = max(_round_up(max(int((lens + budget).max()), p_bucket) + block_size + 1, 128), cache_len or 0)
     padded = np.zeros((len(rows), p_bucket), np.int32)
     for i, r in enumerate(rows):
         padded[i, :len(r)] = r
@@ -297,8 +304,10 @@ def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, samplin
     stop_arr[:len(stops)] = stops
     dparams = draft.params if draft is not None and block_size > 1 else None
     mesh = sharding.mesh_of(target.params, dparams)
+    if attention_impl == "auto" and mesh is not None and mesh.size > 1:
+        attention_impl = "loop"  # the Pallas decode kernel sees one device's arrays (no shard_map around it yet)
     spec = EngineSpec(target.config, draft.config if draft is not None else None, block_size, sampling.greedy, mesh,
-                      sampling.acceptance, replay is not None)
+                      sampling.acceptance, replay is not None, attention_impl)
     replay_args = () if replay is None else (_replay_arrays(replay, spec, len(rows), cache_len),)
     mask_id = np.int32(draft.config.mask_token_id if draft is not None else 0)
     samp = (np.float32(max(sampling.temperature, 1e-6)), np.int32(sampling.top_k), np.float32(sampling.top_p))
@@ -362,18 +371,22 @@ def speculative_generate(target: Target, draft, prompts, *, max_new_tokens: int,
                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                          stop_token_ids: Sequence[int] | None = None, seed: int = 0,
                          max_length: int | None = None, acceptance: str = "rejection",
-                         replay: Replay | None = None) -> list[GenerationResult]:
+                         replay: Replay | None = None, attention_impl: str = "auto",
+                         cache_len: int | None = None) -> list[GenerationResult]:
     """Generate for a batch of prompts (lists of ids, ragged) in one device call.
 
     ``draft=None`` (or ``block_size=1``) is plain autoregressive decoding with the same engine.
     ``acceptance``: "match" or "rejection" (speculative sampling; ``dflash_jax.sampling``) at temperature > 0.
     ``max_length`` caps prompt + generated tokens per row (default: the target's
     max_position_embeddings). ``replay`` (benchmarking only): a known acceptance length, see ``Replay``.
+    ``attention_impl``: the decode attention (``attention.decode_attention``: "auto" reads only each row's
+    length; "reference" attends densely over the whole cache, the unbounded path). ``cache_len``: at least this
+    many cache slots per row (a fixed bucket, for benchmarks; default: just enough, rounded up to 128).
     Returns one ``GenerationResult`` per prompt; wall time excludes compilation.
     """
     sampling = SamplingParams(temperature, top_k, top_p, acceptance)
     req = _prepare(target, draft, prompts, max_new_tokens, block_size, sampling, stop_token_ids, seed, max_length,
-                   replay)
+                   replay, attention_impl, cache_len)
     run = _executable(req)
     start = time.perf_counter()
     state = jax.block_until_ready(run(*req.args))
@@ -388,14 +401,15 @@ def generate(target: Target, prompts, *, max_new_tokens: int, **kw) -> list[Gene
 def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int, block_size: int | None = None,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     stop_token_ids: Sequence[int] | None = None, seed: int = 0,
-                    max_length: int | None = None,
-                    acceptance: str = "rejection") -> Iterator[list[list[int]] | list[GenerationResult]]:
+                    max_length: int | None = None, acceptance: str = "rejection",
+                    attention_impl: str = "auto") -> Iterator[list[list[int]] | list[GenerationResult]]:
     """Host loop over the same jitted step: yields, after prefill and each step, the new token ids of
     every row (a list per row), and finally the list of ``GenerationResult`` (with the time to the first
     token). Prefill and step are compiled and run once before the clock starts, so timings exclude
     compilation as in ``speculative_generate``."""
     sampling = SamplingParams(temperature, top_k, top_p, acceptance)
-    req = _prepare(target, draft, prompts, max_new_tokens, block_size, sampling, stop_token_ids, seed, max_length)
+    req = _prepare(target, draft, prompts, max_new_tokens, block_size, sampling, stop_token_ids, seed, max_length,
+                   attention_impl=attention_impl)
     tparams, dparams, padded, lens, budget, stop_arr, samp, key, mask_id = req.args
 
     def prefill():

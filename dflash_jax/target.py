@@ -22,9 +22,9 @@ from dflash_jax.layers import random_params
 from dflash_jax.state import DecodeCache
 
 
-def decoder(cfg) -> nn.Module:
-    """The family's Flax decoder for ``cfg``."""
-    return family_of(cfg).decoder(cfg)
+def decoder(cfg, attention_impl: str = "auto") -> nn.Module:
+    """The family's Flax decoder for ``cfg`` (``attention_impl``: its decode attention, see ``forward``)."""
+    return family_of(cfg).decoder(cfg, attention_impl)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -63,12 +63,14 @@ def init_params(cfg, seed: int = 0, dtype=jnp.float32):
     return random_params(param_shapes(cfg), seed, dtype=dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "feature_layer_ids"))
+@functools.partial(jax.jit, static_argnames=("cfg", "feature_layer_ids", "attention_impl"))
 def forward(cfg, params, input_ids, positions, cache=None, feature_layer_ids=(), logits_index=None,
-            segment_ids=None):
-    """The family decoder's forward: (logits float32, features or None, cache); see ``dense.Decoder``."""
-    return decoder(cfg).apply({"params": params}, input_ids, positions, cache, feature_layer_ids, logits_index,
-                              segment_ids)
+            segment_ids=None, attention_impl: str = "auto"):
+    """The family decoder's forward: (logits float32, features or None, cache); see ``dense.Decoder``.
+    ``attention_impl``: how decode / verify forwards attend to a full-attention cache
+    (``attention.decode_attention``: "auto", "kernel", "interpret", "loop"; "reference" = dense, unbounded)."""
+    return decoder(cfg, attention_impl).apply({"params": params}, input_ids, positions, cache, feature_layer_ids,
+                                              logits_index, segment_ids)
 
 
 def embed(cfg, params, ids):

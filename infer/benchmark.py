@@ -73,11 +73,11 @@ def distinct_4grams(ids: list[int]) -> float:
 
 
 def time_forwards(target, draft, block_sizes=(4, 8, 16), context: int = 256, iters: int = 20,
-                  repeats: int = 5, batch: int = 1, cache_len: int | None = None) -> dict:
+                  repeats: int = 5, batch: int = 1, cache_len: int | None = None, attention_impl: str = "auto") -> dict:
     """Seconds per draft forward (``propose``) and per target verify forward at block K, with ``context``
-    tokens of cache (of ``cache_len`` slots, default context + 32) for ``batch`` rows. Each is timed as ONE
-    jitted loop of ``iters`` forwards, each fed the previous one's output (as inside the decode loop: no
-    per-call dispatch, no cache copies), best of ``repeats``."""
+    tokens of cache (of ``cache_len`` slots, default context + 32) for ``batch`` rows, attending as the
+    engine does with ``attention_impl``. Each is timed as ONE jitted loop of ``iters`` forwards, each fed the
+    previous one's output (as inside the decode loop: no per-call dispatch, no cache copies), best of ``repeats``."""
     import jax
     import jax.numpy as jnp
 
@@ -88,23 +88,28 @@ def time_forwards(target, draft, block_sizes=(4, 8, 16), context: int = 256, ite
     tcfg = target.config
 
     def timed(body, carry, *consts):
-        loop = jax.jit(lambda c, *a: jax.lax.fori_loop(0, iters, lambda i, c: body(c, *a), c))
-        jax.block_until_ready(loop(carry, *consts))
+        # The carry (the cache) is donated, a fresh copy per run made before the clock starts: otherwise every
+        # run would first copy the whole cache into the loop's buffers, a cost of the bucket, not of a forward.
+        loop = jax.jit(lambda c, *a: jax.lax.fori_loop(0, iters, lambda i, c: body(c, *a), c), donate_argnums=0)
+        fresh = lambda: jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, carry))  # noqa: E731
+        jax.block_until_ready(loop(fresh(), *consts))
         best = float("inf")
         for _ in range(repeats):
+            c = fresh()
             start = time.perf_counter()
-            jax.block_until_ready(loop(carry, *consts))
+            jax.block_until_ready(loop(c, *consts))
             best = min(best, time.perf_counter() - start)
         return best / iters
 
     def draft_fwd(ids, tp, dp, dk, dv):
         anchors = jnp.full((batch, 1), context)
-        return ids.at[:, 1:].set(draft_lib.propose(tcfg, tp, draft.config, dp, ids, anchors, dk, dv))
+        return ids.at[:, 1:].set(draft_lib.propose(tcfg, tp, draft.config, dp, ids, anchors, dk, dv,
+                                                   decode_impl=attention_impl))
 
     def verify(carry, tp):
         ids, cache = carry
         pos = jnp.broadcast_to(context + jnp.arange(ids.shape[1]), ids.shape)
-        logits, _, cache = target_lib.forward(tcfg, tp, ids, pos, cache)
+        logits, _, cache = target_lib.forward(tcfg, tp, ids, pos, cache, attention_impl=attention_impl)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
     cache_len = cache_len or context + 32
@@ -196,7 +201,7 @@ def main(argv=None) -> int:
     prompts = prompt_ids(args, tokenizer)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, acceptance=args.acceptance, stop_token_ids=stop_ids(args, target), seed=args.seed,
-              max_length=args.max_length)
+              max_length=args.max_length, attention_impl=args.attention)
     block = args.block_size or draft.config.block_size
     if args.plot:
         try:
@@ -250,7 +255,8 @@ def main(argv=None) -> int:
     summary["plain_step_s"] = plain_time / plain_tokens
     summary["dflash_step_s"] = spec_time / (len(all_acc) + len(prompts))
     if not args.no_timing_split:
-        summary.update(time_forwards(target, draft, block_sizes=sorted({4, 8, 16, block})))
+        summary.update(time_forwards(target, draft, block_sizes=sorted({4, 8, 16, block}),
+                                     attention_impl=args.attention))
         d, v = summary.get(f"draft_forward_s_block{block}", 0.0), summary[f"verify_forward_s_block{block}"]
         summary["step_split_s"] = {"draft": d, "verify": v, "rest": summary["dflash_step_s"] - d - v}
     if args.json:

@@ -41,6 +41,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--stop-token-ids", default=None,
                    help="comma-separated stop ids (default: the target's eos_token_id)")
     d.add_argument("--ignore-eos", action="store_true", help="no stop tokens: always generate max-new-tokens")
+    d.add_argument("--attention", default="auto", choices=["auto", "kernel", "interpret", "loop", "reference"],
+                   help="decode attention: auto (default; reads only each row's length: the Pallas kernel on one "
+                        "TPU / GPU, a tiled loop elsewhere), kernel, interpret, loop, or reference (dense over the "
+                        "whole cache, the unbounded path, for comparison)")
 
 
 def die(msg: str) -> None:

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     prompts = prompt_ids(args, tokenizer)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               acceptance=args.acceptance, stop_token_ids=stop_ids(args, target), seed=args.seed,
-              max_length=args.max_length)
+              max_length=args.max_length, attention_impl=args.attention)
     try:
         if args.stream:
             results = []

@@ -104,7 +104,8 @@ def measure(target, draft, batch: int, context: int, block: int, probs, args) ->
 
     rng = np.random.default_rng([args.seed, batch, context])
     prompts = rng.integers(0, target.config.vocab_size, (batch, context)).tolist()
-    kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[], max_length=args.max_length)
+    kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[], max_length=args.max_length,
+              attention_impl=args.attention)
     plain = generate(target, prompts, **kw)  # the reference continuations (also compiles)
     replay = Replay([r.output_ids for r in plain], probs)
     one = dict(kw, max_new_tokens=1)
@@ -136,8 +137,8 @@ def measure(target, draft, batch: int, context: int, block: int, probs, args) ->
     plain_steps = max(r.num_generated for r in base) - 1  # the first token comes from the prefill
     spec_steps = max(r.target_forwards for r in spec) - 1
     tokens = sum(r.num_generated for r in base)
-    row = {"synthetic": args.synthetic, "acceptance": "simulated", "batch_size": batch, "context": context,
-           "block_size": block, "max_new_tokens": args.max_new_tokens, "tau": tau,
+    row = {"synthetic": args.synthetic, "acceptance": "simulated", "attention": args.attention, "batch_size": batch,
+           "context": context, "block_size": block, "max_new_tokens": args.max_new_tokens, "tau": tau,
            "acceptance_histogram": np.bincount(acc, minlength=block + 1)[1:block + 1].tolist(),
            "plain_loop_steps": plain_steps, "dflash_loop_steps": spec_steps,
            "plain_tokens_per_s": tokens / wall_plain, "dflash_tokens_per_s": tokens / wall_spec,
@@ -152,7 +153,7 @@ def measure(target, draft, batch: int, context: int, block: int, probs, args) ->
         cache_len = _prepare(target, draft, prompts, args.max_new_tokens, block, SamplingParams(), [], 0,
                              args.max_length).cache_len
         row.update(time_forwards(target, draft, block_sizes=(block,), context=context, batch=batch,
-                                 cache_len=cache_len))
+                                 cache_len=cache_len, attention_impl=args.attention))
         d, v = row[f"draft_forward_s_block{block}"], row[f"verify_forward_s_block{block}"]
         row["step_split_s"] = {"draft": d, "verify": v, "rest": row["dflash_step_s"] - d - v}
     return row

@@ -1,7 +1,8 @@
 """Pallas kernels, installed as ``dflash_jax.kernels``; they import nothing from the library.
 
-``block_attention``: the DFlash draft's training attention (see block_attention.py); ``reference``: the
-dense attention and position mask it is checked against, which the library uses as its attention.
+``block_attention``: the DFlash draft's training attention (see block_attention.py); ``decode_attention``:
+decode / verify attention bounded by each row's length (see decode_attention.py); ``reference``: the
+dense attention and position mask they are checked against, which the library uses as its attention.
 """
 from .block_attention import (
     block_attention,
@@ -10,5 +11,12 @@ from .block_attention import (
     kernel_supported,
     skipped_fraction,
 )
+from .decode_attention import (
+    decode_attention,
+    decode_attention_loop,
+    decode_attention_reference,
+    decode_kernel_supported,
+)
 
-__all__ = ["block_attention", "block_attention_reference", "block_mask", "kernel_supported", "skipped_fraction"]
+__all__ = ["block_attention", "block_attention_reference", "block_mask", "decode_attention", "decode_attention_loop",
+           "decode_attention_reference", "decode_kernel_supported", "kernel_supported", "skipped_fraction"]

@@ -163,6 +163,21 @@ def test_cli_synthetic_tiny_prints_the_step_split(capsys):
     assert "load average" in text
 
 
+def test_context_sweep_reports_each_context_and_attention(capsys):
+    """``python -m infer.context_sweep``: one row per (context, attention) at one fixed bucket."""
+    from infer import context_sweep
+
+    argv = ["--context", "32,96", "--bucket", "256", "--block-size", "4", "--iters", "1", "--repeats", "1", "--json"]
+    assert context_sweep.main(argv) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [(r["context"], r["attention"]) for r in rows] == [(32, "auto"), (32, "reference"), (96, "auto"),
+                                                              (96, "reference")]
+    assert all(r["bucket"] == 256 and r["plain_step_s"] > 0 and r["draft_s"] > 0 and r["verify_s"] > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        context_sweep.main(["--context", "300", "--bucket", "256"])
+    assert "too small" in capsys.readouterr().err
+
+
 def test_cli_synthetic_rejects_bad_options(capsys):
     from infer import benchmark
 

@@ -3,7 +3,8 @@
 One forward serves prefill, verification and plain full-sequence scoring: with a cache, each layer's
 decode state (``dflash_jax.state``) takes the new K/V and returns the keys the queries may see; queries
 see keys at positions <= their own (offset-causal: committed context plus the causal part of the new
-tokens); without a cache, plain causal attention over the given tokens.
+tokens); without a cache, plain causal attention over the given tokens. Decode and verify forwards on a
+full-attention cache read only the slots below each row's length (``attention.decode_attention``).
 """
 from __future__ import annotations
 
@@ -12,17 +13,18 @@ from typing import ClassVar
 import flax.linen as nn
 import jax.numpy as jnp
 
-from dflash_jax.attention import attend, position_mask
+from dflash_jax.attention import MAX_QUERIES, attend, decode_attention, position_mask
 from dflash_jax.checkpoints import NameTable
 from dflash_jax.config import TargetConfig
 from dflash_jax.families.family import Family
 from dflash_jax.layers import MLP, AttentionProjections, Embed, Linear, RMSNorm
-from dflash_jax.state import DecodeCache, KVSpec
+from dflash_jax.state import DecodeCache, FullKV, KVSpec
 
 
 class DecoderLayer(nn.Module):
     cfg: TargetConfig
     index: int
+    attention_impl: str = "auto"  # decode attention on a full cache (``attention.decode_attention``'s impl)
 
     def setup(self):
         c = self.cfg
@@ -45,15 +47,20 @@ class DecoderLayer(nn.Module):
         ``segment_ids`` [B, T] (no state): a token sees only keys of its own segment (packed documents)."""
         q, gate = self.self_attn.gated_queries(h, positions)
         k, v = self.self_attn.keys_values(h, positions)
+        window, sinks = self.cfg.layer_window(self.index), self.self_attn.sink_logits()
+        if isinstance(state, FullKV) and positions.shape[1] <= MAX_QUERIES:  # decode / verify: length-bounded
+            state = state.write(k, v, positions)
+            o = decode_attention(q, state.k, state.v, positions, jnp.max(positions, axis=1) + 1,
+                                 sliding_window=window, sinks=sinks, impl=self.attention_impl)
+            return self.self_attn.output(o, gate), state
         if state is None:
             k_pos, exists = positions, positions >= 0
             if segment_ids is not None:
                 exists = exists[:, None, :] & (segment_ids[:, :, None] == segment_ids[:, None, :])
         else:
             state, k, v, k_pos, exists = state.update(k, v, positions)
-        mask = position_mask(positions, k_pos, causal=True, sliding_window=self.cfg.layer_window(self.index),
-                             k_valid=exists)
-        return self.self_attn.output(attend(q, k, v, mask, sinks=self.self_attn.sink_logits()), gate), state
+        mask = position_mask(positions, k_pos, causal=True, sliding_window=window, k_valid=exists)
+        return self.self_attn.output(attend(q, k, v, mask, sinks=sinks), gate), state
 
     def __call__(self, x, positions, state, segment_ids=None):
         """x [B, T, D] at ``positions`` [B, T] -> (x, new layer state or None)."""
@@ -67,12 +74,13 @@ class Decoder(nn.Module):
     """Decoder with Hugging Face parameter names (``embed_tokens``, ``layers_N``, ``norm``, ``lm_head``)."""
 
     cfg: TargetConfig
+    attention_impl: str = "auto"
     layer_class: ClassVar[type] = DecoderLayer  # a family whose layers differ only after attention swaps it
 
     def setup(self):
         c = self.cfg
         self.embed_tokens = Embed(c.vocab_size, c.hidden_size)
-        self.layers = [self.layer_class(c, i) for i in range(c.num_hidden_layers)]
+        self.layers = [self.layer_class(c, i, self.attention_impl) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, zero_centred=c.norm_offset)
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.vocab_size, False, ("embed", "vocab"))

@@ -1,0 +1,353 @@
+"""Length-bounded decode attention: dense reference, tiled jnp loop (CPU), Pallas kernel (TPU / GPU), wrapper.
+
+The T (<= ``MAX_QUERIES``) new queries of each row against its cache, reading only the key tiles
+the row can see, so a step costs what the row's real length costs, not its bucket:
+
+  * query t of row b sits at position ``q_pos[b, t]`` (< 0: padding, it sees nothing and outputs 0);
+  * cache slot s holds position s; query t sees s iff s <= q_pos, s < ``lengths[b]`` and, with a
+    sliding window W, q_pos - s < W;
+  * optional ``k_new`` / ``v_new``: the queries' own keys at ``q_pos``, seen bidirectionally (within
+    the window) by every non-padding query of the row (the draft's block);
+  * ``sinks`` [Hq] (gpt-oss): one logit per query head in the softmax denominator, no value.
+
+Shapes: q [B, T, Hq, D]; k, v [B, S, Hkv, D] (Hq a multiple of Hkv: GQA, K/V never repeated);
+q_pos [B, T] int32; lengths [B] int32; k_new, v_new [B, T, Hkv, D]; returns [B, T, Hq, D] in q.dtype.
+
+Every query row r has a visible key range [lo_r, hi_r) (``_row_bounds``); a row of the batch reads
+key tiles [min lo_r // tk, ceil(max hi_r / tk)) only:
+
+  * ``decode_attention_loop`` (CPU, and the library's fallback): an online softmax over key tiles in
+    a ``fori_loop`` whose bounds are the batch's min / max tile, read by ``dynamic_slice``.
+  * Pallas, one program per (row, K/V head), its queries the T new tokens x the GQA group:
+    TPU (Mosaic): grid (B, Hkv, key tiles + 1); the per-row tile range is scalar-prefetched, a step
+    outside it re-points its index map at a tile already in VMEM (no DMA) and skips its compute
+    (``pl.when``); the last step takes the new keys and writes the output. GPU (Triton): grid
+    (B, Hkv), a ``fori_loop`` over the row's tiles loading from the whole cache row.
+    The cache is read in place through a free [B, S, Hkv*D] view (block = one head's D lanes).
+
+Logits, softmax and accumulators are float32; probabilities are cast to v.dtype for the PV matmul.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .block_attention import _platform
+from .reference import attend, position_mask
+
+_MASK = -1e30  # finite: exp(_MASK - m) underflows to 0 without inf - inf
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+MAX_QUERIES = 64  # new tokens per row the decode path takes (more: a prefill, use the dense path)
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def decode_attention_reference(q, k, v, q_pos, lengths, *, k_new=None, v_new=None, sliding_window=None,
+                               sinks=None, scale=None):
+    """The dense masked form over the whole cache (the project's ``attend``): what the others must equal."""
+    s = jnp.arange(k.shape[1], dtype=jnp.int32)
+    mask = position_mask(q_pos, s, causal=True, sliding_window=sliding_window,
+                         k_valid=s[None, None, :] < lengths[:, None, None])
+    if k_new is not None:
+        valid = q_pos >= 0
+        own = position_mask(q_pos, q_pos, causal=False, sliding_window=sliding_window,
+                            k_valid=valid[:, :, None] & valid[:, None, :])
+        k, v, mask = (jnp.concatenate(x, axis=1 if x[0].ndim == 4 else -1)
+                      for x in ((k, k_new), (v, v_new), (mask, own)))
+    return attend(q, k, v, mask, scale=scale, sinks=sinks)
+
+
+# ----------------------------------------------------------------------------- bounds and tile math
+
+
+def _row_bounds(q_pos, lengths, ctx_len: int, window):
+    """[lo, hi) of the cache slots each query sees: [B, T] each (empty: lo >= hi)."""
+    hi = jnp.where(q_pos >= 0, jnp.minimum(jnp.minimum(q_pos + 1, lengths[:, None]), ctx_len), 0)
+    lo = jnp.zeros_like(hi) if window is None else jnp.maximum(q_pos - (window - 1), 0)
+    return lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def _tile_range(lo, hi, tk: int, axis=-1):
+    """[first, end) key tiles covering the non-empty rows' ranges (reduced over ``axis``); (0, 0) if none."""
+    nonempty = lo < hi
+    end = lax.div(jnp.max(jnp.where(nonempty, hi, 0), axis=axis) + (tk - 1), tk)
+    first = lax.div(jnp.min(jnp.where(nonempty, lo, jnp.iinfo(jnp.int32).max), axis=axis), tk)
+    return jnp.where(end > 0, first, 0), end
+
+
+def _step(s, v, vis, carry):
+    """One online-softmax step: logits s [.., R, K] (float32, scaled), values v [.., K, D]."""
+    m, l, acc = carry
+    s = jnp.where(vis, s, _MASK)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(vis, jnp.exp(s - m_new), 0.0)
+    l = alpha * l + jnp.sum(p, axis=-1, keepdims=True)
+    acc = alpha * acc + jnp.matmul(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_new, l, acc
+
+
+def _finish(carry, sink=None):
+    """acc / l, the sink logit joining the denominator; rows that saw no key give 0."""
+    m, l, acc = carry
+    seen = l > 0.0
+    if sink is not None:
+        m_new = jnp.maximum(m, sink)
+        alpha = jnp.exp(m - m_new)
+        l, acc = alpha * l + jnp.exp(sink - m_new), alpha * acc
+    return jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0)
+
+
+def _new_vis(qp, kp, window):
+    """Queries at qp [.., R, 1] x their own new keys at kp [.., 1, T]: bidirectional within the window."""
+    vis = (qp >= 0) & (kp >= 0)
+    if window is not None:
+        vis &= (qp - kp < window) & (kp - qp < window)
+    return vis
+
+
+# ----------------------------------------------------------------------------- tiled jnp loop (CPU)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "k_tile"))
+def decode_attention_loop(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding_window=None, sinks=None,
+                          scale=None, k_tile: int = 512):
+    """Online softmax over the key tiles of ``[min lo, max hi)`` of the batch (a dynamic trip count)."""
+    b, t, hq, d = q.shape
+    s_len, hkv = k.shape[1], k.shape[2]
+    tk = min(k_tile, s_len)
+    scale = d ** -0.5 if scale is None else scale
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    lo, hi = _row_bounds(q_pos, lengths.astype(jnp.int32), s_len, sliding_window)
+    first, end = _tile_range(lo.reshape(-1), hi.reshape(-1), tk)
+    lo, hi = lo[:, None, None, :, None], hi[:, None, None, :, None]  # [B, 1, 1, T, 1] against [B, K, G, T, tk]
+
+    def body(j, carry):
+        start = jnp.minimum(j * tk, s_len - tk)  # the last tile may overlap the one before: mask the overlap
+        kt = lax.dynamic_slice_in_dim(k, start, tk, axis=1)
+        vt = lax.dynamic_slice_in_dim(v, start, tk, axis=1)
+        p = start + jnp.arange(tk, dtype=jnp.int32)
+        vis = (p >= jnp.maximum(lo, j * tk)) & (p < hi)
+        logits = jnp.einsum("BTKGD,BSKD->BKGTS", qg, kt, preferred_element_type=jnp.float32) * scale
+        return _step(logits, jnp.swapaxes(vt, 1, 2)[:, :, None], vis, carry)
+
+    shape = (b, hkv, hq // hkv, t)
+    carry = (jnp.full(shape + (1,), _MASK, jnp.float32), jnp.zeros(shape + (1,), jnp.float32),
+             jnp.zeros(shape + (d,), jnp.float32))
+    carry = lax.fori_loop(first, end, body, carry)
+    if k_new is not None:
+        logits = jnp.einsum("BTKGD,BSKD->BKGTS", qg, k_new, preferred_element_type=jnp.float32) * scale
+        vis = _new_vis(q_pos[:, None, None, :, None], q_pos[:, None, None, None, :], sliding_window)
+        carry = _step(logits, jnp.swapaxes(v_new, 1, 2)[:, :, None], vis, carry)
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1)
+    out = _finish(carry, sink)  # [B, K, G, T, D]
+    return jnp.einsum("BKGTD->BTKGD", out).reshape(b, t, hq, d).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- Pallas kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    window: int | None
+    scale: float
+    tk: int            # keys per tile
+    ctx_len: int       # S
+    has_new: bool
+    has_sinks: bool
+    backend: str       # "tpu" | "gpu"
+    interpret: bool
+
+    @property
+    def lanes(self):
+        return 128 if self.backend == "tpu" else 1
+
+
+def _col(ref):
+    """Per-row values ([R, lanes] on TPU, [R] on GPU) -> [R, 1]."""
+    x = ref[...]
+    return x[:, None] if x.ndim == 1 else x[:, :1]
+
+
+def _tile_step(q, k, v, lo, hi, j, c: _Cfg, carry):
+    """Queries q [R, D] x key tile j (k, v [tk, D]; the tile starts at min(j*tk, S - tk))."""
+    start = jnp.minimum(j * c.tk, c.ctx_len - c.tk)
+    p = start + lax.broadcasted_iota(jnp.int32, (q.shape[0], c.tk), 1)
+    vis = (p >= jnp.maximum(lo, j * c.tk)) & (p < hi)
+    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * c.scale
+    return _step(s, v, vis, carry)
+
+
+def _new_step(q, kn_ref, vn_ref, qp, kp_ref, c: _Cfg, carry):
+    if not c.has_new:
+        return carry
+    s = lax.dot_general(q, kn_ref[...], _NT, preferred_element_type=jnp.float32) * c.scale
+    return _step(s, vn_ref[...], _new_vis(qp, kp_ref[...].reshape(1, -1), c.window), carry)
+
+
+def _tpu_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_ref, sink_ref,
+                o_ref, m_sc, l_sc, acc_sc, *, c: _Cfg, nk):
+    b, j = pl.program_id(0), pl.program_id(2)
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, _MASK, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    def carry():
+        return m_sc[...][:, :1], l_sc[...][:, :1], acc_sc[...]
+
+    def store(cr):
+        m_sc[...] = jnp.broadcast_to(cr[0], m_sc.shape)
+        l_sc[...] = jnp.broadcast_to(cr[1], l_sc.shape)
+        acc_sc[...] = cr[2]
+
+    @pl.when((j >= first_ref[b]) & (j < end_ref[b]))
+    def _tile():
+        store(_tile_step(q_ref[...], k_ref[...], v_ref[...], _col(lo_ref), _col(hi_ref), j, c, carry()))
+
+    @pl.when(j == nk)
+    def _last():
+        cr = _new_step(q_ref[...], kn_ref, vn_ref, _col(qp_ref), kp_ref, c, carry())
+        o_ref[...] = _finish(cr, _col(sink_ref) if c.has_sinks else None).astype(o_ref.dtype)
+
+
+def _gpu_kernel(q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_ref, sink_ref, o_ref, *, c: _Cfg):
+    q, lo, hi = q_ref[...], _col(lo_ref), _col(hi_ref)
+    first, end = _tile_range(lo, hi, c.tk, axis=None)
+
+    def body(j, cr):
+        kv = pl.ds(jnp.minimum(j * c.tk, c.ctx_len - c.tk), c.tk)
+        return _tile_step(q, k_ref[kv, :], v_ref[kv, :], lo, hi, j, c, cr)
+
+    cr = (jnp.full((q.shape[0], 1), _MASK, jnp.float32), jnp.zeros((q.shape[0], 1), jnp.float32),
+          jnp.zeros(q.shape, jnp.float32))
+    cr = _new_step(q, kn_ref, vn_ref, _col(qp_ref), kp_ref, c, lax.fori_loop(first, end, body, cr))
+    o_ref[...] = _finish(cr, _col(sink_ref) if c.has_sinks else None).astype(o_ref.dtype)
+
+
+def _pick_tile(ctx_len: int, k_tile: int, backend: str) -> int:
+    """TPU: the largest multiple of 8 <= k_tile dividing S (whole tiles, no padded reads); GPU: a power
+    of two <= S (the last tile is shifted back to end at S)."""
+    if backend == "tpu":
+        return next((t for t in range(min(k_tile, ctx_len) // 8 * 8, 7, -8) if ctx_len % t == 0), ctx_len)
+    return 1 << (min(k_tile, ctx_len).bit_length() - 1)
+
+
+def _rows_pad(r: int, backend: str, interpret: bool) -> int:
+    if backend == "gpu":
+        return max(16, 1 << (r - 1).bit_length())
+    return r if interpret else -(-r // 16) * 16
+
+
+def _pallas(q, k, v, q_pos, lengths, k_new, v_new, sinks, c: _Cfg):
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    r = _rows_pad(t * g, c.backend, c.interpret)
+    # Queries per (row, K/V head): rows = token-major x GQA group, padded with position -1.
+    qh = jnp.einsum("BTKGD->BKTGD", q.reshape(b, t, hkv, g, d)).reshape(b, hkv, t * g, d)
+    qh = jnp.pad(qh, ((0, 0), (0, 0), (0, r - t * g), (0, 0)))
+    lo, hi = _row_bounds(q_pos, lengths, c.ctx_len, c.window)
+
+    def rows(x, fill):  # [B, T] -> [B, R(, lanes)]
+        x = jnp.pad(jnp.repeat(x, g, axis=1), ((0, 0), (0, r - t * g)), constant_values=fill)
+        return jnp.broadcast_to(x[..., None], (*x.shape, c.lanes)) if c.lanes > 1 else x
+
+    qp = jnp.where(q_pos >= 0, q_pos, -1).astype(jnp.int32)
+    lo_r, hi_r, qp_r = rows(lo, 0), rows(hi, 0), rows(qp, -1)
+    sink = jnp.zeros((hq,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    sink_r = jnp.pad(jnp.tile(sink.reshape(hkv, 1, g), (1, t, 1)).reshape(hkv, t * g), ((0, 0), (0, r - t * g)))
+    if c.lanes > 1:
+        sink_r = jnp.broadcast_to(sink_r[..., None], (*sink_r.shape, c.lanes))
+    if k_new is None:  # a placeholder the kernel never reads
+        k_new = v_new = jnp.zeros((b, 1, hkv, d), k.dtype)
+    tn = k_new.shape[1] if c.backend == "tpu" else max(16, 1 << (k_new.shape[1] - 1).bit_length())
+    pad_new = lambda x: jnp.pad(x, ((0, 0), (0, tn - x.shape[1]), (0, 0), (0, 0)))
+    k_new, v_new = pad_new(k_new), pad_new(v_new)
+    kp = jnp.pad(qp, ((0, 0), (0, max(tn - t, 0))), constant_values=-1)[:, None, :tn]
+    flat = lambda x: x.reshape(*x.shape[:2], -1)  # [B, S, K, D] -> [B, S, K*D]: free
+    args = (qh, flat(k), flat(v), flat(k_new), flat(v_new), lo_r, hi_r, qp_r, kp, sink_r)
+    out_shape = jax.ShapeDtypeStruct((b, hkv, r, d), q.dtype)
+    row = (None, r, c.lanes) if c.lanes > 1 else (None, r)
+    if c.backend == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        nk = c.ctx_len // c.tk
+        first, end = _tile_range(lo, hi, c.tk)
+
+        def kv_map(i, h, j, first, end):  # steps outside [first, end) stay on a tile already in VMEM
+            return i, jnp.minimum(jnp.maximum(j, first[i]), jnp.maximum(end[i] - 1, first[i])), h
+
+        head = lambda i, h, j, first, end: (i, h, 0, 0)
+        per_row = lambda i, h, j, first, end: (i, 0, 0)
+        new = lambda i, h, j, first, end: (i, 0, h)
+        in_specs = [pl.BlockSpec((None, None, r, d), head), pl.BlockSpec((None, c.tk, d), kv_map),
+                    pl.BlockSpec((None, c.tk, d), kv_map), pl.BlockSpec((None, tn, d), new),
+                    pl.BlockSpec((None, tn, d), new)] + [pl.BlockSpec(row, per_row)] * 3 + [
+                    pl.BlockSpec((None, 1, tn), per_row),
+                    pl.BlockSpec((None, r, c.lanes), lambda i, h, j, first, end: (h, 0, 0))]
+        call = pl.pallas_call(
+            functools.partial(_tpu_kernel, c=c, nk=nk), out_shape=out_shape, interpret=c.interpret,
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=2, grid=(b, hkv, nk + 1), in_specs=in_specs,
+                out_specs=pl.BlockSpec((None, None, r, d), head),
+                scratch_shapes=[pltpu.VMEM((r, c.lanes), jnp.float32), pltpu.VMEM((r, c.lanes), jnp.float32),
+                                pltpu.VMEM((r, d), jnp.float32)]),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")))
+        o = call(first, end, *args)
+    else:
+        from jax.experimental.pallas import triton as pltr
+
+        head = lambda i, h: (i, h, 0, 0)
+        per_row = lambda i, h: (i, 0)
+        whole = lambda i, h: (i, 0, h)
+        in_specs = [pl.BlockSpec((None, None, r, d), head), pl.BlockSpec((None, c.ctx_len, d), whole),
+                    pl.BlockSpec((None, c.ctx_len, d), whole), pl.BlockSpec((None, tn, d), whole),
+                    pl.BlockSpec((None, tn, d), whole)] + [pl.BlockSpec(row, per_row)] * 3 + [
+                    pl.BlockSpec((None, 1, tn), lambda i, h: (i, 0, 0)), pl.BlockSpec((None, r), lambda i, h: (h, 0))]
+        o = pl.pallas_call(functools.partial(_gpu_kernel, c=c), grid=(b, hkv), in_specs=in_specs,
+                           out_specs=pl.BlockSpec((None, None, r, d), head), out_shape=out_shape,
+                           interpret=c.interpret,
+                           compiler_params=pltr.CompilerParams(num_warps=4, num_stages=2))(*args)
+    o = o[:, :, :t * g].reshape(b, hkv, t, g, d)
+    return jnp.einsum("BKTGD->BTKGD", o).reshape(b, t, hq, d)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "interpret", "k_tile", "backend"))
+def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding_window=None, sinks=None,
+                     scale=None, interpret: bool | None = None, k_tile: int = 512, backend: str | None = None):
+    """The Pallas decode attention (semantics and shapes in the module docstring).
+
+    ``backend``: "tpu" (Mosaic) or "gpu" (Triton); default: the default backend's, the TPU formulation on
+    CPU. ``interpret``: default True on CPU. ``k_tile``: keys per tile (adjusted to what the backend needs).
+    """
+    platform = _platform()
+    backend = backend or ("gpu" if platform == "gpu" else "tpu")
+    interpret = platform == "cpu" if interpret is None else bool(interpret)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    c = _Cfg(sliding_window, scale, _pick_tile(k.shape[1], k_tile, backend), k.shape[1], k_new is not None,
+             sinks is not None, backend, interpret)
+    return _pallas(q, k, v, q_pos.astype(jnp.int32), lengths.astype(jnp.int32), k_new, v_new, sinks, c)
+
+
+def decode_kernel_supported(*, head_dim: int, kv_heads: int, ctx_len: int) -> bool:
+    """Whether the compiled decode kernel is expected to run on the default backend (unsharded operands:
+    sharded caches would need a shard_map around it)."""
+    platform = _platform()
+    if platform == "tpu":  # one head's lanes of the [B, S, K*D] view, whole tiles of 8 sublanes
+        return (head_dim % 128 == 0 or kv_heads == 1) and ctx_len % 8 == 0
+    if platform != "gpu":
+        return False
+    try:
+        cc = float(getattr(jax.devices()[0], "compute_capability", "0"))
+    except ValueError:
+        return False
+    return cc >= 8.0 and head_dim & (head_dim - 1) == 0 and head_dim >= 16 and ctx_len >= 16

@@ -1,0 +1,181 @@
+"""Length-bounded decode attention: the tiled loop and both Pallas formulations (interpret mode on CPU)
+against the dense masked reference, and the target / draft forwards against the masked path they replace."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import attention, draft as draft_lib, speculative as S, target as target_lib
+from dflash_jax.kernels.decode_attention import decode_attention, decode_attention_loop, decode_attention_reference
+from dflash_jax.state import FullKV
+from pairs import random_pair
+
+_fast_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+
+
+def _inputs(seed, b, t, hq, hkv, d, s, dtype):
+    rng = np.random.default_rng(seed)
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)  # noqa: E731
+    return f(b, t, hq, d), f(b, s, hkv, d), f(b, s, hkv, d), f(b, t, hkv, d), f(b, t, hkv, d), \
+        jnp.asarray(rng.standard_normal(hq, np.float32) * 2)
+
+
+def _positions(lengths, t, s):
+    """Verify-style queries: row b's T tokens at lengths[b] - T .. lengths[b] - 1 (< 0: padding)."""
+    pos = np.asarray(lengths)[:, None] - t + np.arange(t)
+    return jnp.asarray(np.where(pos >= 0, pos, -1), jnp.int32)
+
+
+# b, t, hq, hkv, d, s, k_tile, lengths (tile boundaries, 0 / 1, full cache, ragged), window
+CASES = [
+    (4, 1, 4, 2, 16, 64, 16, (0, 1, 16, 64), None),  # decode, GQA 2, lengths at tile edges
+    (4, 16, 8, 2, 16, 72, 16, (0, 17, 32, 72), None),  # verify T=16, GQA 4, S not a multiple of the tile
+    (3, 16, 4, 4, 16, 48, 8, (5, 16, 48), 7),  # verify with a sliding window, no GQA
+    (3, 4, 4, 1, 16, 40, 16, (1, 24, 40), 3),  # window smaller than T, GQA 4 over one K/V head
+]
+IMPLS = ["loop", "tpu", "gpu"]
+
+
+def _run(impl, k_tile, window, sinks_on, new, dtype):
+    kw = dict(sliding_window=window)
+    if impl == "loop":
+        fn = functools.partial(decode_attention_loop, k_tile=k_tile, **kw)
+    else:
+        fn = functools.partial(decode_attention, k_tile=k_tile, backend=impl, interpret=True, **kw)
+
+    def call(q, k, v, q_pos, lengths, k_new, v_new, sinks):
+        return fn(q, k, v, q_pos, lengths, *((k_new, v_new) if new else ()), sinks=sinks if sinks_on else None)
+
+    return _fast_jit(call)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"t{c[1]}-g{c[2] // c[3]}-s{c[5]}-w{c[8]}")
+def test_matches_dense_reference(impl, case):
+    b, t, hq, hkv, d, s, k_tile, lengths, window = case
+    # float32 with sinks (the target's verify), bfloat16 with the queries' own keys (the draft's block)
+    for dtype, tol, sinks_on, new in ((jnp.float32, 2e-5, True, False), (jnp.bfloat16, 3e-2, False, True)):
+        q, k, v, kn, vn, sinks = _inputs(s + t, b, t, hq, hkv, d, s, dtype)
+        lengths_a = jnp.asarray(lengths, jnp.int32)
+        q_pos = _positions(lengths, t, s)
+        ref = decode_attention_reference(q, k, v, q_pos, lengths_a, k_new=kn if new else None,
+                                         v_new=vn if new else None, sliding_window=window,
+                                         sinks=sinks if sinks_on else None)
+        out = _run(impl, k_tile, window, sinks_on, new, dtype)(q, k, v, q_pos, lengths_a, kn, vn, sinks)
+        assert out.shape == q.shape and out.dtype == dtype
+        err = np.abs(np.asarray(out, np.float32) - np.asarray(ref, np.float32)).max()
+        assert err <= tol, (dtype, sinks_on, new, err)
+        pad = np.asarray(q_pos) < 0
+        assert np.all(np.asarray(out, np.float32)[pad] == 0)  # padding queries output 0
+
+
+def test_stale_slots_past_the_length_are_never_seen():
+    """Stale slots past each row's length (here huge keys and values) do not change its result: it depends
+    only on its first ``length`` slots."""
+    b, t, hq, hkv, d, s, k_tile, lengths, window = CASES[1]
+    q, k, v, kn, vn, sinks = _inputs(0, b, t, hq, hkv, d, s, jnp.float32)
+    lengths_a = jnp.asarray(lengths, jnp.int32)
+    q_pos = _positions(lengths, t, s)
+    stale = jnp.arange(s)[None, :, None, None] >= lengths_a[:, None, None, None]
+    ref = decode_attention_reference(q, k, v, q_pos, lengths_a)
+    k2, v2 = jnp.where(stale, 1e4, k), jnp.where(stale, -1e4, v)
+    for impl in IMPLS:
+        out = _run(impl, k_tile, window, False, False, jnp.float32)(q, k2, v2, q_pos, lengths_a, kn, vn, sinks)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, err_msg=impl)
+
+
+def test_dispatch_equals_the_masked_full_cache_path():
+    """``attention.decode_attention`` on a FullKV after a write == the path it replaces (state.update +
+    position_mask + attend over the whole cache), with a window and sinks."""
+    b, t, hq, hkv, d, s = 3, 16, 4, 2, 16, 80
+    q, k, v, _, _, sinks = _inputs(1, b, t, hq, hkv, d, s, jnp.float32)
+    state = FullKV(k, v)
+    n = jnp.asarray([0, 9, 64], jnp.int32)
+    positions = n[:, None] + jnp.arange(t, dtype=jnp.int32)
+    k_new, v_new = q[:, :, :hkv], q[:, :, hkv:]
+    for window in (None, 6):
+        new, keys, values, k_pos, exists = state.update(k_new, v_new, positions)
+        mask = attention.position_mask(positions, k_pos, causal=True, sliding_window=window, k_valid=exists)
+        old = attention.attend(q, keys, values, mask, sinks=sinks)
+        for impl in ("loop", "interpret", "reference"):
+            out = attention.decode_attention(q, new.k, new.v, positions, jnp.max(positions, axis=1) + 1,
+                                             sliding_window=window, sinks=sinks, impl=impl)
+            np.testing.assert_allclose(np.asarray(out), np.asarray(old), atol=2e-5, err_msg=f"{impl} {window}")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return random_pair(vocab=96, block_size=8)
+
+
+def test_verify_forward_equals_masked(pair):
+    """A target verify forward (ragged rows, one padded) on a bucket much larger than the rows."""
+    target, _ = pair
+    b, s, t = 3, 256, 8
+    rng = np.random.default_rng(0)
+    lens = np.array([0, 5, 40])
+    cache = target.new_cache(b, s)
+    prompt = jnp.asarray(rng.integers(0, 96, (b, 48)), jnp.int32)
+    pos = jnp.asarray(np.where(np.arange(48) < lens[:, None], np.arange(48), -1), jnp.int32)
+    _, _, cache = target_lib.forward(target.config, target.params, prompt, pos, cache, attention_impl="reference")
+    cache = cache.commit(jnp.asarray(lens, jnp.int32))
+    ids = jnp.asarray(rng.integers(0, 96, (b, t)), jnp.int32)
+    pos = jnp.asarray(lens[:, None] + np.arange(t), jnp.int32)
+    outs = {impl: target_lib.forward(target.config, target.params, ids, pos, cache, (1,), attention_impl=impl)
+            for impl in ("reference", "loop", "interpret")}
+    for impl in ("loop", "interpret"):
+        for a, r in zip(jax.tree_util.tree_leaves(outs[impl]), jax.tree_util.tree_leaves(outs["reference"])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=1e-4, err_msg=impl)
+
+
+def test_draft_decode_equals_block_attention(pair):
+    """The draft's decode attention (context < anchor, block bidirectional) == its block attention."""
+    target, draft = pair
+    b, s, bk = 3, 128, 8
+    rng = np.random.default_rng(1)
+    dcfg = draft.config
+    feats = jnp.asarray(rng.standard_normal((b, s, dcfg.num_features * target.config.hidden_size)), jnp.float32)
+    k, v = draft_lib.context_kv(dcfg, draft.params, feats, jnp.broadcast_to(jnp.arange(s), (b, s)))
+    ids = jnp.asarray(rng.integers(0, 96, (b, bk)), jnp.int32)
+    anchors = jnp.asarray([[0], [1], [100]], jnp.int32)
+    args = (target.config, target.params, dcfg, draft.params, ids, anchors, k, v)
+    ref = draft_lib.draft_hidden(*args, impl="reference")
+    for impl in ("loop", "interpret"):
+        out = draft_lib.draft_hidden(*args, decode_impl=impl)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-4, err_msg=impl)
+
+
+def test_engine_output_is_the_same_with_every_attention(pair):
+    """Speculative decoding, ragged rows in a bucket much longer than them: the bounded default ("auto":
+    the tiled loop on CPU), the kernel in interpret mode and the dense path all give the same tokens."""
+    target, draft = pair
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(2, 90, n).tolist() for n in (3, 20, 1)]
+    outs = {impl: [r.output_ids for r in S.speculative_generate(target, draft, prompts, max_new_tokens=12,
+                                                                 attention_impl=impl, cache_len=512)]
+            for impl in ("reference", "auto", "interpret")}
+    assert outs["auto"] == outs["reference"] == outs["interpret"]
+    with pytest.raises(ValueError, match="attention_impl"):
+        S.speculative_generate(target, draft, prompts, max_new_tokens=2, attention_impl="dense")
+
+
+@pytest.mark.parametrize("platform,backend", [("tpu", "tpu"), ("cuda", "gpu")])
+def test_lowers_for_accelerators(platform, backend):
+    """Smoke check without hardware: the kernel lowers through Pallas to Mosaic (TPU) / Triton (GPU) IR at
+    production shapes (verify of 16 tokens, 32 query / 8 KV heads of 128, bf16), with and without the
+    window, sinks and own keys. The Mosaic and Triton compilers themselves only run on the devices."""
+    b, t, hq, hkv, d, s = 2, 16, 32, 8, 128, 4096
+    q, k, v, kn, vn = (jnp.zeros(sh, jnp.bfloat16) for sh in
+                       [(b, t, hq, d), (b, s, hkv, d), (b, s, hkv, d), (b, t, hkv, d), (b, t, hkv, d)])
+    q_pos, lengths, sinks = jnp.zeros((b, t), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.zeros((hq,), jnp.float32)
+
+    def run(q, k, v, kn, vn):
+        plain = decode_attention(q, k, v, q_pos, lengths, interpret=False, backend=backend)
+        full = decode_attention(q, k, v, q_pos, lengths, kn, vn, sliding_window=128, sinks=sinks, interpret=False,
+                                backend=backend)
+        return plain, full
+
+    text = jax.jit(run).trace(q, k, v, kn, vn).lower(lowering_platforms=(platform,)).as_text()
+    assert text.count("tpu_custom_call" if platform == "tpu" else "triton") >= 2
