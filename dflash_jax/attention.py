@@ -30,8 +30,8 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
     q [B, N*Bk, Hq, D]; k_ctx, v_ctx [B, S, Hkv, D]; k_blk, v_blk [B, N*Bk, Hkv, D]; anchors [B, N] int32
     (negative = padding block); ``ctx_start`` [B, N] int32 or None (0). Block b sees context positions in
     [ctx_start, anchor) (within the window) and its own block bidirectionally. ``impl``: "auto" (Pallas
-    kernel on TPU / GPU with compute capability >= 8.0, the dense reference elsewhere), "kernel", "reference" or "interpret" (kernel on CPU).
-    See ``kernels/block_attention.py``.
+    kernel on TPU / GPU with compute capability >= 8.0, the dense reference elsewhere), "kernel",
+    "reference" or "interpret" (kernel on CPU). See ``kernels/block_attention.py``.
     """
     if impl == "auto":
         impl = "kernel" if kernel_supported(block_size=block_size, head_dim=q.shape[-1]) else "reference"
