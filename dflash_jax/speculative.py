@@ -98,7 +98,8 @@ def _prefill(spec: EngineSpec, tparams, dparams, prompts, lens, budget, stop_ids
     offsets = jnp.arange(p, dtype=jnp.int32)
     positions = jnp.where(offsets < lens[:, None], offsets, -1)  # padding: never cached, never attended
     logits, features, tcache = target_lib.forward(spec.target, tparams, prompts, positions, tcache,
-                                                  spec.feature_layer_ids, lens - 1, spec.attention_impl)
+                                                  spec.feature_layer_ids, lens - 1,
+                                                  attention_impl=spec.attention_impl)
     key, sub = jax.random.split(key)
     first = choose(logits[:, 0], sub, *sampling, greedy=spec.greedy)
     rows = jnp.arange(b)
