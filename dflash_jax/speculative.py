@@ -161,6 +161,23 @@ def _verify(spec: EngineSpec, tparams, dparams, tcache, dcache, block, positions
     return jnp.pad(logits, ((0, 0), (0, block.shape[1] - length), (0, 0))), tcache, dcache
 
 
+def _verify_chosen(spec: EngineSpec, choice, tparams, dparams, tcache, dcache, block, positions, active):
+    """``_verify`` at length ``spec.lengths[choice]``: one static forward per length, each inside a while loop
+    that runs once when chosen and not at all otherwise (XLA updates a loop's carried caches in place, where
+    ``lax.switch`` copied every cache of both models on every step)."""
+    args = (tparams, dparams, block, positions, active)
+    if len(spec.lengths) == 1:
+        return _verify(spec, args[0], args[1], tcache, dcache, *args[2:], length=spec.lengths[0])
+    carry = (jnp.zeros(block.shape + (spec.target.vocab_size,), jnp.float32), tcache, dcache)
+    for i, length in enumerate(spec.lengths):
+        def once(c, length=length):
+            _, (_, t, d) = c
+            return jnp.bool_(False), _verify(spec, args[0], args[1], t, d, *args[2:], length=length)
+
+        carry = jax.lax.while_loop(lambda c: c[0], once, (choice == i, carry))[1]
+    return carry
+
+
 def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, sampling, mask_token_id, threshold,
           replay=None) -> DecodeState:
     """One draft + verify + commit for every row that is not done (done rows do not change).
@@ -193,9 +210,8 @@ def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, samp
         block = pending[:, None]
     offsets = jnp.arange(k, dtype=jnp.int32)
     positions = n[:, None] + offsets
-    branches = [functools.partial(_verify, spec, length=length) for length in spec.lengths]
-    logits, tcache, dcache = jax.lax.switch(choice, branches, tparams, dparams, state.tcache, state.dcache, block,
-                                           positions, active)
+    logits, tcache, dcache = _verify_chosen(spec, choice, tparams, dparams, state.tcache, state.dcache, block,
+                                            positions, active)
     length = jnp.asarray(spec.lengths, jnp.int32)[choice]
     if spec.rejection:  # posterior: d_1..d_a, then the residual / bonus token
         a, posterior = rejection_sample(draft_scores, drafts, filtered_scores(logits, *sampling), k_target,
