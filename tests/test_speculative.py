@@ -7,7 +7,7 @@ import pytest
 
 from dflash_jax import speculative as S
 from dflash_jax.sampling import choose
-from pairs import random_pair, trained_pair
+from pairs import adaptive_lossless, random_pair, trained_pair
 
 MAX_NEW = 40
 
@@ -105,6 +105,27 @@ def test_cache_full_stops_rows_at_max_length(pair, prompts, plain):
     for s, p in zip(spec, plain):
         assert len(s.output_ids) == max_length
         assert s.output_ids == p.output_ids[:max_length]
+
+
+@pytest.mark.parametrize("edge", ["none", "max_new_tokens", "stop", "max_length", "one_row"])
+def test_adaptive_verify_lossless(case, pair, prompts, plain, edge):
+    """Adaptive verify (lengths 2 / 5 / 16 of a block of 16) equals plain decoding, with each cut inside a step.
+    The trained draft's confidence varies from step to step, so a run switches between lengths; the random
+    draft's hardly does (each threshold picks one length, but every length is picked at some threshold)."""
+    target, draft = pair
+    kw = dict(max_new_tokens=MAX_NEW, stop_token_ids=[])
+    if edge == "max_new_tokens":
+        kw["max_new_tokens"] = 13
+    if edge == "stop":  # a token first generated a few tokens into row 1
+        row = plain[1].generated_ids
+        kw["stop_token_ids"] = [next(t for i, t in enumerate(row) if i >= 3 and t not in row[:i])]
+    if edge == "max_length":
+        kw["max_length"] = 20
+    rows = [prompts[3]] if edge == "one_row" else prompts
+    want = [r.output_ids for r in S.generate(target, rows, **kw)]
+    chosen = adaptive_lossless(target, draft, rows, want, (2, 5, 16), **kw)
+    if case[0] == "trained":
+        assert any(len(c) > 1 for c in chosen.values()), chosen
 
 
 def test_stream_matches_one_call(pair, prompts, plain):
