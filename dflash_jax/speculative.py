@@ -8,6 +8,12 @@ draft context. Both caches roll back through the per-layer state protocol (``Dec
 each layer keeps the first a+1 tokens of the verify forward in its own way). With no draft (or a
 block of 1) the same loop is plain autoregressive decoding, the baseline of every comparison.
 
+Adaptive verify (``verify_lengths``): the target verifies only the first L block tokens, L one of a few
+static lengths chosen each step from the draft's own confidence (``_verify_choice``; one L for the
+batch). Every layer state is written for those L tokens only, and a+1 <= L are kept, so the state
+protocol is unchanged; L depends on the draft's distributions, never on the tokens drawn from them, so
+the speculation is cut before any draw and the output stays exact (greedy: identical).
+
 Counting: the first token comes from the prefill; each verify step's acceptance length is the
 number of tokens it committed: a+1 (accepted drafts plus the bonus token, as in the paper), between 1
 and the block size, except that the row's last step counts only the tokens kept before
@@ -149,7 +155,7 @@ def _verify_choice(confidence, active, lengths: tuple[int, ...], threshold):
     return jnp.sum(jnp.cumprod(gains >= threshold))
 
 
-def _verify(spec: EngineSpec, tparams, dparams, tcache, dcache, block, positions, active, length: int):
+def _verify(spec: EngineSpec, tparams, dparams, block, positions, active, tcache, dcache, length: int):
     """The target forward on the first ``length`` (static) tokens of the block, and their features as new draft
     context -> (logits [B, K, V], zero past ``length``; tcache; dcache), every layer state written for those
     tokens only (the rest of the block is never cached, so no state needs rolling back past them)."""
@@ -165,14 +171,14 @@ def _verify_chosen(spec: EngineSpec, choice, tparams, dparams, tcache, dcache, b
     """``_verify`` at length ``spec.lengths[choice]``: one static forward per length, each inside a while loop
     that runs once when chosen and not at all otherwise (XLA updates a loop's carried caches in place, where
     ``lax.switch`` copied every cache of both models on every step)."""
-    args = (tparams, dparams, block, positions, active)
+    verify = functools.partial(_verify, spec, tparams, dparams, block, positions, active)
     if len(spec.lengths) == 1:
-        return _verify(spec, args[0], args[1], tcache, dcache, *args[2:], length=spec.lengths[0])
+        return verify(tcache, dcache, length=spec.lengths[0])
     carry = (jnp.zeros(block.shape + (spec.target.vocab_size,), jnp.float32), tcache, dcache)
     for i, length in enumerate(spec.lengths):
         def once(c, length=length):
             _, (_, t, d) = c
-            return jnp.bool_(False), _verify(spec, args[0], args[1], t, d, *args[2:], length=length)
+            return jnp.bool_(False), verify(t, d, length=length)
 
         carry = jax.lax.while_loop(lambda c: c[0], once, (choice == i, carry))[1]
     return carry
@@ -293,7 +299,8 @@ class GenerationResult:
     def to_json(self) -> dict:
         return {"output_ids": self.output_ids, "prompt_length": self.prompt_length,
                 "generated_ids": self.generated_ids, "num_generated": self.num_generated,
-                "acceptance_lengths": self.acceptance_lengths, "verify_lengths": self.verify_lengths, "tau": self.mean_acceptance_length,
+                "acceptance_lengths": self.acceptance_lengths, "verify_lengths": self.verify_lengths,
+                "tau": self.mean_acceptance_length,
                 "target_forwards": self.target_forwards, "finish_reason": self.finish_reason,
                 "wall_time_s": self.wall_time_s, "tokens_per_second": self.tokens_per_second,
                 "time_to_first_token_s": self.time_to_first_token_s}

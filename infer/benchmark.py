@@ -9,7 +9,9 @@ of both, the speedup, whether every output was identical (greedy: for each promp
 the first differing token and the target's top-2 logit gap there, so a near-tie flipped by low-precision
 rounding looks different from a bug), how repetitive the outputs are (distinct 4-grams), and the time of
 one draft and one verify forward. ``--json`` prints one row per prompt,
-then one summary object.
+then one summary object. With ``--verify-lengths`` (adaptive verify) DFlash runs with it and the fixed
+block runs beside it as a third method: the chosen-length histogram, tokens verified per step, the fixed
+block's tokens/s and adaptive / fixed.
 
 ``--synthetic NAME`` benchmarks a preset at real model shapes (Qwen3-4B / 8B, LLaMA-3.1-8B, a tiny CPU one)
 with random weights and a SIMULATED acceptance length (``--replay-tau`` / ``--replay-histogram``), per
