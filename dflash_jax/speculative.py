@@ -320,7 +320,7 @@ class _Request:
 
 def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, sampling: SamplingParams,
              stop_token_ids, seed, max_length, replay: Replay | None = None, verify_lengths=None,
-             verify_threshold: float = 0.5) -> _Request:
+             verify_threshold: float = 0.1) -> _Request:
     """Validate everything before any compute and build padded, bucketed inputs."""
     if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
         prompts = list(prompts)
@@ -446,7 +446,7 @@ def speculative_generate(target: Target, draft, prompts, *, max_new_tokens: int,
                          stop_token_ids: Sequence[int] | None = None, seed: int = 0,
                          max_length: int | None = None, acceptance: str = "rejection",
                          replay: Replay | None = None, verify_lengths: Sequence[int] | None = None,
-                         verify_threshold: float = 0.5) -> list[GenerationResult]:
+                         verify_threshold: float = 0.1) -> list[GenerationResult]:
     """Generate for a batch of prompts (lists of ids, ragged) in one device call.
 
     ``draft=None`` (or ``block_size=1``) is plain autoregressive decoding with the same engine.
@@ -476,7 +476,7 @@ def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int, bloc
                     stop_token_ids: Sequence[int] | None = None, seed: int = 0,
                     max_length: int | None = None, acceptance: str = "rejection",
                     verify_lengths: Sequence[int] | None = None,
-                    verify_threshold: float = 0.5) -> Iterator[list[list[int]] | list[GenerationResult]]:
+                    verify_threshold: float = 0.1) -> Iterator[list[list[int]] | list[GenerationResult]]:
     """Host loop over the same jitted step: yields, after prefill and each step, the new token ids of
     every row (a list per row), and finally the list of ``GenerationResult`` (with the time to the first
     token). Prefill and step are compiled and run once before the clock starts, so timings exclude
