@@ -260,7 +260,6 @@ def main(argv=None) -> int:
                "num_identical": sum(r["identical"] for r in rows),
                "distinct_4grams": float(np.mean([r["distinct_4grams"] for r in rows])), "machine": where,
                "dtype": param_dtype(target)}
-    # wall time per target forward of each method, prefill included (plain: one per token)
     if adaptive:
         lengths, counts = np.unique(verified, return_counts=True)
         summary.update(verify_lengths=sorted(set(adaptive["verify_lengths"])),
@@ -269,6 +268,7 @@ def main(argv=None) -> int:
                        verified_tokens_per_step=float(np.mean(verified)),
                        fixed_block_tokens_per_s=fixed_tokens / fixed_time,
                        adaptive_vs_fixed=spec_tps * fixed_time / fixed_tokens)
+    # wall time per target forward of each method, prefill included (plain: one per token)
     summary["plain_step_s"] = plain_time / plain_tokens
     summary["dflash_step_s"] = spec_time / (len(all_acc) + len(prompts))
     if not args.no_timing_split:
