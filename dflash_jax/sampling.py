@@ -90,20 +90,26 @@ def accepted_length(drafts, posterior):
     return jnp.sum(jnp.cumprod(match, axis=-1), axis=-1)
 
 
-def rejection_sample(draft_scores, drafts, target_scores, key):
+def rejection_sample(draft_scores, drafts, target_scores, key, verified=None):
     """The ``rejection`` rule (module docstring). draft_scores [B, K-1, V] (q_1..q_{K-1} as log-weights),
     drafts [B, K-1] sampled from them, target_scores [B, K, V] (p_0..p_{K-1}: p_j predicts the token
     after block position j) -> (accepted drafts a [B], tokens [B, K]: d_1..d_a, then the residual or
-    bonus token at index a; entries after it are unused)."""
+    bonus token at index a; entries after it are unused). ``verified`` (default K-1): only d_1..d_verified
+    are verified (an adaptive verify length), the bonus after them drawn from p_verified; exact as long as
+    ``verified`` does not depend on the drawn drafts (a speculation cut before it is drawn)."""
+    k1 = drafts.shape[1]
+    verified = k1 if verified is None else verified
     p, q = jax.nn.softmax(target_scores, axis=-1), jax.nn.softmax(draft_scores, axis=-1)
     p_d = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     k_accept, k_next = jax.random.split(key)
     accept = jax.random.uniform(k_accept, drafts.shape) * q_d < p_d  # probability min(1, p / q)
+    accept &= jnp.arange(k1) < verified
     a = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1)
     residual = jnp.maximum(p[:, :-1] - q, 0.0)
     residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 1e-9, residual, p[:, :-1])  # p == q: never rejects
-    dist = jnp.take_along_axis(jnp.concatenate([residual, p[:, -1:]], axis=1), a[:, None, None], axis=1)[:, 0]
+    at = lambda x, i: jnp.take_along_axis(x, i[:, None, None], axis=1)[:, 0]  # noqa: E731
+    dist = jnp.where((a < verified)[:, None], at(residual, jnp.minimum(a, k1 - 1)), at(p, a))
     nxt = jax.random.categorical(k_next, jnp.log(dist), axis=-1).astype(jnp.int32)
     padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
     return a, jnp.where(jnp.arange(padded.shape[1]) == a[:, None], nxt[:, None], padded)

@@ -8,6 +8,12 @@ draft context. Both caches roll back through the per-layer state protocol (``Dec
 each layer keeps the first a+1 tokens of the verify forward in its own way). With no draft (or a
 block of 1) the same loop is plain autoregressive decoding, the baseline of every comparison.
 
+Adaptive verify (``verify_lengths``): the target verifies only the first L block tokens, L one of a few
+static lengths chosen each step from the draft's own confidence (``_verify_choice``; one L for the
+batch). Every layer state is written for those L tokens only, and a+1 <= L are kept, so the state
+protocol is unchanged; L depends on the draft's distributions, never on the tokens drawn from them, so
+the speculation is cut before any draw and the output stays exact (greedy: identical).
+
 Counting: the first token comes from the prefill; each verify step's acceptance length is the
 number of tokens it committed: a+1 (accepted drafts plus the bonus token, as in the paper), between 1
 and the block size, except that the row's last step counts only the tokens kept before
@@ -50,14 +56,15 @@ class EngineSpec:
     acceptance: str = "rejection"  # "match" | "rejection" (sampling.py); greedy decoding always matches
     replay: bool = False  # benchmarking (``Replay``): drafts replaced by a reference cut at a drawn length
     attention_impl: str = "auto"  # target decode / verify and draft attention (``attention.decode_attention``)
+    verify_lengths: tuple[int, ...] | None = None  # adaptive verify: the lengths a step may verify (None: the block)
 
     def place(self, state: "DecodeState") -> "DecodeState":
         """Pin the decode state's layout on the mesh (rows over data*fsdp, KV heads over tensor)."""
         if self.mesh is None:
             return state
-        rows = sharding.constrain_batch((state.tokens, state.generated, state.budget, state.finish,
-                                         state.acceptance, state.steps), self.mesh)
-        return state.replace(**dict(zip(("tokens", "generated", "budget", "finish", "acceptance", "steps"), rows)),
+        names = ("tokens", "generated", "budget", "finish", "acceptance", "verified", "steps")
+        rows = sharding.constrain_batch(tuple(getattr(state, n) for n in names), self.mesh)
+        return state.replace(**dict(zip(names, rows)),
                              tcache=sharding.constrain_cache(state.tcache, self.mesh),
                              dcache=sharding.constrain_cache(state.dcache, self.mesh))
 
@@ -68,6 +75,11 @@ class EngineSpec:
     @property
     def rejection(self) -> bool:
         return self.speculative and not self.greedy and self.acceptance == "rejection"
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """The verify lengths a step chooses from (one static forward each)."""
+        return self.verify_lengths or (self.block_size,)
 
     @property
     def feature_layer_ids(self) -> tuple[int, ...]:
@@ -83,6 +95,7 @@ class DecodeState:
     budget: jax.Array  # [B] most tokens the row may generate
     finish: jax.Array  # [B] int32 index into FINISH_REASONS
     acceptance: jax.Array  # [B, S] acceptance length of each verify step
+    verified: jax.Array  # [B, S] tokens each verify step's target forward ran on (its verify length)
     steps: jax.Array  # [B] verify steps taken
     key: jax.Array
 
@@ -112,7 +125,8 @@ def _prefill(spec: EngineSpec, tparams, dparams, prompts, lens, budget, stop_ids
     finish = jnp.where(stopped, 2, jnp.where(budget <= 1, 1, 0)).astype(jnp.int32)
     return spec.place(DecodeState(tokens=tokens, tcache=tcache.commit(lens), dcache=dcache,
                                   generated=jnp.ones((b,), jnp.int32), budget=budget, finish=finish,
-                                  acceptance=jnp.zeros((b, cache_len), jnp.int32), steps=jnp.zeros((b,), jnp.int32),
+                                  acceptance=jnp.zeros((b, cache_len), jnp.int32),
+                                  verified=jnp.zeros((b, cache_len), jnp.int32), steps=jnp.zeros((b,), jnp.int32),
                                   key=key))
 
 
@@ -130,69 +144,117 @@ def _replayed(drafts, reference, probs, n, key, vocab: int):
     return jnp.where(drafts < 0, drafts, out)
 
 
-def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, sampling, mask_token_id,
+def _verify_choice(confidence, active, lengths: tuple[int, ...], threshold):
+    """Index into ``lengths`` (ascending) of this step's verify length, from the draft's own confidence
+    [B, K-1] (its probability of each proposed token): the cumulative product estimates P(d_1..d_j all
+    accepted), so its sum over the positions a longer length adds is the tokens the extra verify work is
+    expected to gain. Longer lengths are taken while that gain per added position, averaged over the
+    active rows (the work is paid for every row), is at least ``threshold``; the rule is monotone (later
+    positions never gain more), so this is the longest such length."""
+    reach = jnp.cumprod(confidence, axis=1)
+    weight = active / jnp.maximum(jnp.sum(active), 1)
+    gains = jnp.stack([jnp.sum(weight * jnp.mean(reach[:, lo - 1:hi - 1], axis=1))
+                       for lo, hi in zip(lengths[:-1], lengths[1:])])
+    return jnp.sum(jnp.cumprod(gains >= threshold))
+
+
+def _verify(spec: EngineSpec, tparams, dparams, block, positions, active, tcache, dcache, length: int):
+    """The target forward on the first ``length`` (static) tokens of the block, and their features as new draft
+    context -> (logits [B, K, V], zero past ``length``; tcache; dcache), every layer state written for those
+    tokens only (the rest of the block is never cached, so no state needs rolling back past them)."""
+    logits, features, tcache = target_lib.forward(spec.target, tparams, block[:, :length], positions[:, :length],
+                                                  tcache, spec.feature_layer_ids, attention_impl=spec.attention_impl)
+    if spec.speculative:  # slots past n+a are masked until overwritten
+        ctx_positions = jnp.where(active[:, None], positions[:, :length], -1)
+        dcache = draft_lib.materialize(spec.draft, dparams, dcache, features, ctx_positions)
+    return jnp.pad(logits, ((0, 0), (0, block.shape[1] - length), (0, 0))), tcache, dcache
+
+
+def _verify_chosen(spec: EngineSpec, choice, tparams, dparams, tcache, dcache, block, positions, active):
+    """``_verify`` at length ``spec.lengths[choice]``: one static forward per length, each inside a while loop
+    that runs once when chosen and not at all otherwise (XLA updates a loop's carried caches in place, where
+    ``lax.switch`` copied every cache of both models on every step)."""
+    verify = functools.partial(_verify, spec, tparams, dparams, block, positions, active)
+    if len(spec.lengths) == 1:
+        return verify(tcache, dcache, length=spec.lengths[0])
+    carry = (jnp.zeros(block.shape + (spec.target.vocab_size,), jnp.float32), tcache, dcache)
+    for i, length in enumerate(spec.lengths):
+        def once(c, length=length):
+            _, (_, t, d) = c
+            return jnp.bool_(False), verify(t, d, length=length)
+
+        carry = jax.lax.while_loop(lambda c: c[0], once, (choice == i, carry))[1]
+    return carry
+
+
+def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, sampling, mask_token_id, threshold,
           replay=None) -> DecodeState:
     """One draft + verify + commit for every row that is not done (done rows do not change).
+    ``threshold``: the adaptive verify rule's (``_verify_choice``; unused with one verify length).
     ``replay``: (reference [B, S], probs [K]) when ``spec.replay`` (benchmarking), else None."""
     b, cache_len = state.tokens.shape
     k = spec.block_size
     rows = jnp.arange(b)
     n = state.tcache.lengths
     pending = state.tokens[rows, n]
+    active = ~state.done
     key, k_draft, k_target = jax.random.split(state.key, 3)
+    choice = jnp.int32(0)
     if spec.speculative:
         block = jnp.concatenate([pending[:, None], jnp.full((b, k - 1), mask_token_id, jnp.int32)], axis=1)
-        context = (block, n[:, None], *draft_lib.cache_kv(state.dcache))
+        draft_scores = draft_lib.block_logits(spec.target, tparams, spec.draft, dparams, block, n[:, None],
+                                              *draft_lib.cache_kv(state.dcache), drop_anchor=True,
+                                              decode_impl=spec.attention_impl)
         if spec.rejection:  # drafts sampled from the draft's own processed distribution
-            draft_scores = filtered_scores(draft_lib.block_logits(spec.target, tparams, spec.draft, dparams, *context,
-                                                                  drop_anchor=True, decode_impl=spec.attention_impl),
-                                           *sampling)
+            draft_scores = filtered_scores(draft_scores, *sampling)
             drafts = jax.random.categorical(k_draft, draft_scores, axis=-1).astype(jnp.int32)
         else:
-            drafts = draft_lib.propose(spec.target, tparams, spec.draft, dparams, *context,
-                                       decode_impl=spec.attention_impl)
+            drafts = jnp.argmax(draft_scores, axis=-1).astype(jnp.int32)
             if spec.replay:
                 drafts = _replayed(drafts, *replay, n, k_draft, spec.target.vocab_size)
         block = block.at[:, 1:].set(drafts)
+        if len(spec.lengths) > 1:  # confidence: the largest probability (never the drawn token's: see README)
+            confidence = jnp.exp(jnp.max(draft_scores, axis=-1) - jax.nn.logsumexp(draft_scores, axis=-1))
+            choice = _verify_choice(confidence, active, spec.lengths, threshold)
     else:
         block = pending[:, None]
     offsets = jnp.arange(k, dtype=jnp.int32)
     positions = n[:, None] + offsets
-    logits, features, tcache = target_lib.forward(spec.target, tparams, block, positions, state.tcache,
-                                                  spec.feature_layer_ids, attention_impl=spec.attention_impl)
+    logits, tcache, dcache = _verify_chosen(spec, choice, tparams, dparams, state.tcache, state.dcache, block,
+                                            positions, active)
+    length = jnp.asarray(spec.lengths, jnp.int32)[choice]
     if spec.rejection:  # posterior: d_1..d_a, then the residual / bonus token
-        a, posterior = rejection_sample(draft_scores, drafts, filtered_scores(logits, *sampling), k_target)
+        a, posterior = rejection_sample(draft_scores, drafts, filtered_scores(logits, *sampling), k_target,
+                                        verified=length - 1)
     else:
         posterior = choose(logits, k_target, *sampling, greedy=spec.greedy)  # p_0..p_{k-1}
-        a = accepted_length(block[:, 1:], posterior) if k > 1 else jnp.zeros((b,), jnp.int32)
+        a = jnp.minimum(accepted_length(block[:, 1:], posterior), length - 1) if k > 1 else jnp.zeros((b,), jnp.int32)
 
     # Commit p_0..p_a, cut at the budget and just after the first stop token.
     limit = jnp.minimum(a + 1, state.budget - state.generated)
     is_stop = jnp.isin(posterior, stop_ids) & (offsets[None] < limit[:, None])
     hit_stop = is_stop.any(axis=1)
     keep = jnp.where(hit_stop, jnp.argmax(is_stop, axis=1) + 1, limit)
-    active = ~state.done
     write = active[:, None] & (offsets[None] < keep[:, None])
     tokens = state.tokens.at[rows[:, None], jnp.where(write, positions + 1, cache_len)].set(posterior, mode="drop")
     generated = state.generated + jnp.where(active, keep, 0)
     finish = jnp.where(active & hit_stop, 2, jnp.where(active & (generated >= state.budget), 1, state.finish))
     kept = jnp.where(active, a + 1, 0)  # verified tokens whose state every layer keeps: x_n, d_1..d_a
-    dcache = state.dcache
-    if spec.speculative:  # the verified tokens' features (slots past n+a are masked until overwritten)
-        ctx_positions = jnp.where(active[:, None], positions, -1)
-        dcache = draft_lib.materialize(spec.draft, dparams, dcache, features, ctx_positions).commit(kept)
-    acceptance = state.acceptance.at[rows, jnp.where(active, state.steps, cache_len)].set(keep, mode="drop")
-    return spec.place(DecodeState(tokens=tokens, tcache=tcache.commit(kept), dcache=dcache,
+    step = jnp.where(active, state.steps, cache_len)
+    return spec.place(DecodeState(tokens=tokens, tcache=tcache.commit(kept),
+                                  dcache=dcache.commit(kept) if spec.speculative else dcache,
                                   generated=generated, budget=state.budget, finish=finish.astype(jnp.int32),
-                                  acceptance=acceptance, steps=state.steps + active.astype(jnp.int32), key=key))
+                                  acceptance=state.acceptance.at[rows, step].set(keep, mode="drop"),
+                                  verified=state.verified.at[rows, step].set(length, mode="drop"),
+                                  steps=state.steps + active.astype(jnp.int32), key=key))
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "cache_len"))
-def _generate(spec, tparams, dparams, prompts, lens, budget, stop_ids, sampling, key, mask_token_id, replay=None, *,
-              cache_len):
+def _generate(spec, tparams, dparams, prompts, lens, budget, stop_ids, sampling, key, mask_token_id, threshold,
+              replay=None, *, cache_len):
     state = _prefill(spec, tparams, dparams, prompts, lens, budget, stop_ids, sampling, key, cache_len)
     body = functools.partial(_step, spec, tparams, dparams, stop_ids=stop_ids, sampling=sampling,
-                             mask_token_id=mask_token_id, replay=replay)
+                             mask_token_id=mask_token_id, threshold=threshold, replay=replay)
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
 
@@ -219,6 +281,7 @@ class GenerationResult:
     output_ids: list[int]
     prompt_length: int
     acceptance_lengths: list[int]
+    verify_lengths: list[int]  # tokens each verify step's target forward ran on (the block, or the adaptive choice)
     target_forwards: int  # prefill + verify steps
     finish_reason: str
     wall_time_s: float
@@ -240,7 +303,8 @@ class GenerationResult:
     def to_json(self) -> dict:
         return {"output_ids": self.output_ids, "prompt_length": self.prompt_length,
                 "generated_ids": self.generated_ids, "num_generated": self.num_generated,
-                "acceptance_lengths": self.acceptance_lengths, "tau": self.mean_acceptance_length,
+                "acceptance_lengths": self.acceptance_lengths, "verify_lengths": self.verify_lengths,
+                "tau": self.mean_acceptance_length,
                 "target_forwards": self.target_forwards, "finish_reason": self.finish_reason,
                 "wall_time_s": self.wall_time_s, "tokens_per_second": self.tokens_per_second,
                 "time_to_first_token_s": self.time_to_first_token_s}
@@ -260,7 +324,7 @@ class _Request:
 
 def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, sampling: SamplingParams,
              stop_token_ids, seed, max_length, replay: Replay | None = None, attention_impl: str = "auto",
-             cache_len: int | None = None) -> _Request:
+             cache_len: int | None = None, verify_lengths=None, verify_threshold: float = 0.1) -> _Request:
     """Validate everything before any compute and build padded, bucketed inputs."""
     if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
         prompts = list(prompts)
@@ -286,6 +350,7 @@ def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, samplin
         if block_size not in (None, 1):
             raise ValueError(f"block_size {block_size} needs a draft; plain decoding uses a block of 1")
         block_size = 1
+    verify_lengths = _check_verify_lengths(verify_lengths, block_size, verify_threshold)
     lens = np.array([len(r) for r in rows], np.int32)
     limit = max_length or target.config.max_position_embeddings
     too_long = [i for i, n in enumerate(lens) if n >= limit]
@@ -308,7 +373,7 @@ def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, samplin
     if attention_impl == "auto" and mesh is not None and mesh.size > 1:
         attention_impl = "loop"  # the Pallas decode kernel sees one device's arrays (no shard_map around it yet)
     spec = EngineSpec(target.config, draft.config if draft is not None else None, block_size, sampling.greedy, mesh,
-                      sampling.acceptance, replay is not None, attention_impl)
+                      sampling.acceptance, replay is not None, attention_impl, verify_lengths)
     replay_args = () if replay is None else (_replay_arrays(replay, spec, len(rows), cache_len),)
     mask_id = np.int32(draft.config.mask_token_id if draft is not None else 0)
     samp = (np.float32(max(sampling.temperature, 1e-6)), np.int32(sampling.top_k), np.float32(sampling.top_p))
@@ -320,8 +385,23 @@ def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, samplin
         if replay_args:
             ref, probs = replay_args[0]
             replay_args = ((sharding.shard_batch(np.pad(ref, ((0, extra), (0, 0))), mesh), probs),)
-    args = (target.params, dparams, *batch, stop_arr, samp, jax.random.PRNGKey(seed), mask_id, *replay_args)
+    args = (target.params, dparams, *batch, stop_arr, samp, jax.random.PRNGKey(seed), mask_id,
+            np.float32(verify_threshold), *replay_args)
     return _Request(spec, args, cache_len, lens)
+
+
+def _check_verify_lengths(lengths, block_size: int, threshold) -> tuple[int, ...] | None:
+    """The adaptive verify lengths as the engine takes them (None: always the whole block), checked."""
+    if not isinstance(threshold, (int, float, np.floating)) or not np.isfinite(threshold):
+        raise ValueError(f"verify_threshold must be a finite number, got {threshold!r}")
+    if lengths is None:
+        return None
+    lengths = tuple(sorted({int(x) for x in lengths}))
+    if block_size == 1:
+        raise ValueError("verify_lengths needs a draft and a block size > 1")
+    if not lengths or lengths[0] < 1 or lengths[-1] > block_size:
+        raise ValueError(f"verify_lengths must be in [1, {block_size}] (the block size), got {list(lengths)}")
+    return None if lengths == (block_size,) else lengths
 
 
 def _replay_arrays(replay: Replay, spec: EngineSpec, rows: int, cache_len: int):
@@ -342,14 +422,15 @@ def _replay_arrays(replay: Replay, spec: EngineSpec, rows: int, cache_len: int):
 
 
 def _results(state: DecodeState, req: _Request, wall: float) -> list[GenerationResult]:
-    tokens, generated, acc, steps, finish = sharding.to_host(
-        (state.tokens, state.generated, state.acceptance, state.steps, state.finish))
+    tokens, generated, acc, verified, steps, finish = sharding.to_host(
+        (state.tokens, state.generated, state.acceptance, state.verified, state.steps, state.finish))
     out = []
     for i, n in enumerate(req.lens):
         total = int(n + generated[i])
         out.append(GenerationResult(
             output_ids=tokens[i, :total].tolist(), prompt_length=int(n),
-            acceptance_lengths=acc[i, :steps[i]].tolist(), target_forwards=int(steps[i]) + 1,
+            acceptance_lengths=acc[i, :steps[i]].tolist(), verify_lengths=verified[i, :steps[i]].tolist(),
+            target_forwards=int(steps[i]) + 1,
             finish_reason=FINISH_REASONS[int(finish[i])], wall_time_s=wall,
             tokens_per_second=float(generated[i]) / wall if wall > 0 else float("inf")))
     return out
@@ -373,7 +454,8 @@ def speculative_generate(target: Target, draft, prompts, *, max_new_tokens: int,
                          stop_token_ids: Sequence[int] | None = None, seed: int = 0,
                          max_length: int | None = None, acceptance: str = "rejection",
                          replay: Replay | None = None, attention_impl: str = "auto",
-                         cache_len: int | None = None) -> list[GenerationResult]:
+                         cache_len: int | None = None, verify_lengths: Sequence[int] | None = None,
+                         verify_threshold: float = 0.1) -> list[GenerationResult]:
     """Generate for a batch of prompts (lists of ids, ragged) in one device call.
 
     ``draft=None`` (or ``block_size=1``) is plain autoregressive decoding with the same engine.
@@ -383,11 +465,13 @@ def speculative_generate(target: Target, draft, prompts, *, max_new_tokens: int,
     ``attention_impl``: the decode attention (``attention.decode_attention``: "auto" reads only each row's
     length; "reference" attends densely over the whole cache, the unbounded path). ``cache_len``: at least this
     many cache slots per row (a fixed bucket, for benchmarks; default: just enough, rounded up to 128).
+    ``verify_lengths`` (e.g. (4, 8, 16)): adaptive verify; each step verifies only as many block tokens as
+    the draft's confidence justifies at ``verify_threshold`` (``_verify_choice``), still lossless.
     Returns one ``GenerationResult`` per prompt; wall time excludes compilation.
     """
     sampling = SamplingParams(temperature, top_k, top_p, acceptance)
     req = _prepare(target, draft, prompts, max_new_tokens, block_size, sampling, stop_token_ids, seed, max_length,
-                   replay, attention_impl, cache_len)
+                   replay, attention_impl, cache_len, verify_lengths, verify_threshold)
     run = _executable(req)
     start = time.perf_counter()
     state = jax.block_until_ready(run(*req.args))
@@ -403,21 +487,24 @@ def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int, bloc
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     stop_token_ids: Sequence[int] | None = None, seed: int = 0,
                     max_length: int | None = None, acceptance: str = "rejection",
-                    attention_impl: str = "auto") -> Iterator[list[list[int]] | list[GenerationResult]]:
+                    attention_impl: str = "auto", verify_lengths: Sequence[int] | None = None,
+                    verify_threshold: float = 0.1) -> Iterator[list[list[int]] | list[GenerationResult]]:
     """Host loop over the same jitted step: yields, after prefill and each step, the new token ids of
     every row (a list per row), and finally the list of ``GenerationResult`` (with the time to the first
     token). Prefill and step are compiled and run once before the clock starts, so timings exclude
     compilation as in ``speculative_generate``."""
     sampling = SamplingParams(temperature, top_k, top_p, acceptance)
     req = _prepare(target, draft, prompts, max_new_tokens, block_size, sampling, stop_token_ids, seed, max_length,
-                   attention_impl=attention_impl)
-    tparams, dparams, padded, lens, budget, stop_arr, samp, key, mask_id = req.args
+                   attention_impl=attention_impl, verify_lengths=verify_lengths, verify_threshold=verify_threshold)
+    tparams, dparams, padded, lens, budget, stop_arr, samp, key, mask_id, threshold = req.args
 
     def prefill():
         return _prefill_jit(req.spec, tparams, dparams, padded, lens, budget, stop_arr, samp, key,
                             cache_len=req.cache_len)
 
-    jax.block_until_ready(_step_jit(req.spec, tparams, dparams, prefill(), stop_arr, samp, mask_id))  # warm-up
+    step = functools.partial(_step_jit, req.spec, tparams, dparams, stop_ids=stop_arr, sampling=samp,
+                             mask_token_id=mask_id, threshold=threshold)
+    jax.block_until_ready(step(prefill()))  # warm-up
     start = time.perf_counter()
     state, first = prefill(), None
     seen = np.zeros(len(req.lens), np.int64)
@@ -428,6 +515,6 @@ def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int, bloc
         seen = generated.astype(np.int64)
         if done.all():
             break
-        state = _step_jit(req.spec, tparams, dparams, state, stop_arr, samp, mask_id)
+        state = step(state)
     yield [dataclasses.replace(r, time_to_first_token_s=first)
            for r in _results(state, req, time.perf_counter() - start)]

@@ -9,7 +9,9 @@ of both, the speedup, whether every output was identical (greedy: for each promp
 the first differing token and the target's top-2 logit gap there, so a near-tie flipped by low-precision
 rounding looks different from a bug), how repetitive the outputs are (distinct 4-grams), and the time of
 one draft and one verify forward. ``--json`` prints one row per prompt,
-then one summary object.
+then one summary object. With ``--verify-lengths`` (adaptive verify) DFlash runs with it and the fixed
+block runs beside it as a third method: the chosen-length histogram, tokens verified per step, the fixed
+block's tokens/s and adaptive / fixed.
 
 ``--synthetic NAME`` benchmarks a preset at real model shapes (Qwen3-4B / 8B, LLaMA-3.1-8B, a tiny CPU one)
 with random weights and a SIMULATED acceptance length (``--replay-tau`` / ``--replay-histogram``), per
@@ -18,6 +20,7 @@ with random weights and a SIMULATED acceptance length (``--replay-tau`` / ``--re
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -28,8 +31,8 @@ import numpy as np
 from dflash_jax.machine import machine, warn_if_busy
 from dflash_jax.progress import progress_bar
 from infer import synthetic
-from infer.common import (DEMO_TARGET, add_model_args, die, encode, load_models, param_dtype, read_prompts_file,
-                          stop_ids)
+from infer.common import (DEMO_TARGET, adaptive_kwargs, add_model_args, decoding_kwargs, die, encode, load_models,
+                          param_dtype, read_prompts_file)
 
 
 def parse_args(argv=None):
@@ -145,16 +148,17 @@ def first_mismatch(target, plain, dflash) -> dict | None:
     return out
 
 
-def _fastest(repeats: int, plain, dflash):
-    """One untimed warm-up run of both methods, then ``repeats`` runs alternating; the fastest of each.
+def _fastest(repeats: int, *methods):
+    """One untimed warm-up run of every method (plain, DFlash, and with adaptive verify the fixed block), then
+    ``repeats`` runs alternating; the fastest of each.
     The warm-up matters: the first execution of a newly compiled shape bucket carries one-time setup
     (0.1-0.25 s per executable on a CPU, from XLA's YNNPACK fusions), and prompts of different lengths
     land in different buckets. Every run (same seed) must give the same tokens."""
-    runs = [(plain(), dflash()) for _ in range(repeats + 1)]
-    for m, name in enumerate(("plain", "DFlash")):
+    runs = [tuple(method() for method in methods) for _ in range(repeats + 1)]
+    for m, name in enumerate(("plain", "DFlash", "fixed-block DFlash")[:len(methods)]):
         if any(r[m].output_ids != runs[0][m].output_ids for r in runs):
             raise ValueError(f"{name} decoding gave different outputs on repeated runs with the same seed")
-    return tuple(min((r[m] for r in runs[1:]), key=lambda g: g.wall_time_s) for m in range(2))
+    return tuple(min((r[m] for r in runs[1:]), key=lambda g: g.wall_time_s) for m in range(len(methods)))
 
 
 def plot(summary: dict, rows: list[dict], path: str | None = None):
@@ -199,10 +203,13 @@ def main(argv=None) -> int:
     if draft is None:
         die("the benchmark compares plain and DFlash decoding: pass --draft")
     prompts = prompt_ids(args, tokenizer)
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, acceptance=args.acceptance, stop_token_ids=stop_ids(args, target), seed=args.seed,
-              max_length=args.max_length, attention_impl=args.attention)
+    kw = decoding_kwargs(args, target)
+    adaptive = adaptive_kwargs(args)
     block = args.block_size or draft.config.block_size
+    methods = [lambda p: generate(target, [p], **kw)[0],
+               lambda p: speculative_generate(target, draft, [p], block_size=block, **kw, **adaptive)[0]]
+    if adaptive:  # the fixed block side by side
+        methods.append(lambda p: speculative_generate(target, draft, [p], block_size=block, **kw)[0])
     if args.plot:
         try:
             import matplotlib
@@ -215,14 +222,15 @@ def main(argv=None) -> int:
     bar = progress_bar(len(prompts), "benchmark", "prompt", not args.json or sys.stderr.isatty())
     try:
         rows, plain_time, spec_time, plain_tokens, spec_tokens, all_acc = [], 0.0, 0.0, 0, 0, []
+        fixed_time, fixed_tokens, verified = 0.0, 0, []
         for i, p in enumerate(prompts):
-            base, spec = _fastest(args.repeats, lambda: generate(target, [p], **kw)[0],
-                                  lambda: speculative_generate(target, draft, [p], block_size=block, **kw)[0])
+            base, spec, *fixed = _fastest(args.repeats, *(functools.partial(m, p) for m in methods))
             plain_time += base.wall_time_s
             spec_time += spec.wall_time_s
             plain_tokens += base.num_generated
             spec_tokens += spec.num_generated
             all_acc += spec.acceptance_lengths
+            verified += spec.verify_lengths
             rows.append({"prompt": i, "prompt_tokens": len(p), "tau": spec.mean_acceptance_length,
                          "num_generated": spec.num_generated, "plain_tokens_per_s": base.tokens_per_second,
                          "dflash_tokens_per_s": spec.tokens_per_second,
@@ -232,6 +240,12 @@ def main(argv=None) -> int:
                          "acceptance_lengths": spec.acceptance_lengths,
                          # greedy only: sampled outputs differ by design (the two methods draw differently)
                          "first_mismatch": first_mismatch(target, base, spec) if args.temperature == 0 else None})
+            if fixed:
+                fixed_time += fixed[0].wall_time_s
+                fixed_tokens += fixed[0].num_generated
+                rows[-1].update(verify_lengths=spec.verify_lengths,
+                                fixed_block_tokens_per_s=fixed[0].tokens_per_second,
+                                fixed_block_identical=fixed[0].output_ids == base.output_ids)
             bar.update(1)
     except ValueError as e:
         die(str(e))
@@ -251,6 +265,14 @@ def main(argv=None) -> int:
                "num_identical": sum(r["identical"] for r in rows),
                "distinct_4grams": float(np.mean([r["distinct_4grams"] for r in rows])), "machine": where,
                "dtype": param_dtype(target)}
+    if adaptive:
+        lengths, counts = np.unique(verified, return_counts=True)
+        summary.update(verify_lengths=sorted(set(adaptive["verify_lengths"])),
+                       verify_threshold=args.verify_threshold,
+                       verify_length_histogram={int(k): int(c) for k, c in zip(lengths, counts)},
+                       verified_tokens_per_step=float(np.mean(verified)),
+                       fixed_block_tokens_per_s=fixed_tokens / fixed_time,
+                       adaptive_vs_fixed=spec_tps * fixed_time / fixed_tokens)
     # wall time per target forward of each method, prefill included (plain: one per token)
     summary["plain_step_s"] = plain_time / plain_tokens
     summary["dflash_step_s"] = spec_time / (len(all_acc) + len(prompts))
@@ -279,6 +301,13 @@ def main(argv=None) -> int:
                       f"{m['top2_logit_gap']:.4g}, DFlash's token {m['dflash_token_gap'] or 0:.4g} below the top "
                       "(near the dtype's rounding: a near-tie; large: a bug)")
         print("acceptance-length histogram:", " ".join(f"{k + 1}:{c}" for k, c in enumerate(hist)))
+        if adaptive:
+            print(f"adaptive verify (lengths {','.join(map(str, summary['verify_lengths']))}, threshold "
+                  f"{args.verify_threshold}): verify-length histogram "
+                  + " ".join(f"{k}:{c}" for k, c in summary["verify_length_histogram"].items())
+                  + f", {summary['verified_tokens_per_step']:.2f} tokens verified per step"
+                  + f"; fixed block {block}: {summary['fixed_block_tokens_per_s']:.1f} tokens/s, adaptive / fixed "
+                    f"{summary['adaptive_vs_fixed']:.2f}x")
         print("acceptance rate per block position:", " ".join(f"{r:.2f}" for r in per_position))
         print(f"one step: plain {summary['plain_step_s'] * 1e3:.2f} ms, DFlash {summary['dflash_step_s'] * 1e3:.2f} ms"
               + ("" if args.no_timing_split else " = " + " + ".join(

@@ -37,6 +37,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "match (the reference rule: a greedy draft token accepted while it equals the target's "
                         "sample); both keep the target's distribution")
     d.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off (default)")
+    d.add_argument("--verify-lengths", default=None,
+                   help="adaptive verify: comma-separated lengths, e.g. 4,8,16; each step the target verifies only "
+                        "the first L block tokens, L the longest of these the draft's confidence justifies at "
+                        "--verify-threshold (lossless at any setting). Default: the whole block every step")
+    d.add_argument("--verify-threshold", type=float, default=0.1,
+                   help="with --verify-lengths: a longer verify is taken while the draft expects at least this "
+                        "many accepted tokens per added position (0: always the longest; > 1: the shortest; "
+                        "default 0.1, the best measured on the demo pair: README)")
     d.add_argument("--seed", type=int, default=0, help="sampling seed (default 0; greedy ignores it)")
     d.add_argument("--stop-token-ids", default=None,
                    help="comma-separated stop ids (default: the target's eos_token_id)")
@@ -45,6 +53,26 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="decode attention: auto (default; reads only each row's length: the Pallas kernel on one "
                         "TPU / GPU, a tiled loop elsewhere), kernel, interpret, loop, or reference (dense over the "
                         "whole cache, the unbounded path, for comparison)")
+
+
+def decoding_kwargs(args, target) -> dict:
+    """The decoding options of ``speculative_generate`` / ``generate`` that the command line sets."""
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, acceptance=args.acceptance, stop_token_ids=stop_ids(args, target), seed=args.seed,
+                max_length=args.max_length, attention_impl=args.attention)
+
+
+def adaptive_kwargs(args) -> dict:
+    """``verify_lengths`` / ``verify_threshold`` from the options (empty when every step verifies the block)."""
+    if args.verify_lengths is None:
+        return {}
+    try:
+        lengths = [int(x) for x in args.verify_lengths.split(",") if x.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths:
+        die(f"--verify-lengths takes comma-separated integers, got {args.verify_lengths!r}")
+    return dict(verify_lengths=lengths, verify_threshold=args.verify_threshold)
 
 
 def die(msg: str) -> None:

@@ -10,7 +10,8 @@ import argparse
 import json
 import sys
 
-from infer.common import add_model_args, die, encode, load_models, param_dtype, read_prompts_file, stop_ids
+from infer.common import (adaptive_kwargs, add_model_args, decoding_kwargs, die, encode, load_models, param_dtype,
+                          read_prompts_file)
 
 DEMO_PROMPT = 'import os\n\n\ndef read_lines(path):\n    """Return the lines of the text file at path."""\n'
 
@@ -61,16 +62,15 @@ def main(argv=None) -> int:
 
     target, draft, tokenizer = load_models(args)
     prompts = prompt_ids(args, tokenizer)
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-              acceptance=args.acceptance, stop_token_ids=stop_ids(args, target), seed=args.seed,
-              max_length=args.max_length, attention_impl=args.attention)
+    kw = decoding_kwargs(args, target)
+    spec_kw = dict(kw, block_size=args.block_size, **adaptive_kwargs(args))
     try:
         if args.stream:
             results = []
             for p in prompts:
                 if tokenizer is not None and not args.json:
                     sys.stdout.write(tokenizer.decode(p))
-                for event in stream_generate(target, draft, [p], block_size=args.block_size, **kw):
+                for event in stream_generate(target, draft, [p], **spec_kw):
                     if event and isinstance(event[0], list):
                         if not args.json:
                             new = event[0]
@@ -83,9 +83,9 @@ def main(argv=None) -> int:
                     sys.stdout.write("\n")
         else:
             if args.baseline:  # warm up both methods: a shape's first run carries one-time setup costs
-                speculative_generate(target, draft, prompts, block_size=args.block_size, **kw)
+                speculative_generate(target, draft, prompts, **spec_kw)
                 generate(target, prompts, **kw)
-            results = speculative_generate(target, draft, prompts, block_size=args.block_size, **kw)
+            results = speculative_generate(target, draft, prompts, **spec_kw)
         baseline = generate(target, prompts, **kw) if args.baseline else None
     except ValueError as e:
         die(str(e))
@@ -112,6 +112,9 @@ def main(argv=None) -> int:
         print(f"--- {r.num_generated} tokens, tau {r.mean_acceptance_length:.2f} over {len(r.acceptance_lengths)} "
               f"steps, {r.tokens_per_second:.1f} tokens/s ({'DFlash' if draft is not None else 'plain'}), "
               f"finish: {r.finish_reason}")
+        if "verify_lengths" in spec_kw and r.verify_lengths:
+            print(f"--- adaptive verify: {sum(r.verify_lengths) / len(r.verify_lengths):.2f} tokens verified per step "
+                  f"(lengths {','.join(map(str, r.verify_lengths))})")
         if r.time_to_first_token_s is not None and r.num_generated > 1:
             after = (r.num_generated - 1) / max(r.wall_time_s - r.time_to_first_token_s, 1e-9)
             print(f"--- time to first token {r.time_to_first_token_s * 1e3:.1f} ms, then {after:.1f} tokens/s")

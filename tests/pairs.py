@@ -126,11 +126,30 @@ def decode_in_chunks(target, ids, cache, prefill_lengths, step, feature_layer_id
         tok = np.take_along_axis(ids, np.clip(pos, 0, seq - 1), 1)
 
 
-def lossless_greedy_with_partial_acceptance(model, target, blocks=(4, 8), new: int = 24):
+THRESHOLDS = (0.0, 0.003, 0.01, 0.03, 0.1, 0.3, 2.0)  # adaptive verify: 0 takes the longest length, > 1 the shortest
+
+
+def adaptive_lossless(target, draft, prompts, want, lengths, **kw) -> dict:
+    """Adaptive verify over ``lengths`` at each of ``THRESHOLDS`` gives ``want`` (output ids per prompt), and
+    every length is chosen somewhere. -> {threshold: lengths chosen in that run}."""
+    from dflash_jax import speculative as S
+
+    chosen = {}
+    for threshold in THRESHOLDS:
+        out = S.speculative_generate(target, draft, prompts, verify_lengths=lengths, verify_threshold=threshold, **kw)
+        assert [r.output_ids for r in out] == want, threshold
+        assert all(a <= v for r in out for a, v in zip(r.acceptance_lengths, r.verify_lengths))
+        chosen[threshold] = {v for r in out for v in r.verify_lengths}
+    assert set().union(*chosen.values()) == set(lengths), chosen
+    return chosen
+
+
+def lossless_greedy_with_partial_acceptance(model, target, blocks=(4, 8), new: int = 24, adaptive: bool = False):
     """Speculative greedy (random drafts, ``blocks``) == plain greedy == transformers' greedy ``generate``
     of the torch ``model``, on a batch of 3 ragged prompts, with and without a stop token that cuts row
-    0 short. Partial acceptance (1 < acceptance < block) must occur: for a hybrid target it is what
-    exercises the recurrent rollback. Needs a target vocabulary of at least 15 (small, so that a random
+    0 short, and with ``adaptive`` verify (lengths 2 and the largest block: ``adaptive_lossless``). Partial
+    acceptance (1 < acceptance < block) must occur: for a hybrid target it is what exercises the recurrent
+    rollback. Needs a target vocabulary of at least 15 (small, so that a random
     draft is sometimes right)."""
     from dflash_jax import speculative as S
     from hf_models import torch_greedy
@@ -150,6 +169,8 @@ def lossless_greedy_with_partial_acceptance(model, target, blocks=(4, 8), new: i
             spec = S.speculative_generate(target, draft, prompts, max_new_tokens=new, stop_token_ids=stops)
             assert [r.output_ids for r in spec] == want, block
             partial += [a for r in spec for a in r.acceptance_lengths if 1 < a < block]
+            if adaptive and block == blocks[-1]:
+                adaptive_lossless(target, draft, prompts, want, (2, block), max_new_tokens=new, stop_token_ids=stops)
     assert partial, "no partial acceptance: the rollback was not exercised"
 
 

@@ -26,7 +26,7 @@ from dflash_jax.layers import rope_frequencies
 from dflash_jax.mxfp4 import dequantize
 from dflash_jax.target import forward
 from hf_models import TINY, max_diff, positions_for, save_tiny, torch_forward, torch_greedy
-from pairs import decode_in_chunks, random_draft
+from pairs import adaptive_lossless, decode_in_chunks, random_draft
 
 V, L, D = TINY["vocab_size"], TINY["num_hidden_layers"], TINY["hidden_size"]
 ALL = tuple(range(L))
@@ -142,6 +142,7 @@ def test_incremental_decoding_equals_one_shot(gptoss):
 
 
 def test_speculative_equals_plain_equals_transformers_greedy(gptoss):
+    """Block 4, and adaptive verify of 2 or 4 tokens (sliding-window rings roll back after either)."""
     _, model, target = gptoss
     draft = random_draft(target.config, block_size=4, target_layer_ids=(0, 2, 3))
     prompts = [[5, 17, 3, 44, 9, 60], [7, 7, 81, 2, 30, 11, 52, 19, 64]]
@@ -157,6 +158,7 @@ def test_speculative_equals_plain_equals_transformers_greedy(gptoss):
         spec = S.speculative_generate(target, draft, prompts, max_new_tokens=new, stop_token_ids=stops)
         assert [r.output_ids for r in plain] == want
         assert [r.output_ids for r in spec] == want
+        adaptive_lossless(target, draft, prompts, want, (2, 4), max_new_tokens=new, stop_token_ids=stops)
 
 
 @pytest.mark.parametrize("spec", ["data=2,expert=4", "expert=2,tensor=2,data=2"])

@@ -26,10 +26,12 @@ def test_generate_json_prompt_ids(pair_dirs, capsys):
 
     tdir, ddir, target = pair_dirs
     code, out = run(g, ["--target", tdir, "--draft", ddir, "--prompt-ids", "5,17,3", "--prompt-ids", "9",
-                        "--max-new-tokens", "12", "--temperature", "0", "--ignore-eos", "--json"], capsys)
+                        "--max-new-tokens", "12", "--temperature", "0", "--ignore-eos", "--json",
+                        "--verify-lengths", "2,4,8", "--verify-threshold", "0.1"], capsys)
     assert code == 0
     rows = [json.loads(line) for line in out.out.strip().splitlines()]
     assert len(rows) == 2
+    assert all(len(r["verify_lengths"]) == len(r["acceptance_lengths"]) for r in rows)
     plain = dj.generate(target, [[5, 17, 3], [9]], max_new_tokens=12, stop_token_ids=[])
     for row, ref in zip(rows, plain):
         assert row["output_ids"] == ref.output_ids
@@ -62,6 +64,8 @@ def test_generate_text_baseline_and_stream(pair_dirs, capsys):
     (["--prompt-ids", "1,x"], "comma-separated integers"),
     (["--prompt-ids", "1,2", "--temperature", "-1"], "temperature"),
     (["--prompt-ids", "1,2", "--block-size", "64"], "block_size"),
+    (["--prompt-ids", "1,2", "--verify-lengths", "2,x"], "comma-separated integers"),
+    (["--prompt-ids", "1,2", "--verify-lengths", "2,64"], "verify_lengths"),
     (["--prompt-ids", "1,99999"], "outside the vocabulary"),
     (["--prompts-file", "/no/such/file"], "does not exist"),
 ])
@@ -91,7 +95,8 @@ def test_benchmark_json_summary(pair_dirs, capsys, tmp_path):
     prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n" + json.dumps({"prompt": "import os"}) + "\n")
     png = tmp_path / "report.png"
     code, out = run(b, ["--target", tdir, "--draft", ddir, "--prompts-file", str(prompts), "--max-new-tokens", "10",
-                        "--json", "--ignore-eos", "--no-timing-split", "--repeats", "2", "--plot", str(png)], capsys)
+                        "--json", "--ignore-eos", "--no-timing-split", "--repeats", "2", "--plot", str(png),
+                        "--verify-lengths", "2,8", "--verify-threshold", "0.1"], capsys)
     assert code == 0 and png.read_bytes()[:4] == b"\x89PNG"
     lines = [json.loads(x) for x in out.out.strip().splitlines()]
     rows, summary = lines[:-1], lines[-1]
@@ -101,6 +106,10 @@ def test_benchmark_json_summary(pair_dirs, capsys, tmp_path):
     assert sum(summary["acceptance_histogram"]) == sum(len(r["acceptance_lengths"]) for r in rows)
     assert np.isclose(summary["tau"], np.mean([a for r in rows for a in r["acceptance_lengths"]]))
     assert summary["plain_step_s"] > 0 and summary["dflash_step_s"] > 0
+    # adaptive verify: the chosen lengths, and the fixed block side by side
+    assert sum(summary["verify_length_histogram"].values()) == sum(summary["acceptance_histogram"])
+    assert set(summary["verify_length_histogram"]) <= {"2", "8"} and summary["adaptive_vs_fixed"] > 0
+    assert all(r["fixed_block_identical"] for r in rows)
     m = summary["machine"]  # where it ran and how loaded the machine was: speedups compare at equal load only
     assert m["backend"] == "cpu" and m["cpu_count"] >= 1 and len(m["load_average"]) == 3
 

@@ -183,9 +183,10 @@ def test_rollback_keeps_the_state_of_exactly_the_accepted_tokens(qwen):
 @pytest.mark.slow  # ~40 s on 2 CPU cores (8 compiled decode loops + transformers generate)
 def test_speculative_equals_plain_equals_transformers_greedy(qwen):
     """Batch of 3 ragged prompts, a random draft, blocks 4 and 8, with and without a stop token. Partial
-    acceptance (1 < acceptance < block) must occur: it is what exercises the recurrent rollback."""
+    acceptance (1 < acceptance < block) must occur: it is what exercises the recurrent rollback. Adaptive
+    verify (2 or 8 tokens) too: the snapshots of a short verify roll back as well."""
     _, model, target = qwen
-    lossless_greedy_with_partial_acceptance(model, target)
+    lossless_greedy_with_partial_acceptance(model, target, adaptive=True)
 
 
 def test_vision_language_checkpoint_loads(qwen, tmp_path, capfd):

@@ -12,7 +12,8 @@ draws; one draw repeated would fail the statistic), for plain decoding (``genera
 decoding with a random block-4 draft under both acceptance rules (``speculative_generate``, ``match`` and
 ``rejection``; token 1 comes from the prefill, tokens 2-3 from verify steps, so the acceptance rule, the
 residual and the bonus token matter; the first draft is accepted in 27-63%
-of rows, asserted > 10%).
+of rows, asserted > 10%), and the rejection rule with adaptive verify cut to 2 tokens (d_1, then the bonus
+from p_1 where the full block would draw the residual or d_2).
 
 Statistic: Pearson's chi-square over the 512 outcomes, outcomes with expected count < 5 pooled into one
 cell (a sequence the target cannot produce at all: infinite); it must stay below the chi-square quantile
@@ -36,6 +37,8 @@ Mutations run by hand once each, one at a time (never committed); statistic / th
       decoding in every case, 32x to infinite.
   (g) rejection rule accepting with probability p(d) instead of min(1, p(d) / q(d)): CAUGHT, 10x-15x.
   (h) rejection rule resampling from p instead of the residual max(0, p - q): CAUGHT, 4.5x-21x.
+  (i) adaptive verify (2 of 4) drawing the bonus from the residual at p_1 instead of p_1 itself: CAUGHT
+      at T = 0.5, 2.1x (the only case run).
   Not reliably caught: acceptance without the ``cumprod`` (d_2 accepted after d_1 was rejected): only
       the T = 1.5 case fails, at 1.1x. It changes the output only when d_1 is rejected AND the target's
       sample after the rejected d_1 equals d_2, and then only token 3; rare with this random draft.
@@ -148,7 +151,12 @@ def test_joint_law_of_first_three_tokens_is_the_targets(peaked, temperature, top
             "speculative, match rule": S.speculative_generate(target, draft, [PROMPT] * N, block_size=4, seed=2,
                                                               acceptance="match", **kw),
             "speculative, rejection rule": S.speculative_generate(target, draft, [PROMPT] * N, block_size=4, seed=3,
-                                                                  acceptance="rejection", **kw)}
+                                                                  acceptance="rejection", **kw),
+            # adaptive verify cut to 2 of the 4 block tokens: d_1 verified, the bonus from the target's p_1
+            "speculative, rejection rule, verify 2 of 4": S.speculative_generate(
+                target, draft, [PROMPT] * N, block_size=4, seed=4, acceptance="rejection", verify_lengths=(2, 4),
+                verify_threshold=2.0, **kw)}
+    assert {v for r in runs["speculative, rejection rule, verify 2 of 4"] for v in r.verify_lengths} == {2}
     accepted = min(np.mean([r.acceptance_lengths[0] > 1 for r in runs[k]]) for k in runs if k != "plain")
     print(f"T={temperature} top_k={top_k} top_p={top_p}: first drafts accepted in >= {accepted:.0%} of rows")
     report = []

@@ -172,6 +172,12 @@ def test_speculative_sharded_equals_single_device(pair, prompts, single, spec):
         few = S.speculative_generate(ts, ds, prompts[:n], max_new_tokens=MAX_NEW, stop_token_ids=[])
         _same(few, single[:n])
 
+    # adaptive verify: one verify length per step for the whole batch, its rows over data
+    if spec == MESHES[1]:
+        adaptive = S.speculative_generate(ts, ds, prompts, max_new_tokens=MAX_NEW, stop_token_ids=[],
+                                          verify_lengths=(2, draft.config.block_size), verify_threshold=0.1)
+        assert [r.output_ids for r in adaptive] == [r.output_ids for r in single]
+
 
 def test_mixed_placement_is_an_error(pair, prompts):
     target, draft = pair

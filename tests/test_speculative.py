@@ -7,7 +7,7 @@ import pytest
 
 from dflash_jax import speculative as S
 from dflash_jax.sampling import choose
-from pairs import random_pair, trained_pair
+from pairs import adaptive_lossless, random_pair, trained_pair
 
 MAX_NEW = 40
 
@@ -107,6 +107,38 @@ def test_cache_full_stops_rows_at_max_length(pair, prompts, plain):
         assert s.output_ids == p.output_ids[:max_length]
 
 
+@pytest.mark.parametrize("active,threshold,want", [
+    ([True, False], 0.25, 16), ([True, False], 0.5, 8), ([True, False], 0.6, 4), ([True, False], 2.0, 4),
+    ([True, True], 0.25, 8), ([True, True], 0.0, 16)])
+def test_verify_choice(active, threshold, want):
+    """Row 0's draft is 0.9 sure of each token: it expects 0.56 accepted tokens per position from 5 to 8 and
+    0.31 from 9 to 16; row 1's (0.1 sure) expects almost none, and halves the batch's gain when active."""
+    confidence = np.stack([np.full(15, 0.9), np.full(15, 0.1)]).astype(np.float32)
+    lengths = (4, 8, 16)
+    assert lengths[int(S._verify_choice(confidence, np.array(active), lengths, threshold))] == want
+
+
+@pytest.mark.parametrize("edge", ["none", "max_new_tokens", "stop", "max_length", "one_row"])
+def test_adaptive_verify_lossless(case, pair, prompts, plain, edge):
+    """Adaptive verify (lengths 2 / 5 / 16 of a block of 16) equals plain decoding, with each cut inside a step.
+    The trained draft's confidence varies from step to step, so a run switches between lengths; the random
+    draft's hardly does (each threshold picks one length, but every length is picked at some threshold)."""
+    target, draft = pair
+    kw = dict(max_new_tokens=MAX_NEW, stop_token_ids=[])
+    if edge == "max_new_tokens":
+        kw["max_new_tokens"] = 13
+    if edge == "stop":  # a token first generated a few tokens into row 1
+        row = plain[1].generated_ids
+        kw["stop_token_ids"] = [next(t for i, t in enumerate(row) if i >= 3 and t not in row[:i])]
+    if edge == "max_length":
+        kw["max_length"] = 20
+    rows = [prompts[3]] if edge == "one_row" else prompts
+    want = [r.output_ids for r in S.generate(target, rows, **kw)]
+    chosen = adaptive_lossless(target, draft, rows, want, (2, 5, 16), **kw)
+    if case[0] == "trained":
+        assert any(len(c) > 1 for c in chosen.values()), chosen
+
+
 def test_stream_matches_one_call(pair, prompts, plain):
     target, draft = pair
     chunks, final = [], None
@@ -146,6 +178,10 @@ def test_top_k_top_p_restrict_support():
     (dict(block_size=17), "block_size"),
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(prompts=[[3] * 30], max_length=30), "max length"),
+    (dict(verify_lengths=[0, 16]), "verify_lengths"),
+    (dict(verify_lengths=[4, 17]), "verify_lengths"),
+    (dict(verify_lengths=[2, 4], block_size=1), "verify_lengths"),
+    (dict(verify_lengths=[4, 16], verify_threshold=float("nan")), "verify_threshold"),
 ])
 def test_bad_input(pair, kwargs, match):
     target, draft = pair
