@@ -172,7 +172,7 @@ def plot(summary: dict, rows: list[dict], path: str | None = None):
     a.axhline(summary["tau"], color="k", ls="--", lw=1, label=f"mean tau {summary['tau']:.2f}")
     a.set(xlabel="prompt", ylabel="tau (tokens per target forward)", xticks=prompts, title="acceptance length")
     a.legend()
-    rates = summary["acceptance_rate_per_position"]
+    rates = [np.nan if r is None else r for r in summary["acceptance_rate_per_position"]]
     b.plot(range(1, len(rates) + 1), rates, marker="o")
     b.set(xlabel="draft position k", ylabel="P(draft token k accepted)", ylim=(0, 1.02),
           xticks=range(1, len(rates) + 1), title="acceptance per block position")
@@ -253,7 +253,9 @@ def main(argv=None) -> int:
         bar.close()
     acc = np.array(all_acc)
     hist = np.bincount(acc, minlength=block + 1)[1:block + 1]
-    per_position = [float((acc > k).mean()) for k in range(1, block)]  # draft token k accepted
+    # draft token k accepted, among the steps that verified it (adaptive verify may stop before position k)
+    ver = np.array(verified)
+    per_position = [float((acc[ver > k] > k).mean()) if (ver > k).any() else None for k in range(1, block)]
     plain_tps, spec_tps = plain_tokens / plain_time, spec_tokens / spec_time
     tau = float(acc.mean())
     summary = {"summary": True, "target": target.path, "draft": draft.path, "block_size": block,
@@ -308,7 +310,7 @@ def main(argv=None) -> int:
                   + f", {summary['verified_tokens_per_step']:.2f} tokens verified per step"
                   + f"; fixed block {block}: {summary['fixed_block_tokens_per_s']:.1f} tokens/s, adaptive / fixed "
                     f"{summary['adaptive_vs_fixed']:.2f}x")
-        print("acceptance rate per block position:", " ".join(f"{r:.2f}" for r in per_position))
+        print("acceptance rate per block position:", " ".join("-" if r is None else f"{r:.2f}" for r in per_position))
         print(f"one step: plain {summary['plain_step_s'] * 1e3:.2f} ms, DFlash {summary['dflash_step_s'] * 1e3:.2f} ms"
               + ("" if args.no_timing_split else " = " + " + ".join(
                   f"{k} {v * 1e3:.2f}" for k, v in summary["step_split_s"].items()) + " ms"))

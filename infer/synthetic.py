@@ -168,6 +168,9 @@ def run(args) -> int:
         die("--synthetic builds its own target, draft and prompts: drop --target / --draft / --prompts-file / --plot")
     if args.temperature != 0:
         die("--synthetic replays greedy acceptance: use --temperature 0")
+    if args.verify_lengths is not None:
+        die("--verify-lengths does not apply to --synthetic: its acceptance is replayed, so the confidence of its "
+            "random draft says nothing; measure adaptive verify on a trained pair (python -m infer.benchmark)")
     try:
         preset = syn.preset(args.synthetic)
     except ValueError as e:

@@ -34,3 +34,27 @@ def test_infer_options_all_have_help(module, monkeypatch, capsys):
     out = re.sub(r"\s+", " ", capsys.readouterr().out)
     for flag in ("--max-new-tokens", "--top-p", "--seed", "--temperature", "--block-size"):
         assert re.search(re.escape(flag) + r" \S+ [a-z0-9(]", out), flag  # the flag is followed by a help text
+
+
+def test_gpu_script_commands_parse():
+    """scripts/gpu_benchmarks.sh (run on a device, not here): every command's options parse, presets exist."""
+    import os
+    import shlex
+
+    from dflash_jax.synthetic import PRESETS
+    from infer import benchmark, context_sweep
+    from train import bench
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu_benchmarks.sh")
+    text = open(path).read().replace("\\\n", " ")
+    commands = [shlex.split(line)[3:] for line in text.splitlines() if line.startswith("step ")]
+    parse = {"infer.benchmark": benchmark.parse_args, "infer.context_sweep": context_sweep.parse_args,
+             "train.bench": bench.build_parser().parse_args}
+    seen = set()
+    for cmd in commands:
+        assert cmd[:2] == ["python", "-m"], cmd
+        if cmd[2] in parse:
+            args = parse[cmd[2]](cmd[3:])
+            assert getattr(args, "synthetic", None) in (None, *PRESETS), cmd
+            seen.add(cmd[2])
+    assert seen == set(parse) and len(commands) == 5

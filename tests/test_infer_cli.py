@@ -110,6 +110,12 @@ def test_benchmark_json_summary(pair_dirs, capsys, tmp_path):
     assert sum(summary["verify_length_histogram"].values()) == sum(summary["acceptance_histogram"])
     assert set(summary["verify_length_histogram"]) <= {"2", "8"} and summary["adaptive_vs_fixed"] > 0
     assert all(r["fixed_block_identical"] for r in rows)
+    # per block position: among the steps that verified it (a step verifying 2 tokens says nothing of position 5)
+    acc = np.array([a for r in rows for a in r["acceptance_lengths"]])
+    ver = np.array([v for r in rows for v in r["verify_lengths"]])
+    for k, rate in enumerate(summary["acceptance_rate_per_position"], start=1):
+        seen = ver > k
+        assert (rate is None) == (not seen.any()) and (rate is None or np.isclose(rate, (acc[seen] > k).mean()))
     m = summary["machine"]  # where it ran and how loaded the machine was: speedups compare at equal load only
     assert m["backend"] == "cpu" and m["cpu_count"] >= 1 and len(m["load_average"]) == 3
 

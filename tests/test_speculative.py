@@ -136,7 +136,27 @@ def test_adaptive_verify_lossless(case, pair, prompts, plain, edge):
     want = [r.output_ids for r in S.generate(target, rows, **kw)]
     chosen = adaptive_lossless(target, draft, rows, want, (2, 5, 16), **kw)
     if case[0] == "trained":
-        assert any(len(c) > 1 for c in chosen.values()), chosen
+        assert len(_switching_run(target, draft, rows, want, (2, 5, 16), chosen, **kw)) > 1, chosen
+
+
+def _switching_run(target, draft, rows, want, lengths, chosen, **kw) -> set:
+    """The lengths of a run that switches between them (lossless too): one of ``chosen``'s runs, else one
+    found by bisecting the threshold between two runs that each kept to a different single length (each step
+    flips at its own threshold, so in between some run mixes them, unless every step's confidence is equal)."""
+    mixed = [c for c in chosen.values() if len(c) > 1]
+    if mixed:
+        return mixed[0]
+    ts = sorted(chosen)
+    lo, hi = next((a, b) for a, b in zip(ts, ts[1:]) if chosen[a] != chosen[b])
+    for _ in range(16):
+        mid = (lo + hi) / 2
+        out = S.speculative_generate(target, draft, rows, verify_lengths=lengths, verify_threshold=mid, **kw)
+        assert [r.output_ids for r in out] == want, mid
+        c = {v for r in out for v in r.verify_lengths}
+        if len(c) > 1:
+            return c
+        lo, hi = (mid, hi) if c == chosen[lo] else (lo, mid)
+    return c
 
 
 def test_stream_matches_one_call(pair, prompts, plain):

@@ -186,6 +186,7 @@ def test_cli_synthetic_rejects_bad_options(capsys):
                       (["--batch-size", "0"], "positive integers"),
                       (["--temperature", "0.7"], "--temperature 0"),
                       (["--target", "x"], "builds its own target"),
+                      (["--verify-lengths", "4,8,16"], "--verify-lengths does not apply"),
                       (["--block-size", "17"], "--block-size must be in")):
         with pytest.raises(SystemExit):
             benchmark.main(["--synthetic", "tiny", *argv])
