@@ -137,3 +137,19 @@ def torch_greedy(model, prompt, new: int, stop=None) -> list[int]:
     out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=stop,
                          pad_token_id=0 if stop is None else stop)
     return out[0].tolist()
+
+
+def packed_features_match(target, layer_ids) -> None:
+    """Two random documents (9 and 7 tokens) packed in one row of 20 with padding: each one's target features
+    (``train.objective.target_features`` with document starts) equal its own unpacked forward's."""
+    from train.objective import target_features
+
+    rng = np.random.RandomState(3)
+    a, b = rng.randint(0, target.config.vocab_size, 9), rng.randint(0, target.config.vocab_size, 7)
+    row = np.zeros((1, 20), np.int32)
+    row[0, :9], row[0, 9:16] = a, b
+    starts = np.array([[0] * 9 + [9] * 7 + [16] * 4], np.int32)
+    packed = np.asarray(target_features(target.config, target.params, row, layer_ids, starts))
+    for doc, at in ((a, 0), (b, 9)):
+        alone = np.asarray(target_features(target.config, target.params, doc[None].astype(np.int32), layer_ids))
+        np.testing.assert_allclose(packed[0, at:at + len(doc)], alone[0], rtol=1e-5, atol=1e-5)

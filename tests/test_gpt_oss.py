@@ -25,7 +25,7 @@ from dflash_jax.families.gpt_oss import GptOssConfig
 from dflash_jax.layers import rope_frequencies
 from dflash_jax.mxfp4 import dequantize
 from dflash_jax.target import forward
-from hf_models import TINY, max_diff, positions_for, save_tiny, torch_forward, torch_greedy
+from hf_models import TINY, max_diff, packed_features_match, positions_for, save_tiny, torch_forward, torch_greedy
 from pairs import adaptive_lossless, decode_in_chunks, random_draft
 
 V, L, D = TINY["vocab_size"], TINY["num_hidden_layers"], TINY["hidden_size"]
@@ -327,15 +327,5 @@ def test_training_a_draft_for_gpt_oss_runs_and_the_loss_falls(gptoss, tmp_path):
 def test_packed_documents_keep_their_features(gptoss):
     """Two documents packed in one row (sliding window, sinks, experts): each one's features equal its own
     unpacked forward's, since attention stays inside the document and positions restart at 0."""
-    from train.objective import target_features
-
     _, _, target = gptoss
-    rng = np.random.RandomState(3)
-    a, b = rng.randint(0, V, 9), rng.randint(0, V, 7)
-    row = np.zeros((1, 20), np.int32)
-    row[0, :9], row[0, 9:16] = a, b
-    starts = np.array([[0] * 9 + [9] * 7 + [16] * 4], np.int32)
-    packed = np.asarray(target_features(target.config, target.params, row, ALL, starts))
-    for doc, at in ((a, 0), (b, 9)):
-        alone = np.asarray(target_features(target.config, target.params, doc[None].astype(np.int32), ALL))
-        np.testing.assert_allclose(packed[0, at:at + len(doc)], alone[0], rtol=1e-5, atol=1e-5)
+    packed_features_match(target, ALL)

@@ -19,7 +19,7 @@ import pytest
 import dflash_jax as dj
 from dflash_jax.families.qwen3_5 import Qwen35Config, chunked_delta_rule, recurrent_delta_rule, snapshot_bytes
 from dflash_jax.target import forward
-from hf_models import max_diff, positions_for, ragged_parity, vision_language_loads
+from hf_models import max_diff, packed_features_match, positions_for, ragged_parity, vision_language_loads
 from pairs import decode_in_chunks, lossless_greedy_with_partial_acceptance
 
 V, L, D = 16, 4, 32
@@ -80,17 +80,21 @@ def test_logits_and_every_layer_match_transformers_on_a_ragged_batch(qwen):
     assert ragged_parity(model, target, [70, 45, 9]) > 0.5  # the comparison is not between near-zero activations
 
 
-def test_chunked_form_equals_recurrent_form():
-    """Chunks of 4 over 11 tokens (a ragged last chunk), from a nonzero state: outputs, the state after
-    each token and the final state equal the one-token recurrence."""
-    rng = np.random.RandomState(0)
-    b, t, h, dk, dv = 2, 11, 3, 4, 5
+def _delta_inputs(seed: int, b: int = 2, t: int = 11, h: int = 3, dk: int = 4, dv: int = 5):
+    """Random delta-rule inputs: L2-normalised q, k; v; log-decay g < 0; beta in (0, 1); a nonzero state."""
+    rng = np.random.RandomState(seed)
     q, k = (jnp.asarray(rng.randn(b, t, h, dk), jnp.float32) for _ in range(2))
     q, k = q / jnp.linalg.norm(q, axis=-1, keepdims=True), k / jnp.linalg.norm(k, axis=-1, keepdims=True)
     v = jnp.asarray(rng.randn(b, t, h, dv), jnp.float32)
     g = jnp.asarray(-rng.rand(b, t, h), jnp.float32)
     beta = jnp.asarray(rng.rand(b, t, h), jnp.float32)
-    s0 = jnp.asarray(rng.randn(b, h, dk, dv), jnp.float32)
+    return q, k, v, g, beta, jnp.asarray(rng.randn(b, h, dk, dv), jnp.float32)
+
+
+def test_chunked_form_equals_recurrent_form():
+    """Chunks of 4 over 11 tokens (a ragged last chunk), from a nonzero state: outputs, the state after
+    each token and the final state equal the one-token recurrence."""
+    q, k, v, g, beta, s0 = _delta_inputs(0)
     want_out, want_states = recurrent_delta_rule(q, k, v, g, beta, s0)
     out, final, states = chunked_delta_rule(q, k, v, g, beta, s0, chunk=4, per_token=True)
     assert max_diff(out, want_out) <= 1e-5 and max_diff(states, want_states) <= 1e-5
@@ -100,14 +104,8 @@ def test_chunked_form_equals_recurrent_form():
 def test_chunked_form_restarts_at_segment_starts():
     """Segments [0:3), [3:9) (crossing a chunk boundary), [9:11): each one equals the recurrence run on it
     alone, the first from the given state, the others from zero (packed documents)."""
-    rng = np.random.RandomState(1)
-    b, t, h, dk, dv = 2, 11, 3, 4, 5
-    q, k = (jnp.asarray(rng.randn(b, t, h, dk), jnp.float32) for _ in range(2))
-    q, k = q / jnp.linalg.norm(q, axis=-1, keepdims=True), k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    v = jnp.asarray(rng.randn(b, t, h, dv), jnp.float32)
-    g = jnp.asarray(-rng.rand(b, t, h), jnp.float32)
-    beta = jnp.asarray(rng.rand(b, t, h), jnp.float32)
-    s0 = jnp.asarray(rng.randn(b, h, dk, dv), jnp.float32)
+    q, k, v, g, beta, s0 = _delta_inputs(1)
+    b, t = q.shape[:2]
     cuts = [(0, 3), (3, 9), (9, 11)]
     segments = jnp.asarray(np.repeat([lo for lo, hi in cuts], [hi - lo for lo, hi in cuts])[None].repeat(b, 0))
     out, final, states = chunked_delta_rule(q, k, v, g, beta, s0, chunk=4, per_token=True, segments=segments)
@@ -121,19 +119,8 @@ def test_chunked_form_restarts_at_segment_starts():
 def test_packed_documents_keep_their_features(qwen):
     """Two documents packed in one row: the conv window and the recurrent state restart at the second, the
     attention layers stay inside each, so each document's features equal its own unpacked forward's."""
-    from train.objective import target_features
-
     _, _, target = qwen
-    layers = tuple(range(target.config.num_hidden_layers))
-    rng = np.random.RandomState(3)
-    a, b = rng.randint(0, target.config.vocab_size, 9), rng.randint(0, target.config.vocab_size, 7)
-    row = np.zeros((1, 20), np.int32)
-    row[0, :9], row[0, 9:16] = a, b
-    starts = np.array([[0] * 9 + [9] * 7 + [16] * 4], np.int32)
-    packed = np.asarray(target_features(target.config, target.params, row, layers, starts))
-    for doc, at in ((a, 0), (b, 9)):
-        alone = np.asarray(target_features(target.config, target.params, doc[None].astype(np.int32), layers))
-        np.testing.assert_allclose(packed[0, at:at + len(doc)], alone[0], rtol=1e-5, atol=1e-5)
+    packed_features_match(target, tuple(range(target.config.num_hidden_layers)))
 
 
 def test_incremental_decoding_equals_one_shot(qwen):
