@@ -351,6 +351,9 @@ def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, samplin
             raise ValueError(f"block_size {block_size} needs a draft; plain decoding uses a block of 1")
         block_size = 1
     verify_lengths = _check_verify_lengths(verify_lengths, block_size, verify_threshold)
+    if verify_lengths is not None and replay is not None:
+        raise ValueError("verify_lengths cannot be combined with replay: a replayed step commits the length it "
+                         "drew, which a shorter verify would cut")
     lens = np.array([len(r) for r in rows], np.int32)
     limit = max_length or target.config.max_position_embeddings
     too_long = [i for i, n in enumerate(lens) if n >= limit]

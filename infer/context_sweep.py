@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         die(str(e))
     block = args.block_size or preset.block_size
+    if not 2 <= block <= preset.block_size:
+        die(f"--block-size must be in [2, {preset.block_size}] (the preset's draft block), got {block}")
     bucket = args.bucket or max(contexts) + 256
     if max(contexts) + block > bucket:
         die(f"--bucket {bucket} is too small for context {max(contexts)} + a block of {block}")

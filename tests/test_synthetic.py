@@ -77,6 +77,9 @@ def test_replay_rejects_bad_input(pair):
     with pytest.raises(ValueError, match="greedy"):
         speculative_generate(target, draft, [[3, 4]], max_new_tokens=4, temperature=1.0,
                              replay=Replay([[3, 4, 5]], np.eye(8)[0]))
+    with pytest.raises(ValueError, match="verify_lengths cannot be combined with replay"):
+        speculative_generate(target, draft, [[3, 4]], max_new_tokens=4, verify_lengths=(2, 8),
+                             replay=Replay([[3, 4, 5]], np.eye(8)[0]))
 
 
 def test_replay_distributions(tmp_path):
@@ -176,6 +179,9 @@ def test_context_sweep_reports_each_context_and_attention(capsys):
     with pytest.raises(SystemExit):
         context_sweep.main(["--context", "300", "--bucket", "256"])
     assert "too small" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        context_sweep.main(["--context", "32", "--block-size", "32"])
+    assert "--block-size must be in [2, 16]" in capsys.readouterr().err
 
 
 def test_cli_synthetic_rejects_bad_options(capsys):
