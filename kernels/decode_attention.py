@@ -42,7 +42,10 @@ from .reference import attend, position_mask
 
 _MASK = -1e30  # finite: exp(_MASK - m) underflows to 0 without inf - inf
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
-MAX_QUERIES = 64  # new tokens per row the decode path takes (more: a prefill, use the dense path)
+# New tokens per row the decode path takes: a verify block (the released drafts' 16). More is a prefill
+# (prompt buckets are 32+), which takes the dense path; a kernel program holds T x GQA-group query rows,
+# and 16 keeps that within one tile at 8B shapes (64 x 4 rows was never compiled on a GPU).
+MAX_QUERIES = 16
 
 
 # ----------------------------------------------------------------------------- reference
