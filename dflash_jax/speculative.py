@@ -146,7 +146,7 @@ def _replayed(drafts, reference, probs, n, key, vocab: int):
 
 def _verify_choice(confidence, active, lengths: tuple[int, ...], threshold):
     """Index into ``lengths`` (ascending) of this step's verify length, from the draft's own confidence
-    [B, K-1] (its probability of each proposed token): the cumulative product estimates P(d_1..d_j all
+    [B, K-1] (its largest probability at each block position): the cumulative product estimates P(d_1..d_j all
     accepted), so its sum over the positions a longer length adds is the tokens the extra verify work is
     expected to gain. Longer lengths are taken while that gain per added position, averaged over the
     active rows (the work is paid for every row), is at least ``threshold``; the rule is monotone (later

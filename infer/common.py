@@ -5,6 +5,7 @@ import argparse
 import os
 import sys
 
+from dflash_jax.attention import DECODE_IMPLS
 from dflash_jax.checkpoints import DTYPES, auto_dtype, resolve_path
 from dflash_jax.demo import DEMO_DIR, DEMO_DRAFT, DEMO_TARGET
 from dflash_jax.prompts import PromptError, encode_prompt, read_prompts
@@ -49,7 +50,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--stop-token-ids", default=None,
                    help="comma-separated stop ids (default: the target's eos_token_id)")
     d.add_argument("--ignore-eos", action="store_true", help="no stop tokens: always generate max-new-tokens")
-    d.add_argument("--attention", default="auto", choices=["auto", "kernel", "interpret", "loop", "reference"],
+    d.add_argument("--attention", default="auto", choices=DECODE_IMPLS,
                    help="decode attention: auto (default; reads only each row's length: the Pallas kernel on one "
                         "TPU / GPU, a tiled loop elsewhere), kernel, interpret, loop, or reference (dense over the "
                         "whole cache, the unbounded path, for comparison)")

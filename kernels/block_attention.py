@@ -199,15 +199,22 @@ def _blk_vis(a, c: _Cfg):
 # ----------------------------------------------------------------------------- tile math (shared)
 
 
-def _fwd_step(q, k, v, vis, carry, scale):
+def _online_step(s, v, vis, carry):
+    """One online-softmax step over a key tile: logits s [.., R, K] (float32, scaled), values v [.., K, D];
+    carry (running max, denominator, accumulator). Shared with the decode kernel and its jnp loop."""
     m, l, acc = carry
-    s = jnp.where(vis, lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale, _MASK)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    s = jnp.where(vis, s, _MASK)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
     alpha = jnp.exp(m - m_new)
     p = jnp.where(vis, jnp.exp(s - m_new), 0.0)
-    l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-    acc = alpha * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    l = alpha * l + jnp.sum(p, axis=-1, keepdims=True)
+    acc = alpha * acc + jnp.matmul(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return m_new, l, acc
+
+
+def _fwd_step(q, k, v, vis, carry, scale):
+    """``_online_step`` of one query tile q [R, D] against a key tile k, v [K, D]."""
+    return _online_step(lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale, v, vis, carry)
 
 
 def _fwd_finish(carry):

@@ -37,11 +37,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .block_attention import _platform
+from .block_attention import _MASK, _fwd_step, _online_step, _platform, _rows
 from .reference import attend, position_mask
 
-_MASK = -1e30  # finite: exp(_MASK - m) underflows to 0 without inf - inf
-_NT = (((1,), (1,)), ((), ()))  # a @ b.T
 # New tokens per row the decode path takes: a verify block (the released drafts' 16). More is a prefill
 # (prompt buckets are 32+), which takes the dense path; a kernel program holds T x GQA-group query rows,
 # and 16 keeps that within one tile at 8B shapes (64 x 4 rows was never compiled on a GPU).
@@ -82,18 +80,6 @@ def _tile_range(lo, hi, tk: int, axis=-1):
     end = lax.div(jnp.max(jnp.where(nonempty, hi, 0), axis=axis) + (tk - 1), tk)
     first = lax.div(jnp.min(jnp.where(nonempty, lo, jnp.iinfo(jnp.int32).max), axis=axis), tk)
     return jnp.where(end > 0, first, 0), end
-
-
-def _step(s, v, vis, carry):
-    """One online-softmax step: logits s [.., R, K] (float32, scaled), values v [.., K, D]."""
-    m, l, acc = carry
-    s = jnp.where(vis, s, _MASK)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.where(vis, jnp.exp(s - m_new), 0.0)
-    l = alpha * l + jnp.sum(p, axis=-1, keepdims=True)
-    acc = alpha * acc + jnp.matmul(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m_new, l, acc
 
 
 def _finish(carry, sink=None):
@@ -138,7 +124,7 @@ def decode_attention_loop(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sl
         p = start + jnp.arange(tk, dtype=jnp.int32)
         vis = (p >= jnp.maximum(lo, j * tk)) & (p < hi)
         logits = jnp.einsum("BTKGD,BSKD->BKGTS", qg, kt, preferred_element_type=jnp.float32) * scale
-        return _step(logits, jnp.swapaxes(vt, 1, 2)[:, :, None], vis, carry)
+        return _online_step(logits, jnp.swapaxes(vt, 1, 2)[:, :, None], vis, carry)
 
     shape = (b, hkv, hq // hkv, t)
     carry = (jnp.full(shape + (1,), _MASK, jnp.float32), jnp.zeros(shape + (1,), jnp.float32),
@@ -147,7 +133,7 @@ def decode_attention_loop(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sl
     if k_new is not None:
         logits = jnp.einsum("BTKGD,BSKD->BKGTS", qg, k_new, preferred_element_type=jnp.float32) * scale
         vis = _new_vis(q_pos[:, None, None, :, None], q_pos[:, None, None, None, :], sliding_window)
-        carry = _step(logits, jnp.swapaxes(v_new, 1, 2)[:, :, None], vis, carry)
+        carry = _online_step(logits, jnp.swapaxes(v_new, 1, 2)[:, :, None], vis, carry)
     sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1)
     out = _finish(carry, sink)  # [B, K, G, T, D]
     return jnp.einsum("BKGTD->BTKGD", out).reshape(b, t, hq, d).astype(q.dtype)
@@ -172,26 +158,18 @@ class _Cfg:
         return 128 if self.backend == "tpu" else 1
 
 
-def _col(ref):
-    """Per-row values ([R, lanes] on TPU, [R] on GPU) -> [R, 1]."""
-    x = ref[...]
-    return x[:, None] if x.ndim == 1 else x[:, :1]
-
-
 def _tile_step(q, k, v, lo, hi, j, c: _Cfg, carry):
     """Queries q [R, D] x key tile j (k, v [tk, D]; the tile starts at min(j*tk, S - tk))."""
     start = jnp.minimum(j * c.tk, c.ctx_len - c.tk)
     p = start + lax.broadcasted_iota(jnp.int32, (q.shape[0], c.tk), 1)
     vis = (p >= jnp.maximum(lo, j * c.tk)) & (p < hi)
-    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * c.scale
-    return _step(s, v, vis, carry)
+    return _fwd_step(q, k, v, vis, carry, c.scale)
 
 
 def _new_step(q, kn_ref, vn_ref, qp, kp_ref, c: _Cfg, carry):
     if not c.has_new:
         return carry
-    s = lax.dot_general(q, kn_ref[...], _NT, preferred_element_type=jnp.float32) * c.scale
-    return _step(s, vn_ref[...], _new_vis(qp, kp_ref[...].reshape(1, -1), c.window), carry)
+    return _fwd_step(q, kn_ref[...], vn_ref[...], _new_vis(qp, kp_ref[...].reshape(1, -1), c.window), carry, c.scale)
 
 
 def _tpu_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_ref, sink_ref,
@@ -214,16 +192,16 @@ def _tpu_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref,
 
     @pl.when((j >= first_ref[b]) & (j < end_ref[b]))
     def _tile():
-        store(_tile_step(q_ref[...], k_ref[...], v_ref[...], _col(lo_ref), _col(hi_ref), j, c, carry()))
+        store(_tile_step(q_ref[...], k_ref[...], v_ref[...], _rows(lo_ref), _rows(hi_ref), j, c, carry()))
 
     @pl.when(j == nk)
     def _last():
-        cr = _new_step(q_ref[...], kn_ref, vn_ref, _col(qp_ref), kp_ref, c, carry())
-        o_ref[...] = _finish(cr, _col(sink_ref) if c.has_sinks else None).astype(o_ref.dtype)
+        cr = _new_step(q_ref[...], kn_ref, vn_ref, _rows(qp_ref), kp_ref, c, carry())
+        o_ref[...] = _finish(cr, _rows(sink_ref) if c.has_sinks else None).astype(o_ref.dtype)
 
 
 def _gpu_kernel(q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_ref, sink_ref, o_ref, *, c: _Cfg):
-    q, lo, hi = q_ref[...], _col(lo_ref), _col(hi_ref)
+    q, lo, hi = q_ref[...], _rows(lo_ref), _rows(hi_ref)
     first, end = _tile_range(lo, hi, c.tk, axis=None)
 
     def body(j, cr):
@@ -232,8 +210,8 @@ def _gpu_kernel(q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_
 
     cr = (jnp.full((q.shape[0], 1), _MASK, jnp.float32), jnp.zeros((q.shape[0], 1), jnp.float32),
           jnp.zeros(q.shape, jnp.float32))
-    cr = _new_step(q, kn_ref, vn_ref, _col(qp_ref), kp_ref, c, lax.fori_loop(first, end, body, cr))
-    o_ref[...] = _finish(cr, _col(sink_ref) if c.has_sinks else None).astype(o_ref.dtype)
+    cr = _new_step(q, kn_ref, vn_ref, _rows(qp_ref), kp_ref, c, lax.fori_loop(first, end, body, cr))
+    o_ref[...] = _finish(cr, _rows(sink_ref) if c.has_sinks else None).astype(o_ref.dtype)
 
 
 def _pick_tile(ctx_len: int, k_tile: int, backend: str) -> int:

@@ -77,8 +77,6 @@ def sample_anchors(key, loss_mask, num_anchors: int, doc_start=None):
 def sample_batch_anchors(seed: int, epoch, example_indices, loss_mask, num_anchors: int, doc_start=None):
     """[B] example indices, [B, S] loss masks (and doc starts) -> anchors [B, N] (keys from (seed, epoch, index))."""
     keys = jax.vmap(lambda i: anchor_key(seed, epoch, i))(example_indices)
-    if doc_start is None:
-        return jax.vmap(lambda k, m: sample_anchors(k, m, num_anchors))(keys, loss_mask)
     return jax.vmap(lambda k, m, d: sample_anchors(k, m, num_anchors, d))(keys, loss_mask, doc_start)
 
 
