@@ -14,6 +14,8 @@ import os
 import warnings
 from typing import Any, Mapping
 
+import numpy as np
+
 DENSE_MODEL_TYPES = ("qwen3", "llama")  # what TargetConfig describes; all families: dflash_jax.families
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -289,9 +291,20 @@ def _first(*values):
     return next((v for v in values if v is not None), None)
 
 
+DRAFT_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
+# DFlash2 keys of ``dflash_config`` -> their defaults (REFERENCE.md "DFlash2 drafts")
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
-    """A DFlash draft: its own Qwen3 layer stack (``layers``) plus the block-diffusion settings."""
+    """A DFlash draft: its own Qwen3 layer stack (``layers``) plus the block-diffusion settings.
+
+    ``architecture`` "dflash" (``DFlashDraftModel``) or "dflash2" (``DFlash2DraftModel``: grouped dynamic
+    causal convolutions around each sublayer and a candidate selector; its ``conv_*`` / ``selector_*`` fields).
+    ``is_causal`` None: sliding layers are causal inside the block, full layers bidirectional (the newest
+    reference and vLLM); True / False: every layer. ``input_embedding_scale`` multiplies the block's raw
+    embeddings; ``output_multiplier`` then ``final_logit_softcapping`` (> 0) shape the draft logits."""
 
     layers: TargetConfig
     block_size: int
@@ -299,6 +312,15 @@ class DraftConfig:
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     target_hidden_size: int | None = None  # servers' optional field: fc input = n * target_hidden_size
+    is_causal: bool | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    architecture: str = "dflash"
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -308,10 +330,35 @@ class DraftConfig:
         if min(self.target_layer_ids) < 0 or self.mask_token_id < 0 or self.num_target_layers < 0:
             raise ValueError(f"target_layer_ids {list(self.target_layer_ids)}, mask_token_id {self.mask_token_id} "
                              f"and num_target_layers {self.num_target_layers} must be >= 0")
+        for name in ("input_embedding_scale", "output_multiplier"):
+            if not np.isfinite(getattr(self, name)) or getattr(self, name) == 0:
+                raise ValueError(f"{name} must be a finite non-zero number, got {getattr(self, name)}")
+        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
+            object.__setattr__(self, "final_logit_softcapping", None)  # <= 0 means off, as in the reference
+        if self.architecture not in DRAFT_ARCHITECTURES.values():
+            raise ValueError(f"architecture must be one of {sorted(DRAFT_ARCHITECTURES.values())}, "
+                             f"got {self.architecture!r}")
+        dflash2 = {k: getattr(self, k) for k in DFLASH2_DEFAULTS}
+        if self.architecture == "dflash2":
+            bad = {k: v for k, v in dflash2.items() if v is None or v < 1}
+            if bad:
+                raise ValueError(f"a DFlash2 draft needs {', '.join(bad)} >= 1, got {bad}")
+            if self.layers.hidden_size % self.conv_group_size:
+                raise ValueError(f"conv_group_size {self.conv_group_size} does not divide hidden_size "
+                                 f"{self.layers.hidden_size}")
+        elif any(v is not None for v in dflash2.values()):
+            raise ValueError(f"{sorted(k for k, v in dflash2.items() if v is not None)} are DFlash2 settings; "
+                             "this draft's architecture is DFlashDraftModel")
 
     @property
     def num_features(self) -> int:
         return len(self.target_layer_ids)
+
+    def layer_causal(self, i: int) -> bool:
+        """Whether draft layer i's block queries see only block keys at or before their own position."""
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.layers.layer_types[i] == "sliding_attention"
 
     @classmethod
     def from_hf(cls, path_or_dict) -> "DraftConfig":
@@ -323,47 +370,84 @@ class DraftConfig:
 
     @classmethod
     def _read(cls, d: Mapping) -> "DraftConfig":
-        dflash = dict(d.get("dflash_config") or {})
-        mask = dflash.get("mask_token_id", d.get("mask_token_id"))
+        dflash = d.get("dflash_config") or {}
+        if not isinstance(dflash, Mapping):
+            raise ValueError(f"dflash_config must be a JSON object, got {type(dflash).__name__}")
+
+        def key(name, default=None):  # a key in dflash_config wins over the same top-level key
+            return _first(dflash.get(name), d.get(name), default)
+
+        archs = [a for a in d.get("architectures") or () if a in DRAFT_ARCHITECTURES]
+        unknown = [a for a in d.get("architectures") or () if "DFlash" in str(a) and a not in DRAFT_ARCHITECTURES]
+        if unknown:
+            raise ValueError(f"unsupported draft architecture {unknown[0]!r}; supported: "
+                             f"{', '.join(DRAFT_ARCHITECTURES)}")
+        arch = DRAFT_ARCHITECTURES[archs[0]] if archs else "dflash"
+        mask = key("mask_token_id")
         if mask is None:
             raise ValueError("draft config has no dflash_config.mask_token_id")
         layers = TargetConfig._from_dict(d, "qwen3")
-        n_target = int(_first(d.get("num_target_layers"), dflash.get("num_target_layers"), 0))
-        ids = dflash.get("target_layer_ids", d.get("target_layer_ids"))
+        n_target = int(key("num_target_layers", 0))
+        ids = key("target_layer_ids")
         if ids is None:
             if not n_target:
                 raise ValueError("draft config has neither dflash_config.target_layer_ids nor num_target_layers")
             ids = default_target_layer_ids(n_target, layers.num_hidden_layers)
-        target_hidden = _first(d.get("target_hidden_size"), dflash.get("target_hidden_size"), None)
+        target_hidden = key("target_hidden_size")
+        causal = d.get("is_causal")
+        softcap = key("final_logit_softcapping")
+        extra = {k: int(key(k, v)) for k, v in DFLASH2_DEFAULTS.items()} if arch == "dflash2" else {}
         return cls(
             layers=layers,
-            block_size=int(_first(d.get("block_size"), dflash.get("block_size"), 16)),
+            block_size=int(key("block_size", 16)),
             num_target_layers=n_target,
             mask_token_id=int(mask),
             target_layer_ids=tuple(int(i) for i in ids),
             target_hidden_size=None if target_hidden is None else int(target_hidden),
+            is_causal=None if causal is None else bool(causal),
+            input_embedding_scale=float(key("input_embedding_scale", 1.0)),
+            output_multiplier=float(key("output_multiplier", 1.0)),
+            final_logit_softcapping=None if softcap is None else float(softcap),
+            architecture=arch,
+            **extra,
         )
 
     def to_hf(self) -> dict:
+        """The released layout; optional keys only when they differ from their defaults (older readers that
+        know none of them then read the same draft)."""
         out = self.layers.to_hf()
-        out["architectures"] = ["DFlashDraftModel"]
+        arch = {v: k for k, v in DRAFT_ARCHITECTURES.items()}[self.architecture]
+        out["architectures"] = [arch]
         out["model_type"] = "qwen3"
         out["block_size"] = self.block_size
         out["num_target_layers"] = self.num_target_layers
-        out["dflash_config"] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.input_embedding_scale != 1.0:
+            dflash["input_embedding_scale"] = self.input_embedding_scale
+        if self.output_multiplier != 1.0:
+            dflash["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.architecture == "dflash2":
+            dflash.update({k: getattr(self, k) for k in DFLASH2_DEFAULTS})
+        out["dflash_config"] = dflash
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
         if self.target_hidden_size is not None:
             out["target_hidden_size"] = self.target_hidden_size
-        out["auto_map"] = {"AutoModel": "dflash.DFlashDraftModel"}
+        out["auto_map"] = {"AutoModel": f"dflash.{arch}"}
         return out
 
     @classmethod
     def for_target(cls, target: TargetConfig, *, draft_layers: int, block_size: int, mask_token_id: int,
-                   target_layer_ids) -> "DraftConfig":
+                   target_layer_ids, layer_types=None, sliding_window: int | None = None,
+                   is_causal: bool | None = None) -> "DraftConfig":
         """A new draft shaped as the released ones: a Qwen3 stack of ``draft_layers`` layers with the target's
         widths, heads, norm eps, special tokens and rope (rotating the whole head: a hybrid target rotates part
         of it in its own attention only). The MLP width is the target's ``intermediate_size`` (a mixture-of-
         experts target's dense width, as the released drafts have) or, without one, its ``moe_intermediate_size``.
-        Built through ``from_hf``, so it equals what ``load_draft`` reads back from its export."""
+        ``layer_types`` / ``sliding_window`` / ``is_causal``: the draft's own attention (default: every layer full
+        and bidirectional). Built through ``from_hf``, so it equals what ``load_draft`` reads back from its export."""
         t = target
         d = {"model_type": "qwen3", "vocab_size": t.vocab_size, "hidden_size": t.hidden_size,
              "intermediate_size": getattr(t, "intermediate_size", None) or t.moe_intermediate_size,
@@ -375,6 +459,10 @@ class DraftConfig:
              "block_size": block_size, "num_target_layers": t.num_hidden_layers,
              "dflash_config": {"mask_token_id": int(mask_token_id),
                                "target_layer_ids": [int(i) for i in target_layer_ids]}}
+        if layer_types is not None:
+            d.update(layer_types=list(layer_types), sliding_window=sliding_window)
+        if is_causal is not None:
+            d["is_causal"] = bool(is_causal)
         draft = cls.from_hf(d)
         draft.check_fits(target)
         return draft

@@ -30,34 +30,131 @@ from dflash_jax.layers import Linear, RMSNorm, random_params
 from dflash_jax.state import DecodeCache, KVSpec
 from dflash_jax.target import Target, check_token_ids
 
-CHECKPOINT = NameTable()  # released drafts: layer names without a prefix
+_CODEBOOKS = ("predecessor_codebook", "successor_codebook")
+
+
+def _codebook_names(stream):
+    """DFlash2 codebooks are stored without a ``.weight`` suffix; accept checkpoints written with one."""
+    for name, array in stream:
+        stem = name[:-len(".weight")] if name.endswith(".weight") else name
+        yield (stem if stem.split(".")[-1] in _CODEBOOKS else name), array
+
+
+# released drafts: layer names without a prefix; DFlash2's own leaves keep their names
+CHECKPOINT = NameTable(leaves=(("base_kernel", "base_kernel", False),) + tuple((c, c, False) for c in _CODEBOOKS),
+                       rewrite=_codebook_names)
+
+
+class DynamicConv(nn.Module):
+    """DFlash2's grouped dynamic causal convolution over each block's positions (never the context):
+    conv(x, d, b)[t, c] = sum_{o<K} (b[o, c] + d[t, o, c // gs]) * x[t-o, c], x before the block's start = 0.
+    ``prepare`` convolves the sublayer input with the first kernel and returns the second, projected from
+    the same input, for ``finish`` to convolve the sublayer output with."""
+
+    hidden: int
+    kernel_size: int
+    group_size: int
+
+    def setup(self):
+        self.base_kernel = self.param("base_kernel", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                                                  (None, None, "embed")),
+                                      (2, self.kernel_size, self.hidden))
+        self.kernel_projection = Linear(2 * self.kernel_size * (self.hidden // self.group_size), False,
+                                        ("embed", None))
+
+    def _conv(self, x, dyn, base, block: int):
+        """x [B, L, H] (L = N blocks of ``block``), dyn [B, L, K, G], base [K, H] -> [B, L, H]."""
+        b, length, h = x.shape
+        xb = x.reshape(b, length // block, block, h)
+        dyn = jnp.repeat(dyn.reshape(b, length // block, block, self.kernel_size, -1), self.group_size, axis=-1)
+        out = jnp.zeros_like(xb)
+        for o in range(min(self.kernel_size, block)):
+            shifted = jnp.pad(xb[:, :, :block - o], ((0, 0), (0, 0), (o, 0), (0, 0)))
+            out = out + (jnp.asarray(base[o], x.dtype) + dyn[:, :, :, o]) * shifted
+        return out.reshape(x.shape)
+
+    def prepare(self, x, block: int):
+        dyn = self.kernel_projection(x).reshape(*x.shape[:2], 2, self.kernel_size, -1)
+        return self._conv(x, dyn[:, :, 0], self.base_kernel[0], block), dyn[:, :, 1]
+
+    def finish(self, x, dyn, block: int):
+        return self._conv(x, dyn, self.base_kernel[1], block)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's selector parameters: ``hidden_projection`` [H -> r] and the [V, r] predecessor / successor
+    codebooks (``select`` walks them)."""
+
+    vocab: int
+    rank: int
+
+    def setup(self):
+        self.hidden_projection = Linear(self.rank, False, ("embed", None))
+        init = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", None))
+        self.predecessor_codebook = self.param("predecessor_codebook", init, (self.vocab, self.rank))
+        self.successor_codebook = self.param("successor_codebook", init, (self.vocab, self.rank))
+
+    def __call__(self, h):
+        """Final-normed hidden [B, T, H] -> (u [B, T, r], predecessor [V, r], successor [V, r])."""
+        return self.hidden_projection(h), self.predecessor_codebook, self.successor_codebook
 
 
 class DraftLayer(DecoderLayer):
-    """A Qwen3 layer whose queries (the block) attend to injected context K/V plus the block itself."""
+    """A Qwen3 layer whose queries (the block) attend to injected context K/V plus the block itself;
+    a DFlash2 layer also convolves around each sublayer (``DynamicConv``)."""
+
+    draft: DraftConfig | None = None
+
+    def setup(self):
+        super().setup()
+        d = self.draft
+        if d is not None and d.architecture == "dflash2":
+            args = (self.cfg.hidden_size, d.conv_kernel_size, d.conv_group_size)
+            self.attention_conv, self.mlp_conv = DynamicConv(*args), DynamicConv(*args)
+
+    @property
+    def convolves(self) -> bool:
+        return self.draft is not None and self.draft.architecture == "dflash2"
 
     def context_kv(self, ctx, positions):
         return self.self_attn.keys_values(ctx, positions)
 
     def __call__(self, x, positions, anchors, k_ctx, v_ctx, impl: str = "auto", ctx_start=None,
-                 decode_impl: str | None = None):
+                 decode_impl: str | None = None, block_len=None):
+        block = x.shape[1] // anchors.shape[1]
         h = self.input_layernorm(x)
+        if self.convolves:
+            h, dyn = self.attention_conv.prepare(h, block)
         q = self.self_attn.queries(h, positions)
         k, v = self.self_attn.keys_values(h, positions)
         window = self.cfg.layer_window(self.index)
+        causal = self.draft is not None and self.draft.layer_causal(self.index)
         if decode_impl is None:
-            o = block_attention(q, k_ctx, v_ctx, k, v, anchors, block_size=x.shape[1] // anchors.shape[1],
-                                sliding_window=window, impl=impl, ctx_start=ctx_start)
-        else:  # one block per row: context slots < its anchor, its own block bidirectionally
-            q_pos = jnp.where(anchors >= 0, positions, -1)
+            o = block_attention(q, k_ctx, v_ctx, k, v, anchors, block_size=block, sliding_window=window, impl=impl,
+                                ctx_start=ctx_start, **({'block_causal': True} if causal else {}))  # TEMP
+        else:  # one block per row: context slots < its anchor, its own block (positions < block_len, if given)
+            live = anchors >= 0
+            if block_len is not None:
+                live = live & (jnp.arange(block)[None] < block_len[:, None])
+            q_pos = jnp.where(live, positions, -1)
             o = decode_attention(q, k_ctx, v_ctx, q_pos, jnp.maximum(anchors[:, 0], 0), k, v, sliding_window=window,
-                                 impl=decode_impl)
-        x = x + self.self_attn.output(o)
-        return x + self.mlp(self.post_attention_layernorm(x))
+                                 impl=decode_impl, **({'new_causal': True} if causal else {}))  # TEMP
+        o = self.self_attn.output(o)
+        if self.convolves:
+            o = self.attention_conv.finish(o, dyn, block)
+        x = x + o
+        h = self.post_attention_layernorm(x)
+        if self.convolves:
+            h, dyn = self.mlp_conv.prepare(h, block)
+        h = self.mlp(h)
+        if self.convolves:
+            h = self.mlp_conv.finish(h, dyn, block)
+        return x + h
 
 
 class DFlashDraft(nn.Module):
-    """Parameter names as in the released checkpoints: ``fc``, ``hidden_norm``, ``layers_N``, ``norm``."""
+    """Parameter names as in the released checkpoints: ``fc``, ``hidden_norm``, ``layers_N``, ``norm``
+    (+ DFlash2's ``candidate_selector``)."""
 
     cfg: DraftConfig
 
@@ -65,8 +162,10 @@ class DFlashDraft(nn.Module):
         c = self.cfg.layers
         self.fc = Linear(c.hidden_size, False, ("features", "embed"))
         self.hidden_norm = RMSNorm(c.rms_norm_eps)
-        self.layers = [DraftLayer(c, i) for i in range(c.num_hidden_layers)]
+        self.layers = [DraftLayer(c, i, draft=self.cfg) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps)
+        if self.cfg.architecture == "dflash2":
+            self.candidate_selector = CandidateSelector(c.vocab_size, self.cfg.selector_rank)
 
     def context_kv(self, features, positions):
         """Target features [B, T, n*D] at ``positions`` [B, T] -> per-layer (k, v) tuples, each [B, T, K, H]."""
@@ -74,26 +173,32 @@ class DFlashDraft(nn.Module):
         kv = [layer.context_kv(ctx, positions) for layer in self.layers]
         return tuple(k for k, _ in kv), tuple(v for _, v in kv)
 
-    def __call__(self, x, anchors, k_ctx, v_ctx, impl: str = "auto", ctx_start=None, decode_impl: str | None = None):
+    def __call__(self, x, anchors, k_ctx, v_ctx, impl: str = "auto", ctx_start=None, decode_impl: str | None = None,
+                 block_len=None):
         """Block embeddings x [B, N*Bk, D] (block b anchored at anchors[:, b]) -> final-normed hidden.
 
         k_ctx / v_ctx: per-layer [B, S, K, H] context K/V, slot s holding position s; ``ctx_start``
         [B, N] (training on packed rows): the first context slot each block sees (None: 0). ``impl``: the
         block attention's (training); ``decode_impl`` (decoding, one block per row): the decode attention's
-        instead.
+        instead, and ``block_len`` [B] (optional) the block positions a row keeps (the later ones are left
+        out, as a shorter block would be: the reference's last step).
         """
         block = x.shape[1] // anchors.shape[1]
         if decode_impl is not None and anchors.shape[1] != 1:
             raise ValueError(f"decode attention takes one block per row, got {anchors.shape[1]}")
         positions = (anchors[:, :, None] + jnp.arange(block, dtype=anchors.dtype)).reshape(x.shape[:2])
         for layer, k, v in zip(self.layers, k_ctx, v_ctx):
-            x = layer(x, positions, anchors, k, v, impl, ctx_start, decode_impl)
+            x = layer(x, positions, anchors, k, v, impl, ctx_start, decode_impl, block_len)
         return self.norm(x)
+
+    def select_inputs(self, h):
+        return self.candidate_selector(h)
 
     def initialize(self, features, x):
         positions = jnp.broadcast_to(jnp.arange(features.shape[1]), features.shape[:2])
         k, v = self.context_kv(features, positions)
-        return self(x, jnp.full((x.shape[0], 1), features.shape[1]), k, v)
+        h = self(x, jnp.full((x.shape[0], 1), features.shape[1]), k, v)
+        return self.candidate_selector(h) if self.cfg.architecture == "dflash2" else h
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -141,6 +246,10 @@ def init_draft_params(cfg: DraftConfig, seed: int = 0, dtype=jnp.float32):
 def check_fits(target: Target, draft: Draft) -> None:
     """Config checks plus the fused-feature width, before any compute; messages name both sides."""
     draft.config.check_fits(target.config)
+    if draft.config.architecture == "dflash2":
+        rows = draft.params["candidate_selector"]["successor_codebook"].shape[0]
+        if rows < target.config.vocab_size:
+            raise ValueError(f"draft codebooks have {rows} rows for a target vocabulary of {target.config.vocab_size}")
     fc_in = draft.params["fc"]["kernel"].shape[0]
     want = draft.config.num_features * target.config.hidden_size
     if fc_in != want:
@@ -164,53 +273,135 @@ def materialize(cfg: DraftConfig, params, cache: DecodeCache, features, position
 
 
 def draft_hidden(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto",
-                 ctx_start=None, decode_impl: str | None = None):
+                 ctx_start=None, decode_impl: str | None = None, block_len=None):
     """THE draft forward (decoding and training): block token ids [B, N*Bk], block b anchored at
     ``anchors[:, b]`` (seeing context slots from ``ctx_start[:, b]``, default 0), embedded with the
-    target's table; per-layer context K/V [B, S, K, H] (slot s = position s) -> final-normed hidden
-    states [B, N*Bk, D] in the context's dtype. ``decode_impl``: see ``DFlashDraft.__call__`` (not
-    differentiable; None for training)."""
+    target's raw table times ``input_embedding_scale``; per-layer context K/V [B, S, K, H] (slot s =
+    position s) -> final-normed hidden states [B, N*Bk, D] in the context's dtype. ``decode_impl``,
+    ``block_len``: see ``DFlashDraft.__call__`` (not differentiable; None for training)."""
     x = target_lib.embed(tcfg, tparams, block_ids).astype(k_ctx[0].dtype)
-    return DFlashDraft(cfg).apply({"params": params}, x, anchors, k_ctx, v_ctx, impl, ctx_start, decode_impl)
+    if cfg.input_embedding_scale != 1.0:
+        x = x * jnp.asarray(cfg.input_embedding_scale, x.dtype)
+    return DFlashDraft(cfg).apply({"params": params}, x, anchors, k_ctx, v_ctx, impl, ctx_start, decode_impl,
+                                  block_len)
+
+
+def logits(tcfg, tparams, cfg: DraftConfig, h):
+    """Draft logits (float32) of final-normed draft hidden states: the target's lm_head, times the draft's
+    ``output_multiplier``, then ``cap * tanh(logits / cap)`` when ``final_logit_softcapping`` is set."""
+    out = target_lib.head(tcfg, tparams, h)
+    if cfg.output_multiplier != 1.0:
+        out = out * jnp.float32(cfg.output_multiplier)
+    if cfg.final_logit_softcapping is not None:
+        cap = jnp.float32(cfg.final_logit_softcapping)
+        out = cap * jnp.tanh(out / cap)
+    return out
 
 
 def block_logits(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto",
-                 drop_anchor: bool = False, decode_impl: str | None = None):
-    """``draft_hidden`` -> float32 logits through the target's lm_head.
+                 drop_anchor: bool = False, decode_impl: str | None = None, block_len=None, with_hidden=False):
+    """``draft_hidden`` -> float32 ``logits``.
     ``drop_anchor`` (one block per row): logits of positions 1.. only, [B, Bk-1, V]; the lm_head then skips
-    the anchor row, whose logits decoding never uses (on a CPU the head is a large part of a draft forward)."""
-    h = draft_hidden(tcfg, tparams, cfg, params, block_ids, anchors, k_ctx, v_ctx, impl, decode_impl=decode_impl)
-    return target_lib.head(tcfg, tparams, h[:, 1:] if drop_anchor else h)
+    the anchor row, whose logits decoding never uses (on a CPU the head is a large part of a draft forward).
+    ``with_hidden``: (logits, the hidden states they came from)."""
+    h = draft_hidden(tcfg, tparams, cfg, params, block_ids, anchors, k_ctx, v_ctx, impl, decode_impl=decode_impl,
+                     block_len=block_len)
+    h = h[:, 1:] if drop_anchor else h
+    out = logits(tcfg, tparams, cfg, h)
+    return (out, h) if with_hidden else out
+
+
+def select(cfg: DraftConfig, params, h, scores, anchor, *, temperature=None, key=None):
+    """DFlash2's candidate-selector walk over one block per row: final-normed hidden h [B, T, D] and draft
+    logits ``scores`` [B, T, V] of block positions 1..T, ``anchor`` [B] (block token 0) -> (tokens [B, T]
+    int32, candidates [B, T, k] int32, walk scores [B, T, k] float32). Per position t the top-k logits
+    (unary) are the candidates; s_j = unary_j + sum_r A[pred, r] u[t, r] S[cand_j, r] (A, S the predecessor /
+    successor codebooks, u the projected hidden), pred the previous token (the anchor first). Greedy
+    (``temperature`` None) takes argmax s; otherwise a draw from softmax(s / temperature) with ``key``."""
+    u, pred_book, succ_book = DFlashDraft(cfg).apply({"params": params}, h, method=DFlashDraft.select_inputs)
+    unary, cand = jax.lax.top_k(scores, cfg.selector_top_k)
+    succ = jnp.take(succ_book, cand, axis=0).astype(jnp.float32)  # [B, T, k, r]
+    keys = jax.random.split(key, scores.shape[1]) if key is not None else jnp.zeros((scores.shape[1], 2), jnp.uint32)
+
+    def walk(pred, xs):
+        u_t, unary_t, cand_t, succ_t, key_t = xs
+        a = jnp.take(pred_book, pred, axis=0).astype(jnp.float32) * u_t.astype(jnp.float32)
+        s = unary_t + jnp.einsum("BR,BKR->BK", a, succ_t)
+        if temperature is None:
+            j = jnp.argmax(s, axis=-1)
+        else:
+            j = jax.random.categorical(key_t, s / temperature, axis=-1)
+        token = jnp.take_along_axis(cand_t, j[:, None], axis=1)[:, 0].astype(jnp.int32)
+        return token, (token, s)
+
+    xs = tuple(jnp.swapaxes(x, 0, 1) for x in (u, unary, cand, succ)) + (keys,)
+    _, (tokens, walk_scores) = jax.lax.scan(walk, anchor.astype(jnp.int32), xs)
+    return jnp.swapaxes(tokens, 0, 1), cand.astype(jnp.int32), jnp.swapaxes(walk_scores, 0, 1)
+
+
+def on_vocab(candidates, values, vocab: int, fill=-jnp.inf):
+    """Per-candidate ``values`` [B, T, k] scattered onto the vocabulary [B, T, V] (``fill`` elsewhere)."""
+    b, t, _ = candidates.shape
+    rows, cols = jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None]
+    return jnp.full((b, t, vocab), fill, values.dtype).at[rows, cols, candidates].set(values)
 
 
 def propose(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto",
-            decode_impl: str | None = None):
-    """Greedy draft tokens for one block per row: block_ids [B, K] = [anchor token, mask...] -> [B, K-1] int32."""
-    logits = block_logits(tcfg, tparams, cfg, params, block_ids, anchors, k_ctx, v_ctx, impl, drop_anchor=True,
-                          decode_impl=decode_impl)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            decode_impl: str | None = None, block_len=None):
+    """Greedy draft tokens for one block per row: block_ids [B, K] = [anchor token, mask...] -> [B, K-1] int32
+    (the argmax of the draft logits; DFlash2: the candidate-selector walk)."""
+    out, h = block_logits(tcfg, tparams, cfg, params, block_ids, anchors, k_ctx, v_ctx, impl, drop_anchor=True,
+                          decode_impl=decode_impl, block_len=block_len, with_hidden=True)
+    if cfg.architecture == "dflash2":
+        return select(cfg, params, h, out, block_ids[:, 0])[0]
+    return jnp.argmax(out, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "cfg"))
-def _draft_block_logits(tcfg, tparams, cfg, params, context_ids, block_ids):
+def _context_cache(tcfg, tparams, cfg, params, context_ids):
     b, t = context_ids.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     _, features, _ = target_lib.forward(tcfg, tparams, context_ids, positions, feature_layer_ids=cfg.target_layer_ids)
     k, v = context_kv(cfg, params, features, positions)
-    anchors = jnp.full((b, 1), t, jnp.int32)
-    return block_logits(tcfg, tparams, cfg, params, block_ids, anchors, k, v)
+    return jnp.full((b, 1), t, jnp.int32), k, v
 
 
-def draft_block_logits(target: Target, draft: Draft, context_ids, block_ids) -> np.ndarray:
-    """Target runs on ``context_ids`` [B, T] (positions 0..T-1); the draft predicts ``block_ids`` [B, L]
-    placed at T..T+L-1 and returns its logits [B, L, V] (float32) through the target's lm_head."""
+@functools.partial(jax.jit, static_argnames=("tcfg", "cfg"))
+def _draft_block_logits(tcfg, tparams, cfg, params, context_ids, block_ids):
+    return block_logits(tcfg, tparams, cfg, params, block_ids, *_context_cache(tcfg, tparams, cfg, params, context_ids))
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "cfg"))
+def _draft_block_tokens(tcfg, tparams, cfg, params, context_ids, block_ids):
+    anchors, k, v = _context_cache(tcfg, tparams, cfg, params, context_ids)
+    return propose(tcfg, tparams, cfg, params, block_ids, anchors, k, v)
+
+
+def _checked_inputs(target: Target, draft: Draft, context_ids, block_ids):
     check_fits(target, draft)
     v = target.config.vocab_size
     ctx = check_token_ids(context_ids, v, "context_ids")
     blk = check_token_ids(block_ids, v, "block_ids")
     if blk.shape[0] != ctx.shape[0]:
         raise ValueError(f"context_ids has batch {ctx.shape[0]} but block_ids has batch {blk.shape[0]}")
+    return ctx, blk
+
+
+def draft_block_logits(target: Target, draft: Draft, context_ids, block_ids) -> np.ndarray:
+    """Target runs on ``context_ids`` [B, T] (positions 0..T-1); the draft predicts ``block_ids`` [B, L]
+    placed at T..T+L-1 and returns its logits [B, L, V] (float32; ``logits``: the target's lm_head, then the
+    draft's output multiplier and soft cap)."""
+    ctx, blk = _checked_inputs(target, draft, context_ids, block_ids)
     return np.asarray(_draft_block_logits(target.config, target.params, draft.config, draft.params, ctx, blk))
+
+
+def draft_block_tokens(target: Target, draft: Draft, context_ids, block_ids) -> np.ndarray:
+    """The draft's greedy proposal [B, L-1] (int) for block positions 1..L-1 of ``block_ids`` [B, L] placed
+    after ``context_ids`` [B, T]: the argmax of ``draft_block_logits`` (DFlash v1), the candidate-selector
+    walk (DFlash2)."""
+    ctx, blk = _checked_inputs(target, draft, context_ids, block_ids)
+    if blk.shape[1] < 2:
+        raise ValueError(f"block_ids needs at least 2 positions (an anchor and one to draft), got {blk.shape[1]}")
+    return np.asarray(_draft_block_tokens(target.config, target.params, draft.config, draft.params, ctx, blk))
 
 
 # --- Hugging Face layout ------------------------------------------------------------------------

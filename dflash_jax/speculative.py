@@ -33,10 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import draft as draft_lib
-from dflash_jax import sharding
+from dflash_jax import proposers, sharding
 from dflash_jax import target as target_lib
 from dflash_jax.attention import DECODE_IMPLS
 from dflash_jax.config import DraftConfig
+from dflash_jax.proposers import Proposer, StepView
 from dflash_jax.sampling import SamplingParams, accepted_length, choose, filtered_scores, rejection_sample
 from dflash_jax.state import DecodeCache
 from dflash_jax.target import Target, check_token_ids
@@ -46,7 +47,7 @@ FINISH_REASONS = ("running", "length", "stop")
 
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
-    """Everything static about a compiled decode loop."""
+    """Everything static about a compiled decode loop (the one frozen object its functions are bound to)."""
 
     target: Any  # the target's config (any family)
     draft: DraftConfig | None
@@ -54,7 +55,7 @@ class EngineSpec:
     greedy: bool
     mesh: Any = None  # jax.sharding.Mesh the params live on (None: one device); rows and caches go over data
     acceptance: str = "rejection"  # "match" | "rejection" (sampling.py); greedy decoding always matches
-    replay: bool = False  # benchmarking (``Replay``): drafts replaced by a reference cut at a drawn length
+    proposer: Proposer | None = None  # what a step drafts (``proposers``); None: plain decoding
     attention_impl: str = "auto"  # target decode / verify and draft attention (``attention.decode_attention``)
     verify_lengths: tuple[int, ...] | None = None  # adaptive verify: the lengths a step may verify (None: the block)
 
@@ -87,6 +88,23 @@ class EngineSpec:
 
 
 @flax.struct.dataclass
+class Inputs:
+    """The compiled loop's runtime inputs (rows first where they have rows)."""
+
+    tparams: Any
+    dparams: Any  # None for plain decoding
+    prompts: jax.Array  # [B, P] int32, padded to a bucket
+    lens: jax.Array  # [B] prompt lengths
+    budget: jax.Array  # [B] most tokens each row may generate
+    stop_ids: jax.Array  # [8k] int32 stop token ids, padded with -1
+    sampling: tuple  # (temperature, top_k, top_p) scalars
+    key: jax.Array
+    mask_token_id: jax.Array
+    threshold: jax.Array  # the adaptive verify rule's (``_verify_choice``; unused with one verify length)
+    proposer_args: Any = None  # the proposer's runtime arrays (``Proposer.arrays``)
+
+
+@flax.struct.dataclass
 class DecodeState:
     tokens: jax.Array  # [B, S] tokens by position; tokens[b, n_b] is the pending (not yet cached) token
     tcache: DecodeCache  # target layer states; lengths = n, the committed tokens they hold
@@ -104,7 +122,8 @@ class DecodeState:
         return self.finish > 0
 
 
-def _prefill(spec: EngineSpec, tparams, dparams, prompts, lens, budget, stop_ids, sampling, key, cache_len: int):
+def _prefill(spec: EngineSpec, inp: Inputs, cache_len: int):
+    tparams, dparams, prompts, lens, budget = inp.tparams, inp.dparams, inp.prompts, inp.lens, inp.budget
     b, p = prompts.shape
     dtype = jax.tree_util.tree_leaves(tparams)[0].dtype
     tcache = target_lib.new_cache(spec.target, b, cache_len, dtype, max_block=spec.block_size)
@@ -113,35 +132,21 @@ def _prefill(spec: EngineSpec, tparams, dparams, prompts, lens, budget, stop_ids
     logits, features, tcache = target_lib.forward(spec.target, tparams, prompts, positions, tcache,
                                                   spec.feature_layer_ids, lens - 1,
                                                   attention_impl=spec.attention_impl)
-    key, sub = jax.random.split(key)
-    first = choose(logits[:, 0], sub, *sampling, greedy=spec.greedy)
+    key, sub = jax.random.split(inp.key)
+    first = choose(logits[:, 0], sub, *inp.sampling, greedy=spec.greedy)
     rows = jnp.arange(b)
     tokens = jnp.zeros((b, cache_len), jnp.int32).at[:, :p].set(prompts).at[rows, lens].set(first)
     dcache = None
     if spec.speculative:
         dcache = draft_lib.new_cache(spec.draft, b, cache_len, dtype)
         dcache = draft_lib.materialize(spec.draft, dparams, dcache, features, positions).commit(lens)
-    stopped = jnp.isin(first, stop_ids)
+    stopped = jnp.isin(first, inp.stop_ids)
     finish = jnp.where(stopped, 2, jnp.where(budget <= 1, 1, 0)).astype(jnp.int32)
     return spec.place(DecodeState(tokens=tokens, tcache=tcache.commit(lens), dcache=dcache,
                                   generated=jnp.ones((b,), jnp.int32), budget=budget, finish=finish,
                                   acceptance=jnp.zeros((b, cache_len), jnp.int32),
                                   verified=jnp.zeros((b, cache_len), jnp.int32), steps=jnp.zeros((b,), jnp.int32),
                                   key=key))
-
-
-def _replayed(drafts, reference, probs, n, key, vocab: int):
-    """The replay draft (``Replay``): per row a length L drawn from ``probs`` (P(L = 1..K)); the block's draft
-    tokens are the reference's tokens n+1..n+L-1 (the target's own continuation: accepted) and then wrong
-    ones (reference + 1 mod vocab: rejected), so L tokens are committed. The real ``drafts`` stay an input
-    (a select that never picks them) so the draft forward runs and is paid for (the compiled loop keeps
-    every draft matmul: the same dot count as without replay)."""
-    b, k1 = drafts.shape
-    length = jax.random.categorical(key, jnp.log(probs), shape=(b,)) + 1
-    pos = n[:, None] + 1 + jnp.arange(k1)
-    ref = jnp.take_along_axis(reference, jnp.minimum(pos, reference.shape[1] - 1), axis=1)
-    out = jnp.where(jnp.arange(k1)[None] < length[:, None] - 1, ref, (ref + 1) % vocab)
-    return jnp.where(drafts < 0, drafts, out)
 
 
 def _verify_choice(confidence, active, lengths: tuple[int, ...], threshold):
@@ -166,7 +171,7 @@ def _verify(spec: EngineSpec, tparams, dparams, block, positions, active, tcache
                                                   tcache, spec.feature_layer_ids, attention_impl=spec.attention_impl)
     if spec.speculative:  # slots past n+a are masked until overwritten
         ctx_positions = jnp.where(active[:, None], positions[:, :length], -1)
-        dcache = draft_lib.materialize(spec.draft, dparams, dcache, features, ctx_positions)
+        dcache = spec.proposer.update_context(spec, dparams, dcache, features, ctx_positions)
     return jnp.pad(logits, ((0, 0), (0, block.shape[1] - length), (0, 0))), tcache, dcache
 
 
@@ -187,11 +192,9 @@ def _verify_chosen(spec: EngineSpec, choice, tparams, dparams, tcache, dcache, b
     return carry
 
 
-def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, sampling, mask_token_id, threshold,
-          replay=None) -> DecodeState:
-    """One draft + verify + commit for every row that is not done (done rows do not change).
-    ``threshold``: the adaptive verify rule's (``_verify_choice``; unused with one verify length).
-    ``replay``: (reference [B, S], probs [K]) when ``spec.replay`` (benchmarking), else None."""
+def _step(spec: EngineSpec, inp: Inputs, state: DecodeState) -> DecodeState:
+    """One draft + verify + commit for every row that is not done (done rows do not change)."""
+    tparams, dparams, sampling = inp.tparams, inp.dparams, inp.sampling
     b, cache_len = state.tokens.shape
     k = spec.block_size
     rows = jnp.arange(b)
@@ -201,21 +204,16 @@ def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, samp
     key, k_draft, k_target = jax.random.split(state.key, 3)
     choice = jnp.int32(0)
     if spec.speculative:
-        block = jnp.concatenate([pending[:, None], jnp.full((b, k - 1), mask_token_id, jnp.int32)], axis=1)
-        draft_scores = draft_lib.block_logits(spec.target, tparams, spec.draft, dparams, block, n[:, None],
-                                              *draft_lib.cache_kv(state.dcache), drop_anchor=True,
-                                              decode_impl=spec.attention_impl)
-        if spec.rejection:  # drafts sampled from the draft's own processed distribution
-            draft_scores = filtered_scores(draft_scores, *sampling)
-            drafts = jax.random.categorical(k_draft, draft_scores, axis=-1).astype(jnp.int32)
-        else:
-            drafts = jnp.argmax(draft_scores, axis=-1).astype(jnp.int32)
-            if spec.replay:
-                drafts = _replayed(drafts, *replay, n, k_draft, spec.target.vocab_size)
-        block = block.at[:, 1:].set(drafts)
+        block = jnp.concatenate([pending[:, None], jnp.full((b, k - 1), inp.mask_token_id, jnp.int32)], axis=1)
+        # the block positions a row can still commit (the reference drafts a shorter block at the end)
+        block_len = jnp.clip(state.budget - state.generated + 1, 1, k)
+        view = StepView(tparams, dparams, block, n, block_len, state.dcache, k_draft, sampling, inp.proposer_args)
+        proposal = spec.proposer.propose(spec, view)
+        block = block.at[:, 1:].set(proposal.tokens)
         if len(spec.lengths) > 1:  # confidence: the largest probability (never the drawn token's: see README)
-            confidence = jnp.exp(jnp.max(draft_scores, axis=-1) - jax.nn.logsumexp(draft_scores, axis=-1))
-            choice = _verify_choice(confidence, active, spec.lengths, threshold)
+            scores = proposal.scores
+            confidence = jnp.exp(jnp.max(scores, axis=-1) - jax.nn.logsumexp(scores, axis=-1))
+            choice = _verify_choice(confidence, active, spec.lengths, inp.threshold)
     else:
         block = pending[:, None]
     offsets = jnp.arange(k, dtype=jnp.int32)
@@ -224,15 +222,15 @@ def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, samp
                                             positions, active)
     length = jnp.asarray(spec.lengths, jnp.int32)[choice]
     if spec.rejection:  # posterior: d_1..d_a, then the residual / bonus token
-        a, posterior = rejection_sample(draft_scores, drafts, filtered_scores(logits, *sampling), k_target,
-                                        verified=length - 1)
+        a, posterior = rejection_sample(proposal.scores, proposal.tokens, filtered_scores(logits, *sampling),
+                                        k_target, verified=length - 1)
     else:
         posterior = choose(logits, k_target, *sampling, greedy=spec.greedy)  # p_0..p_{k-1}
         a = jnp.minimum(accepted_length(block[:, 1:], posterior), length - 1) if k > 1 else jnp.zeros((b,), jnp.int32)
 
     # Commit p_0..p_a, cut at the budget and just after the first stop token.
     limit = jnp.minimum(a + 1, state.budget - state.generated)
-    is_stop = jnp.isin(posterior, stop_ids) & (offsets[None] < limit[:, None])
+    is_stop = jnp.isin(posterior, inp.stop_ids) & (offsets[None] < limit[:, None])
     hit_stop = is_stop.any(axis=1)
     keep = jnp.where(hit_stop, jnp.argmax(is_stop, axis=1) + 1, limit)
     write = active[:, None] & (offsets[None] < keep[:, None])
@@ -250,28 +248,13 @@ def _step(spec: EngineSpec, tparams, dparams, state: DecodeState, stop_ids, samp
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "cache_len"))
-def _generate(spec, tparams, dparams, prompts, lens, budget, stop_ids, sampling, key, mask_token_id, threshold,
-              replay=None, *, cache_len):
-    state = _prefill(spec, tparams, dparams, prompts, lens, budget, stop_ids, sampling, key, cache_len)
-    body = functools.partial(_step, spec, tparams, dparams, stop_ids=stop_ids, sampling=sampling,
-                             mask_token_id=mask_token_id, threshold=threshold, replay=replay)
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+def _generate(spec: EngineSpec, inp: Inputs, *, cache_len: int):
+    state = _prefill(spec, inp, cache_len)
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), functools.partial(_step, spec, inp), state)
 
 
 _prefill_jit = jax.jit(_prefill, static_argnames=("spec", "cache_len"))
 _step_jit = jax.jit(_step, static_argnames=("spec",), donate_argnames=("state",))
-
-
-@dataclasses.dataclass(frozen=True)
-class Replay:
-    """Benchmarking with a known acceptance length (``dflash_jax.synthetic``; greedy only). The draft forward
-    runs as always, but each step's draft tokens are replaced by the row's ``reference`` (its prompt + the
-    target's own greedy continuation, e.g. the output of plain decoding) cut at a length L drawn from
-    ``probs`` (P(L = 1..K), K the block size) and followed by wrong tokens, so each step commits L tokens
-    (fewer only where the budget ends the row) and the output still equals plain decoding."""
-
-    reference: Sequence[Sequence[int]]  # one per prompt, starting with the prompt
-    probs: Any  # [K] probabilities of acceptance lengths 1..K
 
 
 @dataclasses.dataclass
@@ -317,14 +300,23 @@ def _round_up(x: int, m: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class _Request:
     spec: EngineSpec
-    args: tuple
+    inputs: Inputs
     cache_len: int
     lens: np.ndarray
 
 
-def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, sampling: SamplingParams,
-             stop_token_ids, seed, max_length, replay: Replay | None = None, attention_impl: str = "auto",
-             cache_len: int | None = None, verify_lengths=None, verify_threshold: float = 0.1) -> _Request:
+def cache_length(prompt_lengths, budget, block_size: int, cache_len: int | None = None) -> int:
+    """Cache slots per row for these prompt lengths and budgets: prompt bucket or prompt + budget, plus a
+    block, rounded up to 128 (buckets bound the number of compilations); at least ``cache_len``."""
+    lens, budget = np.asarray(prompt_lengths), np.asarray(budget)
+    p_bucket = _round_up(int(lens.max()), 32)
+    return max(_round_up(max(int((lens + budget).max()), p_bucket) + block_size + 1, 128), cache_len or 0)
+
+
+def _prepare(target: Target, draft, prompts, *, max_new_tokens, sampling: SamplingParams, block_size=None,
+             stop_token_ids=None, seed=0, max_length=None, proposer: Proposer | None = None,
+             attention_impl: str = "auto", cache_len: int | None = None, verify_lengths=None,
+             verify_threshold: float = 0.1) -> _Request:
     """Validate everything before any compute and build padded, bucketed inputs."""
     if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
         prompts = list(prompts)
@@ -349,11 +341,10 @@ def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, samplin
     else:
         if block_size not in (None, 1):
             raise ValueError(f"block_size {block_size} needs a draft; plain decoding uses a block of 1")
+        if proposer is not None:
+            raise ValueError("a proposer needs a draft")
         block_size = 1
     verify_lengths = _check_verify_lengths(verify_lengths, block_size, verify_threshold)
-    if verify_lengths is not None and replay is not None:
-        raise ValueError("verify_lengths cannot be combined with replay: a replayed step commits the length it "
-                         "drew, which a shorter verify would cut")
     lens = np.array([len(r) for r in rows], np.int32)
     limit = max_length or target.config.max_position_embeddings
     too_long = [i for i, n in enumerate(lens) if n >= limit]
@@ -363,34 +354,38 @@ def _prepare(target: Target, draft, prompts, max_new_tokens, block_size, samplin
     if attention_impl not in DECODE_IMPLS:
         raise ValueError(f"attention_impl must be one of {', '.join(DECODE_IMPLS)}, got {attention_impl!r}")
     budget = np.minimum(max_new_tokens, limit - lens).astype(np.int32)
-    p_bucket = _round_up(int(lens.max()), 32)  # buckets bound the number of compilations
-    cache_len = max(_round_up(max(int((lens + budget).max()), p_bucket) + block_size + 1, 128), cache_len or 0)
+    p_bucket = _round_up(int(lens.max()), 32)
+    cache_len = cache_length(lens, budget, block_size, cache_len)
     padded = np.zeros((len(rows), p_bucket), np.int32)
     for i, r in enumerate(rows):
         padded[i, :len(r)] = r
     stops = sorted({int(s) for s in (stop_token_ids or ())})
     stop_arr = np.full((_round_up(max(len(stops), 1), 8),), -1, np.int32)
     stop_arr[:len(stops)] = stops
-    dparams = draft.params if draft is not None and block_size > 1 else None
+    speculative = draft is not None and block_size > 1
+    dparams = draft.params if speculative else None
     mesh = sharding.mesh_of(target.params, dparams)
     if attention_impl == "auto" and mesh is not None and mesh.size > 1:
         attention_impl = "loop"  # the Pallas decode kernel sees one device's arrays (no shard_map around it yet)
+    if speculative and proposer is None:
+        proposer = proposers.for_draft(draft.config, sampled=not sampling.greedy and sampling.acceptance == "rejection")
     spec = EngineSpec(target.config, draft.config if draft is not None else None, block_size, sampling.greedy, mesh,
-                      sampling.acceptance, replay is not None, attention_impl, verify_lengths)
-    replay_args = () if replay is None else (_replay_arrays(replay, spec, len(rows), cache_len),)
-    mask_id = np.int32(draft.config.mask_token_id if draft is not None else 0)
-    samp = (np.float32(max(sampling.temperature, 1e-6)), np.int32(sampling.top_k), np.float32(sampling.top_p))
+                      sampling.acceptance, proposer if speculative else None, attention_impl, verify_lengths)
+    extra = spec.proposer.arrays(spec, len(rows), cache_len) if speculative else None
     batch = (padded, lens, budget)
     if mesh is not None:  # rows over data*fsdp: pad with 1-token rows that finish at prefill (budget 1)
-        extra = sharding.pad_rows(len(rows), mesh)
-        batch = sharding.shard_batch((np.pad(padded, ((0, extra), (0, 0))), np.pad(lens, (0, extra), constant_values=1),
-                                      np.pad(budget, (0, extra), constant_values=1)), mesh)
-        if replay_args:
-            ref, probs = replay_args[0]
-            replay_args = ((sharding.shard_batch(np.pad(ref, ((0, extra), (0, 0))), mesh), probs),)
-    args = (target.params, dparams, *batch, stop_arr, samp, jax.random.PRNGKey(seed), mask_id,
-            np.float32(verify_threshold), *replay_args)
-    return _Request(spec, args, cache_len, lens)
+        pad = sharding.pad_rows(len(rows), mesh)
+        batch = sharding.shard_batch((np.pad(padded, ((0, pad), (0, 0))), np.pad(lens, (0, pad), constant_values=1),
+                                      np.pad(budget, (0, pad), constant_values=1)), mesh)
+        if extra is not None:  # the proposer's arrays are rows first
+            extra = sharding.shard_batch(jax.tree_util.tree_map(
+                lambda x: np.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)), extra), mesh)
+    samp = (np.float32(max(sampling.temperature, 1e-6)), np.int32(sampling.top_k), np.float32(sampling.top_p))
+    inputs = Inputs(tparams=target.params, dparams=dparams, prompts=batch[0], lens=batch[1], budget=batch[2],
+                    stop_ids=stop_arr, sampling=samp, key=jax.random.PRNGKey(seed),
+                    mask_token_id=np.int32(draft.config.mask_token_id if draft is not None else 0),
+                    threshold=np.float32(verify_threshold), proposer_args=extra)
+    return _Request(spec, inputs, cache_len, lens)
 
 
 def _check_verify_lengths(lengths, block_size: int, threshold) -> tuple[int, ...] | None:
@@ -405,23 +400,6 @@ def _check_verify_lengths(lengths, block_size: int, threshold) -> tuple[int, ...
     if not lengths or lengths[0] < 1 or lengths[-1] > block_size:
         raise ValueError(f"verify_lengths must be in [1, {block_size}] (the block size), got {list(lengths)}")
     return None if lengths == (block_size,) else lengths
-
-
-def _replay_arrays(replay: Replay, spec: EngineSpec, rows: int, cache_len: int):
-    """(reference [rows, cache_len] int32, probs [K] float32) for ``_step``, checked."""
-    if not (spec.speculative and spec.greedy):
-        raise ValueError("replay needs speculative greedy decoding (a draft, block size > 1, temperature 0)")
-    probs = np.asarray(replay.probs, np.float64).ravel()
-    if probs.shape != (spec.block_size,) or (probs < 0).any() or not abs(probs.sum() - 1) < 1e-6:
-        raise ValueError(f"replay probs must be {spec.block_size} probabilities (acceptance lengths 1.."
-                         f"{spec.block_size}) summing to 1, got {probs.tolist()}")
-    if len(replay.reference) != rows:
-        raise ValueError(f"replay has {len(replay.reference)} reference rows for {rows} prompts")
-    ref = np.zeros((rows, cache_len), np.int32)
-    for i, r in enumerate(replay.reference):
-        r = np.asarray(r, np.int32)[:cache_len]
-        ref[i, :len(r)] = r
-    return ref, probs.astype(np.float32)
 
 
 def _results(state: DecodeState, req: _Request, wall: float) -> list[GenerationResult]:
@@ -445,10 +423,10 @@ _compiled: dict = {}
 def _executable(req: _Request):
     """AOT-compile once per (spec, shapes) bucket so timings exclude compilation."""
     shapes = jax.tree_util.tree_map(lambda x: (np.shape(x), str(getattr(x, "dtype", type(x))),
-                                               str(getattr(x, "sharding", None))), req.args)
-    key = (req.spec, req.cache_len, str(jax.tree_util.tree_structure(req.args)), str(shapes))
+                                               str(getattr(x, "sharding", None))), req.inputs)
+    key = (req.spec, req.cache_len, str(jax.tree_util.tree_structure(req.inputs)), str(shapes))
     if key not in _compiled:
-        _compiled[key] = _generate.lower(req.spec, *req.args, cache_len=req.cache_len).compile()
+        _compiled[key] = _generate.lower(req.spec, req.inputs, cache_len=req.cache_len).compile()
     return _compiled[key]
 
 
@@ -456,7 +434,7 @@ def speculative_generate(target: Target, draft, prompts, *, max_new_tokens: int,
                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                          stop_token_ids: Sequence[int] | None = None, seed: int = 0,
                          max_length: int | None = None, acceptance: str = "rejection",
-                         replay: Replay | None = None, attention_impl: str = "auto",
+                         proposer: Proposer | None = None, attention_impl: str = "auto",
                          cache_len: int | None = None, verify_lengths: Sequence[int] | None = None,
                          verify_threshold: float = 0.1) -> list[GenerationResult]:
     """Generate for a batch of prompts (lists of ids, ragged) in one device call.
@@ -464,7 +442,8 @@ def speculative_generate(target: Target, draft, prompts, *, max_new_tokens: int,
     ``draft=None`` (or ``block_size=1``) is plain autoregressive decoding with the same engine.
     ``acceptance``: "match" or "rejection" (speculative sampling; ``dflash_jax.sampling``) at temperature > 0.
     ``max_length`` caps prompt + generated tokens per row (default: the target's
-    max_position_embeddings). ``replay`` (benchmarking only): a known acceptance length, see ``Replay``.
+    max_position_embeddings). ``proposer``: what each step drafts (``dflash_jax.proposers``; default: the
+    draft architecture's own rule; benchmarks pass ``synthetic.ReplayProposer``).
     ``attention_impl``: the decode attention (``attention.decode_attention``: "auto" reads only each row's
     length; "reference" attends densely over the whole cache, the unbounded path). ``cache_len``: at least this
     many cache slots per row (a fixed bucket, for benchmarks; default: just enough, rounded up to 128).
@@ -472,12 +451,13 @@ def speculative_generate(target: Target, draft, prompts, *, max_new_tokens: int,
     the draft's confidence justifies at ``verify_threshold`` (``_verify_choice``), still lossless.
     Returns one ``GenerationResult`` per prompt; wall time excludes compilation.
     """
-    sampling = SamplingParams(temperature, top_k, top_p, acceptance)
-    req = _prepare(target, draft, prompts, max_new_tokens, block_size, sampling, stop_token_ids, seed, max_length,
-                   replay, attention_impl, cache_len, verify_lengths, verify_threshold)
+    req = _prepare(target, draft, prompts, max_new_tokens=max_new_tokens, block_size=block_size,
+                   sampling=SamplingParams(temperature, top_k, top_p, acceptance), stop_token_ids=stop_token_ids,
+                   seed=seed, max_length=max_length, proposer=proposer, attention_impl=attention_impl,
+                   cache_len=cache_len, verify_lengths=verify_lengths, verify_threshold=verify_threshold)
     run = _executable(req)
     start = time.perf_counter()
-    state = jax.block_until_ready(run(*req.args))
+    state = jax.block_until_ready(run(req.inputs))
     return _results(state, req, time.perf_counter() - start)
 
 
@@ -496,17 +476,15 @@ def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int, bloc
     every row (a list per row), and finally the list of ``GenerationResult`` (with the time to the first
     token). Prefill and step are compiled and run once before the clock starts, so timings exclude
     compilation as in ``speculative_generate``."""
-    sampling = SamplingParams(temperature, top_k, top_p, acceptance)
-    req = _prepare(target, draft, prompts, max_new_tokens, block_size, sampling, stop_token_ids, seed, max_length,
-                   attention_impl=attention_impl, verify_lengths=verify_lengths, verify_threshold=verify_threshold)
-    tparams, dparams, padded, lens, budget, stop_arr, samp, key, mask_id, threshold = req.args
+    req = _prepare(target, draft, prompts, max_new_tokens=max_new_tokens, block_size=block_size,
+                   sampling=SamplingParams(temperature, top_k, top_p, acceptance), stop_token_ids=stop_token_ids,
+                   seed=seed, max_length=max_length, attention_impl=attention_impl, verify_lengths=verify_lengths,
+                   verify_threshold=verify_threshold)
 
     def prefill():
-        return _prefill_jit(req.spec, tparams, dparams, padded, lens, budget, stop_arr, samp, key,
-                            cache_len=req.cache_len)
+        return _prefill_jit(req.spec, req.inputs, cache_len=req.cache_len)
 
-    step = functools.partial(_step_jit, req.spec, tparams, dparams, stop_ids=stop_arr, sampling=samp,
-                             mask_token_id=mask_id, threshold=threshold)
+    step = functools.partial(_step_jit, req.spec, req.inputs)
     jax.block_until_ready(step(prefill()))  # warm-up
     start = time.perf_counter()
     state, first = prefill(), None

@@ -6,21 +6,24 @@ builds one with random weights drawn on the device, leaf by leaf, under jit (str
 shardings when one is given): an 8B model never exists in host memory.
 
 Random weights make a draft's acceptance meaningless, so benchmarks replay it instead
-(``speculative_generate(..., replay=Replay(...))``): the draft forward runs and is paid for, but its
-tokens are replaced by a reference continuation (the target's own greedy output, from plain decoding)
-cut at an acceptance length drawn per step and row from ``replay_probs``.
+(``speculative_generate(..., proposer=ReplayProposer(reference, probs))``): the draft forward runs and is
+paid for, but its tokens are replaced by a reference continuation (the target's own greedy output, from
+plain decoding) cut at an acceptance length drawn per step and row from ``probs``.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import DraftConfig, RopeConfig, TargetConfig, choose_target_layer_ids
 from dflash_jax.draft import Draft, draft_param_shapes
 from dflash_jax.layers import device_random_params
+from dflash_jax.proposers import Chain, Proposal, StepView
 from dflash_jax.target import Target, param_shapes
 
 
@@ -162,3 +165,46 @@ def read_histogram(path: str) -> list[float]:
 
 def probs_mean(probs) -> float:
     return float((np.asarray(probs) * np.arange(1, len(probs) + 1)).sum())
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class ReplayProposer(Chain):
+    """The replay draft (greedy only): the real draft forward runs, then per row a length L is drawn from
+    ``probs`` (P(L = 1..K), K the block size); the block's draft tokens are the row's ``reference`` (its prompt
+    + the target's own greedy continuation, e.g. plain decoding's output) n+1..n+L-1, accepted, then wrong
+    ones (reference + 1 mod vocab), rejected, so each step commits L tokens (fewer only where the budget
+    ends the row) and the output still equals plain decoding. The real drafts stay an input (a select that
+    never picks them) so the compiled loop keeps every draft matmul. Compared by identity (its arrays are
+    runtime inputs; one compilation per object)."""
+
+    reference: Sequence[Sequence[int]] = ()  # one per prompt, starting with the prompt
+    probs: Any = None  # [K] probabilities of acceptance lengths 1..K
+
+    def arrays(self, spec, rows: int, cache_len: int):
+        """(reference [rows, cache_len] int32, probs [rows, K] float32), checked."""
+        if not (spec.speculative and spec.greedy):
+            raise ValueError("replay needs speculative greedy decoding (a draft, block size > 1, temperature 0)")
+        if spec.verify_lengths is not None:
+            raise ValueError("verify_lengths cannot be combined with replay: a replayed step commits the length "
+                             "it drew, which a shorter verify would cut")
+        probs = np.asarray(self.probs, np.float64).ravel()
+        if probs.shape != (spec.block_size,) or (probs < 0).any() or not abs(probs.sum() - 1) < 1e-6:
+            raise ValueError(f"replay probs must be {spec.block_size} probabilities (acceptance lengths 1.."
+                             f"{spec.block_size}) summing to 1, got {probs.tolist()}")
+        if len(self.reference) != rows:
+            raise ValueError(f"replay has {len(self.reference)} reference rows for {rows} prompts")
+        ref = np.zeros((rows, cache_len), np.int32)
+        for i, r in enumerate(self.reference):
+            r = np.asarray(r, np.int32)[:cache_len]
+            ref[i, :len(r)] = r
+        return ref, np.broadcast_to(probs.astype(np.float32), (rows, spec.block_size)).copy()
+
+    def propose(self, spec, view: StepView) -> Proposal:
+        real = super().propose(spec, view)
+        reference, probs = view.args
+        b, k1 = real.tokens.shape
+        length = jax.random.categorical(view.key, jnp.log(probs), axis=-1) + 1
+        pos = view.lengths[:, None] + 1 + jnp.arange(k1)
+        ref = jnp.take_along_axis(reference, jnp.minimum(pos, reference.shape[1] - 1), axis=1)
+        out = jnp.where(jnp.arange(k1)[None] < length[:, None] - 1, ref, (ref + 1) % spec.target.vocab_size)
+        return Proposal(jnp.where(real.tokens < 0, real.tokens, out), real.scores)

@@ -98,8 +98,8 @@ def measure(target, draft, batch: int, context: int, block: int, probs, args) ->
     """One configuration: plain, replayed DFlash, prefill alone of both, and the forward timings."""
     import jax
 
-    from dflash_jax.sampling import SamplingParams
-    from dflash_jax.speculative import Replay, _prepare, generate, speculative_generate
+    from dflash_jax.speculative import cache_length, generate, speculative_generate
+    from dflash_jax.synthetic import ReplayProposer
     from infer.benchmark import _fastest, first_mismatch, time_forwards
 
     rng = np.random.default_rng([args.seed, batch, context])
@@ -107,11 +107,11 @@ def measure(target, draft, batch: int, context: int, block: int, probs, args) ->
     kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[], max_length=args.max_length,
               attention_impl=args.attention)
     plain = generate(target, prompts, **kw)  # the reference continuations (also compiles)
-    replay = Replay([r.output_ids for r in plain], probs)
+    replay = ReplayProposer(reference=[r.output_ids for r in plain], probs=probs)
     one = dict(kw, max_new_tokens=1)
     try:
         base, spec = _fastest(args.repeats, _call(generate, target, prompts, **kw),
-                              _call(speculative_generate, target, draft, prompts, block_size=block, replay=replay, **kw))
+                              _call(speculative_generate, target, draft, prompts, block_size=block, proposer=replay, **kw))
         pre_plain, pre_spec = _fastest(args.repeats, _call(generate, target, prompts, **one),
                                        _call(speculative_generate, target, draft, prompts, block_size=block, **one))
     except ValueError as e:
@@ -150,8 +150,9 @@ def measure(target, draft, batch: int, context: int, block: int, probs, args) ->
     row["decode_speedup"] = (wall_plain - prefill_plain) / max(wall_spec - prefill_spec, 1e-12)
     row["engine_efficiency"] = row["decode_speedup"] / tau
     if not args.no_timing_split:
-        cache_len = _prepare(target, draft, prompts, args.max_new_tokens, block, SamplingParams(), [], 0,
-                             args.max_length).cache_len
+        lens = np.full(batch, context)
+        limit = args.max_length or target.config.max_position_embeddings
+        cache_len = cache_length(lens, np.minimum(args.max_new_tokens, limit - lens), block)
         row.update(time_forwards(target, draft, block_sizes=(block,), context=context, batch=batch,
                                  cache_len=cache_len, attention_impl=args.attention))
         d, v = row[f"draft_forward_s_block{block}"], row[f"verify_forward_s_block{block}"]

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from dflash_jax import synthetic as syn
-from dflash_jax.speculative import Replay, generate, speculative_generate
+from dflash_jax.speculative import generate, speculative_generate
+from dflash_jax.synthetic import ReplayProposer
 from pairs import random_pair
 
 
@@ -23,7 +24,7 @@ def _replayed(pair, probs, max_new_tokens=40, prompts=PROMPTS, **kw):
     target, draft = pair
     plain = generate(target, prompts, max_new_tokens=max_new_tokens, stop_token_ids=[])
     spec = speculative_generate(target, draft, prompts, max_new_tokens=max_new_tokens, stop_token_ids=[],
-                                replay=Replay([r.output_ids for r in plain], probs), **kw)
+                                proposer=ReplayProposer(reference=[r.output_ids for r in plain], probs=probs), **kw)
     return plain, spec
 
 
@@ -73,13 +74,13 @@ def test_replay_on_a_mesh(pair):
 def test_replay_rejects_bad_input(pair):
     target, draft = pair
     with pytest.raises(ValueError, match="8 probabilities"):
-        speculative_generate(target, draft, [[3, 4]], max_new_tokens=4, replay=Replay([[3, 4, 5]], [0.5, 0.5]))
+        speculative_generate(target, draft, [[3, 4]], max_new_tokens=4, proposer=ReplayProposer(reference=[[3, 4, 5]], probs=[0.5, 0.5]))
     with pytest.raises(ValueError, match="greedy"):
         speculative_generate(target, draft, [[3, 4]], max_new_tokens=4, temperature=1.0,
-                             replay=Replay([[3, 4, 5]], np.eye(8)[0]))
+                             proposer=ReplayProposer(reference=[[3, 4, 5]], probs=np.eye(8)[0]))
     with pytest.raises(ValueError, match="verify_lengths cannot be combined with replay"):
         speculative_generate(target, draft, [[3, 4]], max_new_tokens=4, verify_lengths=(2, 8),
-                             replay=Replay([[3, 4, 5]], np.eye(8)[0]))
+                             proposer=ReplayProposer(reference=[[3, 4, 5]], probs=np.eye(8)[0]))
 
 
 def test_replay_distributions(tmp_path):

@@ -151,9 +151,10 @@ def hidden_from_features(tcfg, tparams, dcfg: DraftConfig, dparams, block_ids, a
     return draft_lib.draft_hidden(tcfg, tparams, dcfg, dparams, block_ids, anchors, k_ctx, v_ctx, impl, ctx_start)
 
 
-def chunked_cross_entropy(tcfg, tparams, hidden, labels, chunk: int):
-    """hidden [M, D], labels [M] -> (CE [M] float32, correct [M] bool) through the target head,
-    ``chunk`` rows at a time; the chunk's logits are recomputed in the backward pass."""
+def chunked_cross_entropy(tcfg, tparams, dcfg: DraftConfig, hidden, labels, chunk: int):
+    """hidden [M, D], labels [M] -> (CE [M] float32, correct [M] bool) through the draft's logits (the target
+    head, then the draft's multiplier / soft cap), ``chunk`` rows at a time; the chunk's logits are
+    recomputed in the backward pass."""
     m, d = hidden.shape
     c = max(1, min(chunk, m))
     pad = -m % c
@@ -161,7 +162,7 @@ def chunked_cross_entropy(tcfg, tparams, hidden, labels, chunk: int):
     y = jnp.pad(labels, (0, pad)).reshape(-1, c)
     @jax.checkpoint
     def one(hc, yc):
-        logits = target_lib.head(tcfg, tparams, hc).astype(jnp.float32)
+        logits = draft_lib.logits(tcfg, tparams, dcfg, hc)
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, yc[:, None], axis=-1)[:, 0]
         return lse - picked, jnp.argmax(logits, axis=-1) == yc
@@ -186,7 +187,7 @@ def loss_sums(tcfg, tparams, dcfg: DraftConfig, dparams, input_ids, loss_mask, a
     block_ids, labels, label_mask = make_blocks(input_ids, loss_mask, anchors, bk, dcfg.mask_token_id, doc_start)
     h = hidden_from_features(tcfg, tparams, dcfg, dparams, block_ids, anchors, features, impl=impl, dtype=dtype,
                              doc_start=doc_start)
-    ce, correct = chunked_cross_entropy(tcfg, tparams, h.reshape(-1, h.shape[-1]), labels.reshape(-1), chunk)
+    ce, correct = chunked_cross_entropy(tcfg, tparams, dcfg, h.reshape(-1, h.shape[-1]), labels.reshape(-1), chunk)
     ce = ce.reshape(labels.shape)
     correct = correct.reshape(labels.shape) & label_mask
     maskf = label_mask.astype(jnp.float32)

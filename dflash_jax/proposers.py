@@ -1,0 +1,106 @@
+"""What a decode step's draft proposes: one small interface, one implementation per proposal rule.
+
+A proposer is a frozen (hashable) object, part of the compiled loop's static ``EngineSpec``; its runtime
+inputs, if any (``arrays``), travel with the loop's other inputs. Each step it gets a ``StepView`` (the
+block [pending token, mask...] per row, the committed lengths, the draft cache, a key, the sampling
+scalars) and returns a ``Proposal``: the draft tokens d_1..d_{K-1} and the log-weights of the
+distribution q they were drawn from, which the rejection rule (``sampling.rejection_sample``) and the
+adaptive verify length (``speculative._verify_choice``) read. Greedy decoding needs only the tokens;
+its ``scores`` are the draft's plain (temperature 1) distribution, for the adaptive rule.
+
+  * ``Chain``: DFlash v1, the argmax of the draft logits, or at temperature > 0 (rejection rule) a draw
+    from the draft's processed distribution (temperature, top-k, top-p as the target's).
+  * ``Selector``: DFlash2, the candidate-selector walk (``draft.select``); at temperature > 0 the walk
+    samples from softmax(s / T) over the candidates and q is that, scattered onto the vocabulary (0 off
+    the candidate list), so the rejection rule's residual is p minus q on the candidates.
+  * benchmarks' replay draft: ``dflash_jax.synthetic.ReplayProposer``.
+
+After verification the verified tokens' target features become draft context (``update_context``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from dflash_jax import draft as draft_lib
+from dflash_jax.sampling import filtered_scores
+
+
+@flax.struct.dataclass
+class StepView:
+    """What a proposer sees of one decode step (rows that are done propose too; their output is unused)."""
+
+    tparams: Any
+    dparams: Any
+    block: jax.Array  # [B, K] int32: the pending token, then mask tokens
+    lengths: jax.Array  # [B] committed tokens (the block's anchor position)
+    block_len: jax.Array  # [B] block positions that can still be committed (the rest is left out)
+    dcache: Any  # the draft's context cache (``draft.cache_kv``)
+    key: jax.Array
+    sampling: tuple  # (temperature, top_k, top_p) runtime scalars
+    args: Any = None  # the proposer's runtime arrays (``Proposer.arrays``)
+
+
+@flax.struct.dataclass
+class Proposal:
+    tokens: jax.Array  # [B, K-1] int32 draft tokens d_1..d_{K-1}
+    scores: jax.Array  # [B, K-1, V] float32 log-weights of the distribution each d_k was drawn from
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposer:
+    """The interface; ``Chain`` below is DFlash v1's rule. ``sampled``: draw drafts from q (the rejection
+    rule at temperature > 0) rather than take the most likely ones."""
+
+    sampled: bool = False
+
+    def arrays(self, spec, rows: int, cache_len: int):
+        """Runtime inputs of ``propose`` (a pytree of host arrays, rows first), checked; None: none."""
+        return None
+
+    def draft_forward(self, spec, view: StepView):
+        """(draft logits [B, K-1, V] of block positions 1.., their final-normed hidden states)."""
+        return draft_lib.block_logits(spec.target, view.tparams, spec.draft, view.dparams, view.block,
+                                      view.lengths[:, None], *draft_lib.cache_kv(view.dcache), drop_anchor=True,
+                                      decode_impl=spec.attention_impl, block_len=view.block_len, with_hidden=True)
+
+    def propose(self, spec, view: StepView) -> Proposal:
+        raise NotImplementedError
+
+    def update_context(self, spec, dparams, dcache, features, positions):
+        """Write the verified tokens' target ``features`` at ``positions`` (< 0: skipped) into the draft cache."""
+        return draft_lib.materialize(spec.draft, dparams, dcache, features, positions)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain(Proposer):
+    """DFlash v1: d_k = argmax of the draft logits at block position k, or a draw from the processed q_k."""
+
+    def propose(self, spec, view: StepView) -> Proposal:
+        logits, _ = self.draft_forward(spec, view)
+        if not self.sampled:
+            return Proposal(jnp.argmax(logits, axis=-1).astype(jnp.int32), logits)
+        scores = filtered_scores(logits, *view.sampling)
+        return Proposal(jax.random.categorical(view.key, scores, axis=-1).astype(jnp.int32), scores)
+
+
+@dataclasses.dataclass(frozen=True)
+class Selector(Proposer):
+    """DFlash2: the candidate-selector walk from the anchor (greedy: best candidate; sampled: softmax(s / T))."""
+
+    def propose(self, spec, view: StepView) -> Proposal:
+        logits, h = self.draft_forward(spec, view)
+        temperature = view.sampling[0] if self.sampled else None
+        tokens, cand, s = draft_lib.select(spec.draft, view.dparams, h, logits, view.block[:, 0],
+                                           temperature=temperature, key=view.key if self.sampled else None)
+        q = jax.nn.log_softmax(s / (1.0 if temperature is None else temperature), axis=-1)
+        return Proposal(tokens, draft_lib.on_vocab(cand, q, logits.shape[-1]))
+
+
+def for_draft(draft_cfg, sampled: bool) -> Proposer:
+    """The proposer a draft's architecture defines."""
+    return (Selector if draft_cfg.architecture == "dflash2" else Chain)(sampled=sampled)
