@@ -1,4 +1,4 @@
-"""The DFlash draft: independent NumPy re-statement, cache chunking, sliding windows, HF layout, fit checks."""
+"""The DFlash draft: the independent NumPy statement (``draft_reference``), cache chunking, sliding windows, HF layout, fit checks."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,23 +15,37 @@ import safetensors.numpy
 import dflash_jax as dj
 from dflash_jax import draft as D
 from dflash_jax.config import DraftConfig
+from draft_reference import numpy_draft
 from hf_models import save_tiny, torch_forward
 
 LAYER_IDS = (0, 2, 3)
 
 
-def make_draft(tcfg, *, layers=2, block=8, sliding=None, seed=1, ids=LAYER_IDS):
+def make_draft(tcfg, *, layers=2, block=8, sliding=None, seed=1, ids=LAYER_IDS, **fields):
+    """A random draft on ``tcfg``; ``fields``: other DraftConfig fields (e.g. ``architecture="dflash2"``)."""
     kw = dict(num_hidden_layers=layers, layer_types=())
     if sliding:
         kw.update(layer_types=("sliding_attention", "full_attention")[:layers], sliding_window=sliding)
     dcfg = DraftConfig(layers=dataclasses.replace(tcfg, **kw), block_size=block,
                        num_target_layers=tcfg.num_hidden_layers, mask_token_id=tcfg.vocab_size - 1,
-                       target_layer_ids=ids)
+                       target_layer_ids=ids, **fields)
     params = D.init_draft_params(dcfg, seed)
     # Norm weights start at 1: perturb them so a misplaced norm cannot hide.
     rng = np.random.RandomState(seed)
     params = _map_norms(params, lambda w: w + 0.1 * rng.randn(*w.shape).astype(np.float32))
+    if dcfg.architecture == "dflash2":  # the 0.02 init would leave the convolutions and the selector inert
+        params = _scale_dflash2(params, rng)
     return D.Draft(dcfg, params)
+
+
+_DFLASH2_STD = {"base_kernel": 0.5, "kernel_projection": 0.3, "hidden_projection": 0.5, "predecessor_codebook": 1.0,
+                "successor_codebook": 1.0}
+
+
+def _scale_dflash2(tree, rng, name=""):
+    if isinstance(tree, dict):
+        return {k: _scale_dflash2(v, rng, k if k in _DFLASH2_STD else name) for k, v in tree.items()}
+    return jnp.asarray(_DFLASH2_STD[name] * rng.randn(*tree.shape), tree.dtype) if name else tree
 
 
 def _map_norms(tree, fn, name=""):
@@ -53,54 +67,6 @@ def target(target_dir):
     return dj.load_target(target_dir[0])
 
 
-# --- an independent NumPy statement of the draft forward, from the released drafts' published layout ----
-
-
-def _rms(x, w, eps=1e-6):
-    return w * x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
-
-
-def _rope(x, pos, theta):
-    h = x.shape[-1]
-    inv = 1.0 / theta ** (np.arange(0, h, 2) / h)
-    ang = pos[:, None] * inv[None]
-    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
-    rot = np.concatenate([-x[..., h // 2:], x[..., : h // 2]], -1)
-    return x * cos[:, None] + rot * sin[:, None]
-
-
-def numpy_draft_logits(w, cfg, features, emb, lm_head, ctx_len, window_of_layer):
-    """features [T, n*D] (target hidden_states[id+1]), emb [L, D] block embeddings -> logits [L, V]."""
-    c = cfg.layers
-    nh, kv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    ctx = _rms(features @ w["fc.weight"].T, w["hidden_norm.weight"])
-    x = emb.astype(np.float64)
-    L = x.shape[0]
-    q_pos = ctx_len + np.arange(L)
-    k_pos = np.concatenate([np.arange(ctx_len), q_pos])
-    for i in range(c.num_hidden_layers):
-        p = lambda n: w[f"layers.{i}.{n}"]  # noqa: E731
-        h = _rms(x, p("input_layernorm.weight"))
-        q = _rms((h @ p("self_attn.q_proj.weight").T).reshape(L, nh, hd), p("self_attn.q_norm.weight"))
-        both = np.concatenate([ctx, h])  # the context skips input_layernorm
-        k = _rms((both @ p("self_attn.k_proj.weight").T).reshape(-1, kv, hd), p("self_attn.k_norm.weight"))
-        v = (both @ p("self_attn.v_proj.weight").T).reshape(-1, kv, hd)
-        q, k = _rope(q, q_pos, c.rope.theta), _rope(k, k_pos, c.rope.theta)
-        k, v = np.repeat(k, nh // kv, axis=1), np.repeat(v, nh // kv, axis=1)
-        s = np.einsum("qnh,knh->nqk", q, k) / np.sqrt(hd)
-        window = window_of_layer(i)
-        if window is not None:
-            s = np.where(np.abs(q_pos[:, None] - k_pos[None, :]) < window, s, -np.inf)
-        a = np.exp(s - s.max(-1, keepdims=True))
-        a /= a.sum(-1, keepdims=True)
-        o = np.einsum("nqk,knh->qnh", a, v).reshape(L, nh * hd)
-        x = x + o @ p("self_attn.o_proj.weight").T
-        h = _rms(x, p("post_attention_layernorm.weight"))
-        g, u = h @ p("mlp.gate_proj.weight").T, h @ p("mlp.up_proj.weight").T
-        x = x + (g / (1 + np.exp(-g)) * u) @ p("mlp.down_proj.weight").T
-    return _rms(x, w["norm.weight"]) @ lm_head.T
-
-
 @pytest.mark.parametrize("sliding", [None, 5])
 def test_matches_numpy_reference(target_dir, target, tmp_path, sliding):
     path, torch_model = target_dir
@@ -113,8 +79,7 @@ def test_matches_numpy_reference(target_dir, target, tmp_path, sliding):
     _, feats = torch_forward(torch_model, ctx, LAYER_IDS)
     sd = {k: v.detach().double().numpy() for k, v in torch_model.state_dict().items()}
     emb = sd["model.embed_tokens.weight"][block[0]]
-    want = numpy_draft_logits(w, draft.config, feats[0].astype(np.float64), emb, sd["lm_head.weight"], 11,
-                              draft.config.layers.layer_window)
+    want, _ = numpy_draft(w, draft.config, feats[0].astype(np.float64), emb, sd["lm_head.weight"], 11)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 

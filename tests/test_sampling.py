@@ -52,6 +52,8 @@ import scipy.stats
 from dflash_jax import speculative as S
 from dflash_jax.target import Target, target_logits
 from pairs import random_pair
+from test_draft import make_draft
+from test_draft_formats import DFLASH2
 
 V, N, NEW, PROMPT = 8, 4000, 3, [3]
 P_FALSE_ALARM = 1e-6
@@ -119,7 +121,8 @@ def peaked():
     l1 = target_logits(target, np.array([PROMPT]))[0, -1]
     l2 = target_logits(target, np.array([PROMPT + [a] for a in range(V)]))[:, -1]
     l3 = target_logits(target, np.array([PROMPT + [a, b] for a in range(V) for b in range(V)]))[:, -1]
-    return target, draft, (l1, l2, l3.reshape(V, V, V))
+    dflash2 = make_draft(target.config, layers=1, block=4, ids=(0, 1), seed=3, **DFLASH2)
+    return target, (draft, dflash2), (l1, l2, l3.reshape(V, V, V))
 
 
 CASES = [  # (temperature, top_k, top_p)
@@ -132,7 +135,7 @@ CASES = [  # (temperature, top_k, top_p)
 
 @pytest.mark.parametrize("temperature,top_k,top_p", CASES)
 def test_joint_law_of_first_three_tokens_is_the_targets(peaked, temperature, top_k, top_p):
-    target, draft, logits = peaked
+    target, (draft, dflash2), logits = peaked
     want = exact_joint(logits, temperature, top_k, top_p)
     # The top-p cut is not a near-tie anywhere (fp32 vs float64 could not flip it).
     for lg in logits:
@@ -155,7 +158,12 @@ def test_joint_law_of_first_three_tokens_is_the_targets(peaked, temperature, top
             # adaptive verify cut to 2 of the 4 block tokens: d_1 verified, the bonus from the target's p_1
             "speculative, rejection rule, verify 2 of 4": S.speculative_generate(
                 target, draft, [PROMPT] * N, block_size=4, seed=4, acceptance="rejection", verify_lengths=(2, 4),
-                verify_threshold=2.0, **kw)}
+                verify_threshold=2.0, **kw),
+            # DFlash2: the selector walk samples over its top-5 candidates; q is zero off them
+            "DFlash2, match rule": S.speculative_generate(target, dflash2, [PROMPT] * N, seed=5, acceptance="match",
+                                                          **kw),
+            "DFlash2, rejection rule": S.speculative_generate(target, dflash2, [PROMPT] * N, seed=6,
+                                                              acceptance="rejection", **kw)}
     assert {v for r in runs["speculative, rejection rule, verify 2 of 4"] for v in r.verify_lengths} == {2}
     accepted = min(np.mean([r.acceptance_lengths[0] > 1 for r in runs[k]]) for k in runs if k != "plain")
     print(f"T={temperature} top_k={top_k} top_p={top_p}: first drafts accepted in >= {accepted:.0%} of rows")
