@@ -24,12 +24,13 @@ DECODE_IMPLS = ("auto", "kernel", "interpret", "loop", "reference")
 
 def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
                     sliding_window: int | None = None, scale: float | None = None, impl: str = "auto",
-                    ctx_start=None):
+                    ctx_start=None, block_causal: bool = False):
     """The draft's training attention: N blocks of ``block_size`` queries, block b anchored at ``anchors[:, b]``.
 
     q [B, N*Bk, Hq, D]; k_ctx, v_ctx [B, S, Hkv, D]; k_blk, v_blk [B, N*Bk, Hkv, D]; anchors [B, N] int32
     (negative = padding block); ``ctx_start`` [B, N] int32 or None (0). Block b sees context positions in
-    [ctx_start, anchor) (within the window) and its own block bidirectionally. ``impl``: "auto" (Pallas
+    [ctx_start, anchor) (within the window) and its own block bidirectionally, or causally with
+    ``block_causal`` (token i sees block tokens j <= i; within the window i - j < W). ``impl``: "auto" (Pallas
     kernel on TPU / GPU with compute capability >= 8.0, the dense reference elsewhere), "kernel",
     "reference" or "interpret" (kernel on CPU). See ``kernels/block_attention.py``.
     """
@@ -37,26 +38,29 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
         impl = "kernel" if kernel_supported(block_size=block_size, head_dim=q.shape[-1]) else "reference"
     if impl == "reference":
         return block_attention_reference(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size=block_size,
-                                         sliding_window=sliding_window, scale=scale, ctx_start=ctx_start)
+                                         sliding_window=sliding_window, scale=scale, ctx_start=ctx_start,
+                                         block_causal=block_causal)
     if impl not in ("kernel", "interpret"):
         raise ValueError(f"impl must be auto, kernel, reference or interpret, not {impl!r}")
     return block_attention_kernel(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size=block_size,
                                   sliding_window=sliding_window, scale=scale, interpret=impl == "interpret",
-                                  ctx_start=ctx_start)
+                                  ctx_start=ctx_start, block_causal=block_causal)
 
 
 def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding_window: int | None = None,
-                     sinks=None, impl: str = "auto"):
+                     sinks=None, impl: str = "auto", new_causal: bool = False, new_mask=None):
     """New queries q [B, T, Hq, D] at ``q_pos`` [B, T] against a cache k, v [B, S, Hkv, D] (slot = position)
     of which row b may see slots < ``lengths[b]`` (and <= the query's position, within the window), plus
-    optionally the queries' own keys ``k_new`` / ``v_new`` [B, T, Hkv, D] bidirectionally; see
+    optionally the queries' own keys ``k_new`` / ``v_new`` [B, T, Hkv, D]: bidirectionally within the window,
+    causally with ``new_causal`` (own keys at positions <= the query's), or as ``new_mask`` [B, T, T] bool says
+    (tree verification: query t sees own key u iff new_mask[b, t, u]; no window); see
     ``kernels/decode_attention.py``. ``impl``: "auto" (the Pallas kernel on one TPU / GPU where supported,
     the tiled jnp loop elsewhere), "kernel", "interpret" (kernel on CPU), "loop" or "reference" (dense and
     masked over the whole cache: the unbounded path, for comparison)."""
     if impl == "auto":
         supported = decode_kernel_supported(head_dim=q.shape[-1], kv_heads=k.shape[2], ctx_len=k.shape[1])
         impl = "kernel" if supported else "loop"
-    kw = dict(sliding_window=sliding_window, sinks=sinks)
+    kw = dict(sliding_window=sliding_window, sinks=sinks, new_causal=new_causal, new_mask=new_mask)
     if impl == "reference":
         return decode_attention_reference(q, k, v, q_pos, lengths, k_new=k_new, v_new=v_new, **kw)
     if impl == "loop":

@@ -7,8 +7,9 @@ contiguously (block b = query rows b*Bk .. b*Bk+Bk-1); block b is anchored at th
   * block b sees context key p iff start_b <= p < a_b (offset-causal; ``ctx_start`` gives start_b,
     default 0: packed rows hold several documents and a block sees only its own one), and with a
     sliding window W also (a_b + i) - p < W;
-  * block b sees its own Bk block keys bidirectionally (with a window also |i - j| < W), never
-    another block's;
+  * block b sees its own Bk block keys (at a_b + j) bidirectionally (with a window also |i - j| < W),
+    never another block's; with ``block_causal=True`` (the newest DFlash drafts' sliding-window
+    layers) causally instead: key j iff j <= i (with a window also i - j < W);
   * a negative anchor marks a padding block: it sees nothing, outputs 0 and gets zero gradients;
     anchor 0 sees only its own block.
 
@@ -66,10 +67,12 @@ _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 # ----------------------------------------------------------------------------- reference
 
 
-@functools.partial(jax.jit, static_argnames=("ctx_len", "block_size", "sliding_window"))
-def block_mask(anchors, ctx_len: int, *, block_size: int, sliding_window: int | None = None, ctx_start=None):
+@functools.partial(jax.jit, static_argnames=("ctx_len", "block_size", "sliding_window", "block_causal"))
+def block_mask(anchors, ctx_len: int, *, block_size: int, sliding_window: int | None = None, ctx_start=None,
+               block_causal: bool = False):
     """Visibility [batch, N*Bk, S + N*Bk] of keys [context | blocks] for the block queries
-    (``ctx_start`` [batch, N]: the first context position each block may see; None: 0)."""
+    (``ctx_start`` [batch, N]: the first context position each block may see; None: 0;
+    ``block_causal``: each block sees its own keys causally)."""
     batch, n = anchors.shape
     a = jnp.repeat(anchors.astype(jnp.int32), block_size, axis=1)  # [B, T] anchor of each row
     qpos = a + jnp.tile(jnp.arange(block_size, dtype=jnp.int32), n)  # [B, T] position of each row
@@ -80,16 +83,17 @@ def block_mask(anchors, ctx_len: int, *, block_size: int, sliding_window: int | 
     ctx = position_mask(qpos, p, causal=True, sliding_window=sliding_window, k_valid=seen)
     blk_id = jnp.arange(n * block_size) // block_size
     same = (blk_id[:, None] == blk_id[None, :])[None] & (a >= 0)[:, :, None]
-    blk = position_mask(qpos, qpos, causal=False, sliding_window=sliding_window, k_valid=same)
+    blk = position_mask(qpos, qpos, causal=block_causal, sliding_window=sliding_window, k_valid=same)
     return jnp.concatenate([ctx, blk], axis=-1)
 
 
 def block_attention_reference(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
-                              sliding_window: int | None = None, scale: float | None = None, ctx_start=None):
+                              sliding_window: int | None = None, scale: float | None = None, ctx_start=None,
+                              block_causal: bool = False):
     """Dense [T, S+T] mask + the project's one attention reference (``reference.attend``)."""
     _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, ctx_start)
     mask = block_mask(anchors, k_ctx.shape[1], block_size=block_size, sliding_window=sliding_window,
-                      ctx_start=ctx_start)
+                      ctx_start=ctx_start, block_causal=block_causal)
     k = jnp.concatenate([k_ctx, k_blk], axis=1)
     v = jnp.concatenate([v_ctx, v_blk], axis=1)
     return attend(q, k, v, mask, scale=scale)
@@ -116,6 +120,7 @@ def _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, anchors, bk, ctx_start=None):
 class _Cfg:
     bk: int            # block size
     window: int | None
+    block_causal: bool  # own block keys j <= i only
     scale: float
     tq: int            # query rows per tile (a multiple of bk)
     tk: int            # context keys per tile
@@ -187,12 +192,17 @@ def _ctx_vis(a, st, j, c: _Cfg, shape):
 
 
 def _blk_vis(a, c: _Cfg):
-    """Rows x their own tile of block keys (block-diagonal, bidirectional) -> bool [tq, tq]."""
+    """Rows x their own tile of block keys (block-diagonal; bidirectional, or causal) -> bool [tq, tq].
+    Within one block the row / key offsets differ as i - j, so r - k stands for it."""
     r = lax.broadcasted_iota(jnp.int32, (c.tq, c.tq), 0)
     k = lax.broadcasted_iota(jnp.int32, (c.tq, c.tq), 1)
     vis = (_divmod(r, c.bk)[0] == _divmod(k, c.bk)[0]) & (a >= 0)
+    if c.block_causal:
+        vis &= k <= r
     if c.window is not None:
-        vis &= (r - k < c.window) & (k - r < c.window)
+        vis &= r - k < c.window
+        if not c.block_causal:
+            vis &= k - r < c.window
     return vis
 
 
@@ -574,11 +584,13 @@ def _platform():
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "sliding_window", "scale", "interpret", "q_tile",
-                                             "k_tile", "backend"))
+                                             "k_tile", "backend", "block_causal"))
 def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int, sliding_window: int | None = None,
                     scale: float | None = None, interpret: bool | None = None, q_tile: int = 128,
-                    k_tile: int = 128, backend: str | None = None, ctx_start=None):
+                    k_tile: int = 128, backend: str | None = None, ctx_start=None, block_causal: bool = False):
     """Pallas block attention (shapes in the module docstring); differentiable in q, k_*, v_*.
+
+    ``block_causal``: each block sees its own keys causally (j <= i) instead of bidirectionally.
 
     ``backend``: "tpu" (Mosaic formulation) or "gpu" (Triton); default: the platform of the default
     backend, and the TPU formulation on CPU. ``interpret``: default True on CPU. ``q_tile`` is rounded
@@ -596,7 +608,7 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int, 
     interpret = platform == "cpu" if interpret is None else bool(interpret)
     tq, tk = _pick_tiles(anchors.shape[1], block_size, k_ctx.shape[1], q_tile, k_tile, backend, interpret)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    c = _Cfg(block_size, sliding_window, scale, tq, tk, k_ctx.shape[1], backend, interpret)
+    c = _Cfg(block_size, sliding_window, bool(block_causal), scale, tq, tk, k_ctx.shape[1], backend, interpret)
     ctx_start = jnp.zeros_like(anchors, jnp.int32) if ctx_start is None else ctx_start.astype(jnp.int32)
     return _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors.astype(jnp.int32), ctx_start, c)
 
@@ -617,7 +629,8 @@ def kernel_supported(*, block_size: int, head_dim: int) -> bool:
 
 
 def skipped_fraction(anchors, ctx_len: int, *, block_size: int, sliding_window: int | None = None,
-                     q_tile: int = 128, k_tile: int = 128, backend: str = "tpu", ctx_start=None) -> dict:
+                     q_tile: int = 128, k_tile: int = 128, backend: str = "tpu", ctx_start=None,
+                     block_causal: bool = False) -> dict:
     """Score entries the compiled kernel computes vs the dense [T, S+T] reference, from the anchors alone.
 
     ``computed``: whole tiles the kernel evaluates (context tiles in [lo, hi) + one own-block tile per
@@ -639,7 +652,8 @@ def skipped_fraction(anchors, ctx_len: int, *, block_size: int, sliding_window: 
     a = anchors[..., None]  # [B, N, 1] against row offsets i
     ctx_lo = np.maximum(start[..., None], 0 if w is None else a + i - w + 1)
     ctx = np.maximum(np.minimum(a, s) - ctx_lo, 0)
-    own = bk if w is None else np.minimum(bk, i + w) - np.maximum(0, i - w + 1)
+    own_hi = i + 1 if block_causal else (bk if w is None else np.minimum(bk, i + w))  # own keys j in [lo, hi)
+    own = own_hi - (0 if w is None else np.maximum(0, i - w + 1))
     visible = np.where(a >= 0, np.broadcast_to(ctx + own, (batch, n, bk)), 0).sum()
     dense = batch * n * bk * (s + n * bk)
     return {"dense": int(dense), "computed": int(computed), "visible": int(visible),

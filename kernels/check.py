@@ -55,15 +55,16 @@ def anchor_pattern(rng, kind, batch, n, s):
 
 @functools.lru_cache(maxsize=None)
 def value_and_grads(impl, block_size, window=None, q_tile=128, k_tile=128, backend=None, interpret=None,
-                    jit=jax.jit):
+                    jit=jax.jit, block_causal=False):
     """jit(xs, anchors, proj[, ctx_start]) -> (out, d<out, proj>/d(q, k_ctx, v_ctx, k_blk, v_blk)) of the kernel
     or the reference; anchors (and context starts) are runtime arguments, so one compile serves every
     anchor pattern of a shape."""
+    kw = dict(block_size=block_size, sliding_window=window, block_causal=block_causal)
     if impl == "kernel":
-        fn = functools.partial(block_attention, block_size=block_size, sliding_window=window, q_tile=q_tile,
-                               k_tile=k_tile, backend=backend, interpret=interpret)
+        fn = functools.partial(block_attention, q_tile=q_tile, k_tile=k_tile, backend=backend, interpret=interpret,
+                               **kw)
     else:
-        fn = functools.partial(block_attention_reference, block_size=block_size, sliding_window=window)
+        fn = functools.partial(block_attention_reference, **kw)
 
     def run(xs, anchors, proj, ctx_start=None):
         out, vjp = jax.vjp(lambda *a: fn(*a, anchors, ctx_start=ctx_start), *xs)

@@ -6,12 +6,18 @@ the row can see, so a step costs what the row's real length costs, not its bucke
   * query t of row b sits at position ``q_pos[b, t]`` (< 0: padding, it sees nothing and outputs 0);
   * cache slot s holds position s; query t sees s iff s <= q_pos, s < ``lengths[b]`` and, with a
     sliding window W, q_pos - s < W;
-  * optional ``k_new`` / ``v_new``: the queries' own keys at ``q_pos``, seen bidirectionally (within
-    the window) by every non-padding query of the row (the draft's block);
+  * optional ``k_new`` / ``v_new``: the queries' own keys at ``q_pos``, seen by every non-padding query
+    of the row bidirectionally within the window (the draft's block: |q_pos - kp| < W); with
+    ``new_causal=True`` causally instead: own key at kp iff kp <= q_pos (window one-sided: q_pos - kp < W);
+  * optional ``new_mask`` [B, T, T] bool (tree verification: query t sees own key u iff
+    ``new_mask[b, t, u]``, e.g. its ancestors and itself; tree positions need not be unique) replaces
+    that positional rule for the own keys, ANDed with both being non-padding; neither the window nor
+    ``new_causal`` applies to it. The cache part keeps its rule (slots < lengths, <= q_pos, window);
   * ``sinks`` [Hq] (gpt-oss): one logit per query head in the softmax denominator, no value.
 
 Shapes: q [B, T, Hq, D]; k, v [B, S, Hkv, D] (Hq a multiple of Hkv: GQA, K/V never repeated);
-q_pos [B, T] int32; lengths [B] int32; k_new, v_new [B, T, Hkv, D]; returns [B, T, Hq, D] in q.dtype.
+q_pos [B, T] int32; lengths [B] int32; k_new, v_new [B, T, Hkv, D]; new_mask [B, T, T] bool; returns
+[B, T, Hq, D] in q.dtype.
 
 Every query row r has a visible key range [lo_r, hi_r) (``_row_bounds``); a row of the batch reads
 key tiles [min lo_r // tk, ceil(max hi_r / tk)) only:
@@ -21,7 +27,8 @@ key tiles [min lo_r // tk, ceil(max hi_r / tk)) only:
   * Pallas, one program per (row, K/V head), its queries the T new tokens x the GQA group:
     TPU (Mosaic): grid (B, Hkv, key tiles + 1); the per-row tile range is scalar-prefetched, a step
     outside it re-points its index map at a tile already in VMEM (no DMA) and skips its compute
-    (``pl.when``); the last step takes the new keys and writes the output. GPU (Triton): grid
+    (``pl.when``); the last step takes the new keys (``new_mask`` as one [rows, T] block per row,
+    repeated over the GQA group like the query rows) and writes the output. GPU (Triton): grid
     (B, Hkv), a ``fori_loop`` over the row's tiles loading from the whole cache row.
     The cache is read in place through a free [B, S, Hkv*D] view (block = one head's D lanes).
 
@@ -42,7 +49,8 @@ from .reference import attend, position_mask
 
 # New tokens per row the decode path takes: a verify block (the released drafts' 16). More is a prefill
 # (prompt buckets are 32+), which takes the dense path; a kernel program holds T x GQA-group query rows,
-# and 16 keeps that within one tile at 8B shapes (64 x 4 rows was never compiled on a GPU).
+# and 16 keeps that within one tile at 8B shapes (64 x 4 rows was never compiled on a GPU). A tree verify
+# (``new_mask``) takes this path too, so its nodes (the root included) must number at most this as well.
 MAX_QUERIES = 16
 
 
@@ -50,15 +58,17 @@ MAX_QUERIES = 16
 
 
 def decode_attention_reference(q, k, v, q_pos, lengths, *, k_new=None, v_new=None, sliding_window=None,
-                               sinks=None, scale=None):
+                               sinks=None, scale=None, new_causal=False, new_mask=None):
     """The dense masked form over the whole cache (the project's ``attend``): what the others must equal."""
+    _check_new(k_new, new_mask)
     s = jnp.arange(k.shape[1], dtype=jnp.int32)
     mask = position_mask(q_pos, s, causal=True, sliding_window=sliding_window,
                          k_valid=s[None, None, :] < lengths[:, None, None])
     if k_new is not None:
         valid = q_pos >= 0
-        own = position_mask(q_pos, q_pos, causal=False, sliding_window=sliding_window,
-                            k_valid=valid[:, :, None] & valid[:, None, :])
+        valid = valid[:, :, None] & valid[:, None, :]
+        own = valid & new_mask.astype(bool) if new_mask is not None else position_mask(
+            q_pos, q_pos, causal=new_causal, sliding_window=sliding_window, k_valid=valid)
         k, v, mask = (jnp.concatenate(x, axis=1 if x[0].ndim == 4 else -1)
                       for x in ((k, k_new), (v, v_new), (mask, own)))
     return attend(q, k, v, mask, scale=scale, sinks=sinks)
@@ -93,21 +103,34 @@ def _finish(carry, sink=None):
     return jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0)
 
 
-def _new_vis(qp, kp, window):
-    """Queries at qp [.., R, 1] x their own new keys at kp [.., 1, T]: bidirectional within the window."""
+def _new_vis(qp, kp, window, causal, mask=None):
+    """Queries at qp [.., R, 1] x their own new keys at kp [.., 1, T]: bidirectional within the window, or
+    causal (kp <= qp, one-sided window); ``mask`` [.., R, T] (bool) replaces that rule."""
     vis = (qp >= 0) & (kp >= 0)
+    if mask is not None:
+        return vis & mask
+    if causal:
+        vis &= kp <= qp
     if window is not None:
-        vis &= (qp - kp < window) & (kp - qp < window)
+        vis &= qp - kp < window
+        if not causal:
+            vis &= kp - qp < window
     return vis
+
+
+def _check_new(k_new, new_mask):
+    if new_mask is not None and k_new is None:
+        raise ValueError("new_mask needs the own keys k_new / v_new")
 
 
 # ----------------------------------------------------------------------------- tiled jnp loop (CPU)
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "k_tile"))
+@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "k_tile", "new_causal"))
 def decode_attention_loop(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding_window=None, sinks=None,
-                          scale=None, k_tile: int = 512):
+                          scale=None, k_tile: int = 512, new_causal: bool = False, new_mask=None):
     """Online softmax over the key tiles of ``[min lo, max hi)`` of the batch (a dynamic trip count)."""
+    _check_new(k_new, new_mask)
     b, t, hq, d = q.shape
     s_len, hkv = k.shape[1], k.shape[2]
     tk = min(k_tile, s_len)
@@ -132,7 +155,9 @@ def decode_attention_loop(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sl
     carry = lax.fori_loop(first, end, body, carry)
     if k_new is not None:
         logits = jnp.einsum("BTKGD,BSKD->BKGTS", qg, k_new, preferred_element_type=jnp.float32) * scale
-        vis = _new_vis(q_pos[:, None, None, :, None], q_pos[:, None, None, None, :], sliding_window)
+        mask = None if new_mask is None else new_mask.astype(bool)[:, None, None]  # [B, 1, 1, T, T]
+        vis = _new_vis(q_pos[:, None, None, :, None], q_pos[:, None, None, None, :], sliding_window, new_causal,
+                       mask)
         carry = _online_step(logits, jnp.swapaxes(v_new, 1, 2)[:, :, None], vis, carry)
     sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1)
     out = _finish(carry, sink)  # [B, K, G, T, D]
@@ -149,6 +174,8 @@ class _Cfg:
     tk: int            # keys per tile
     ctx_len: int       # S
     has_new: bool
+    new_causal: bool
+    has_mask: bool     # new_mask given (an int32 [rows, T] block per row)
     has_sinks: bool
     backend: str       # "tpu" | "gpu"
     interpret: bool
@@ -166,14 +193,15 @@ def _tile_step(q, k, v, lo, hi, j, c: _Cfg, carry):
     return _fwd_step(q, k, v, vis, carry, c.scale)
 
 
-def _new_step(q, kn_ref, vn_ref, qp, kp_ref, c: _Cfg, carry):
+def _new_step(q, kn_ref, vn_ref, qp, kp_ref, nm_ref, c: _Cfg, carry):
     if not c.has_new:
         return carry
-    return _fwd_step(q, kn_ref[...], vn_ref[...], _new_vis(qp, kp_ref[...].reshape(1, -1), c.window), carry, c.scale)
+    vis = _new_vis(qp, kp_ref[...].reshape(1, -1), c.window, c.new_causal, nm_ref[...] != 0 if c.has_mask else None)
+    return _fwd_step(q, kn_ref[...], vn_ref[...], vis, carry, c.scale)
 
 
-def _tpu_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_ref, sink_ref,
-                o_ref, m_sc, l_sc, acc_sc, *, c: _Cfg, nk):
+def _tpu_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_ref, nm_ref,
+                sink_ref, o_ref, m_sc, l_sc, acc_sc, *, c: _Cfg, nk):
     b, j = pl.program_id(0), pl.program_id(2)
 
     @pl.when(j == 0)
@@ -196,11 +224,12 @@ def _tpu_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref,
 
     @pl.when(j == nk)
     def _last():
-        cr = _new_step(q_ref[...], kn_ref, vn_ref, _rows(qp_ref), kp_ref, c, carry())
+        cr = _new_step(q_ref[...], kn_ref, vn_ref, _rows(qp_ref), kp_ref, nm_ref, c, carry())
         o_ref[...] = _finish(cr, _rows(sink_ref) if c.has_sinks else None).astype(o_ref.dtype)
 
 
-def _gpu_kernel(q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_ref, sink_ref, o_ref, *, c: _Cfg):
+def _gpu_kernel(q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_ref, nm_ref, sink_ref, o_ref, *,
+                c: _Cfg):
     q, lo, hi = q_ref[...], _rows(lo_ref), _rows(hi_ref)
     first, end = _tile_range(lo, hi, c.tk, axis=None)
 
@@ -210,7 +239,7 @@ def _gpu_kernel(q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_
 
     cr = (jnp.full((q.shape[0], 1), _MASK, jnp.float32), jnp.zeros((q.shape[0], 1), jnp.float32),
           jnp.zeros(q.shape, jnp.float32))
-    cr = _new_step(q, kn_ref, vn_ref, _rows(qp_ref), kp_ref, c, lax.fori_loop(first, end, body, cr))
+    cr = _new_step(q, kn_ref, vn_ref, _rows(qp_ref), kp_ref, nm_ref, c, lax.fori_loop(first, end, body, cr))
     o_ref[...] = _finish(cr, _rows(sink_ref) if c.has_sinks else None).astype(o_ref.dtype)
 
 
@@ -228,7 +257,7 @@ def _rows_pad(r: int, backend: str, interpret: bool) -> int:
     return r if interpret else -(-r // 16) * 16
 
 
-def _pallas(q, k, v, q_pos, lengths, k_new, v_new, sinks, c: _Cfg):
+def _pallas(q, k, v, q_pos, lengths, k_new, v_new, new_mask, sinks, c: _Cfg):
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -254,8 +283,13 @@ def _pallas(q, k, v, q_pos, lengths, k_new, v_new, sinks, c: _Cfg):
     pad_new = lambda x: jnp.pad(x, ((0, 0), (0, tn - x.shape[1]), (0, 0), (0, 0)))
     k_new, v_new = pad_new(k_new), pad_new(v_new)
     kp = jnp.pad(qp, ((0, 0), (0, max(tn - t, 0))), constant_values=-1)[:, None, :tn]
+    if new_mask is None:  # a placeholder the kernel never reads
+        nm = jnp.zeros((b, 1, tn), jnp.int32)
+    else:  # [B, T, T] -> [B, R, tn] int32, query rows as above
+        nm = jnp.repeat(new_mask.astype(jnp.int32), g, axis=1)
+        nm = jnp.pad(nm, ((0, 0), (0, r - t * g), (0, tn - t)))
     flat = lambda x: x.reshape(*x.shape[:2], -1)  # [B, S, K, D] -> [B, S, K*D]: free
-    args = (qh, flat(k), flat(v), flat(k_new), flat(v_new), lo_r, hi_r, qp_r, kp, sink_r)
+    args = (qh, flat(k), flat(v), flat(k_new), flat(v_new), lo_r, hi_r, qp_r, kp, nm, sink_r)
     out_shape = jax.ShapeDtypeStruct((b, hkv, r, d), q.dtype)
     row = (None, r, c.lanes) if c.lanes > 1 else (None, r)
     if c.backend == "tpu":
@@ -273,7 +307,7 @@ def _pallas(q, k, v, q_pos, lengths, k_new, v_new, sinks, c: _Cfg):
         in_specs = [pl.BlockSpec((None, None, r, d), head), pl.BlockSpec((None, c.tk, d), kv_map),
                     pl.BlockSpec((None, c.tk, d), kv_map), pl.BlockSpec((None, tn, d), new),
                     pl.BlockSpec((None, tn, d), new)] + [pl.BlockSpec(row, per_row)] * 3 + [
-                    pl.BlockSpec((None, 1, tn), per_row),
+                    pl.BlockSpec((None, 1, tn), per_row), pl.BlockSpec((None, *nm.shape[1:]), per_row),
                     pl.BlockSpec((None, r, c.lanes), lambda i, h, j, first, end: (h, 0, 0))]
         call = pl.pallas_call(
             functools.partial(_tpu_kernel, c=c, nk=nk), out_shape=out_shape, interpret=c.interpret,
@@ -288,12 +322,13 @@ def _pallas(q, k, v, q_pos, lengths, k_new, v_new, sinks, c: _Cfg):
         from jax.experimental.pallas import triton as pltr
 
         head = lambda i, h: (i, h, 0, 0)
-        per_row = lambda i, h: (i, 0)
+        per_row, per_row_2d = (lambda i, h: (i, 0)), (lambda i, h: (i, 0, 0))
         whole = lambda i, h: (i, 0, h)
         in_specs = [pl.BlockSpec((None, None, r, d), head), pl.BlockSpec((None, c.ctx_len, d), whole),
                     pl.BlockSpec((None, c.ctx_len, d), whole), pl.BlockSpec((None, tn, d), whole),
                     pl.BlockSpec((None, tn, d), whole)] + [pl.BlockSpec(row, per_row)] * 3 + [
-                    pl.BlockSpec((None, 1, tn), lambda i, h: (i, 0, 0)), pl.BlockSpec((None, r), lambda i, h: (h, 0))]
+                    pl.BlockSpec((None, 1, tn), per_row_2d), pl.BlockSpec((None, *nm.shape[1:]), per_row_2d),
+                    pl.BlockSpec((None, r), lambda i, h: (h, 0))]
         o = pl.pallas_call(functools.partial(_gpu_kernel, c=c), grid=(b, hkv), in_specs=in_specs,
                            out_specs=pl.BlockSpec((None, None, r, d), head), out_shape=out_shape,
                            interpret=c.interpret,
@@ -302,21 +337,24 @@ def _pallas(q, k, v, q_pos, lengths, k_new, v_new, sinks, c: _Cfg):
     return jnp.einsum("BKTGD->BTKGD", o).reshape(b, t, hq, d)
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "interpret", "k_tile", "backend"))
+@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "interpret", "k_tile", "backend",
+                                             "new_causal"))
 def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding_window=None, sinks=None,
-                     scale=None, interpret: bool | None = None, k_tile: int = 512, backend: str | None = None):
+                     scale=None, interpret: bool | None = None, k_tile: int = 512, backend: str | None = None,
+                     new_causal: bool = False, new_mask=None):
     """The Pallas decode attention (semantics and shapes in the module docstring).
 
     ``backend``: "tpu" (Mosaic) or "gpu" (Triton); default: the default backend's, the TPU formulation on
     CPU. ``interpret``: default True on CPU. ``k_tile``: keys per tile (adjusted to what the backend needs).
     """
+    _check_new(k_new, new_mask)
     platform = _platform()
     backend = backend or ("gpu" if platform == "gpu" else "tpu")
     interpret = platform == "cpu" if interpret is None else bool(interpret)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     c = _Cfg(sliding_window, scale, _pick_tile(k.shape[1], k_tile, backend), k.shape[1], k_new is not None,
-             sinks is not None, backend, interpret)
-    return _pallas(q, k, v, q_pos.astype(jnp.int32), lengths.astype(jnp.int32), k_new, v_new, sinks, c)
+             bool(new_causal), new_mask is not None, sinks is not None, backend, interpret)
+    return _pallas(q, k, v, q_pos.astype(jnp.int32), lengths.astype(jnp.int32), k_new, v_new, new_mask, sinks, c)
 
 
 def decode_kernel_supported(*, head_dim: int, kv_heads: int, ctx_len: int) -> bool:

@@ -28,6 +28,30 @@ def _positions(lengths, t, s):
     return jnp.asarray(np.where(pos >= 0, pos, -1), jnp.int32)
 
 
+def _tree(parents, lengths):
+    """Tree verification from parent arrays [B, T] (parent[u] < u; node 0 the root, -1; -2 a padding node):
+    nodes at positions lengths[b] + depth (-1: padding) and the ancestor-or-self mask [B, T, T]."""
+    parents = np.asarray(parents)
+    b, t = parents.shape
+    mask, depth = np.zeros((b, t, t), bool), np.zeros((b, t), np.int32)
+    for i in range(b):
+        for u in range(t):
+            p = parents[i, u]
+            mask[i, u, u] = True
+            if p >= 0:
+                mask[i, u] |= mask[i, p]
+                depth[i, u] = depth[i, p] + 1
+    pos = np.where(parents >= -1, np.asarray(lengths)[:, None] + depth, -1)
+    return jnp.asarray(pos, jnp.int32), jnp.asarray(mask)
+
+
+def _random_parents(rng, b, t):
+    """A random tree per row with a random number of real nodes (the first row all T), padding after them."""
+    parents = np.array([[-1] + [rng.integers(0, u) for u in range(1, t)] for _ in range(b)])
+    nodes = np.concatenate([[t], rng.integers(1, t + 1, b - 1)])
+    return np.where(np.arange(t) < nodes[:, None], parents, -2)
+
+
 # b, t, hq, hkv, d, s, k_tile, lengths (tile boundaries, 0 / 1, full cache, ragged), window
 CASES = [
     (4, 1, 4, 2, 16, 64, 16, (0, 1, 16, 64), None),  # decode, GQA 2, lengths at tile edges
@@ -38,15 +62,16 @@ CASES = [
 IMPLS = ["loop", "tpu", "gpu"]
 
 
-def _run(impl, k_tile, window, sinks_on, new, dtype):
-    kw = dict(sliding_window=window)
+def _run(impl, k_tile, window, sinks_on, new, dtype, new_causal=False):
+    kw = dict(sliding_window=window, new_causal=new_causal)
     if impl == "loop":
         fn = functools.partial(decode_attention_loop, k_tile=k_tile, **kw)
     else:
         fn = functools.partial(decode_attention, k_tile=k_tile, backend=impl, interpret=True, **kw)
 
-    def call(q, k, v, q_pos, lengths, k_new, v_new, sinks):
-        return fn(q, k, v, q_pos, lengths, *((k_new, v_new) if new else ()), sinks=sinks if sinks_on else None)
+    def call(q, k, v, q_pos, lengths, k_new, v_new, sinks, new_mask=None):
+        return fn(q, k, v, q_pos, lengths, *((k_new, v_new) if new else ()), sinks=sinks if sinks_on else None,
+                  new_mask=new_mask)
 
     return _fast_jit(call)
 
@@ -69,6 +94,60 @@ def test_matches_dense_reference(impl, case):
         assert err <= tol, (dtype, sinks_on, new, err)
         pad = np.asarray(q_pos) < 0
         assert np.all(np.asarray(out, np.float32)[pad] == 0)  # padding queries output 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", CASES[1:], ids=lambda c: f"t{c[1]}-g{c[2] // c[3]}-s{c[5]}-w{c[8]}")
+def test_own_key_rules_match_dense_reference(impl, case):
+    """The own keys seen as a random tree's ancestor-or-self ``new_mask`` (positions length + depth, ragged
+    node counts and lengths; float32 with sinks) and causally (``new_causal``, verify positions; bfloat16),
+    with GQA."""
+    b, t, hq, hkv, d, s, k_tile, lengths, window = case
+    lengths_a = jnp.asarray(lengths, jnp.int32)
+    tree_pos, tree_mask = _tree(_random_parents(np.random.default_rng(t + s), b, t), lengths)
+    for dtype, tol, sinks_on, causal in ((jnp.float32, 2e-5, True, False), (jnp.bfloat16, 3e-2, False, True)):
+        q, k, v, kn, vn, sinks = _inputs(s + t, b, t, hq, hkv, d, s, dtype)
+        q_pos, new_mask = (_positions(lengths, t, s), None) if causal else (tree_pos, tree_mask)
+        ref = decode_attention_reference(q, k, v, q_pos, lengths_a, k_new=kn, v_new=vn, sliding_window=window,
+                                         sinks=sinks if sinks_on else None, new_causal=causal, new_mask=new_mask)
+        out = _run(impl, k_tile, window, sinks_on, True, dtype, causal)(q, k, v, q_pos, lengths_a, kn, vn, sinks,
+                                                                        new_mask)
+        err = np.abs(np.asarray(out, np.float32) - np.asarray(ref, np.float32)).max()
+        assert err <= tol, (dtype, causal, err)
+        assert np.all(np.asarray(out, np.float32)[np.asarray(q_pos) < 0] == 0)  # padding queries output 0
+
+
+def test_chain_mask_equals_new_causal():
+    """``new_mask`` of a chain (parent t - 1: its ancestor-or-self mask is lower triangular, positions
+    length + t) gives exactly what ``new_causal=True`` gives, in every implementation (through
+    ``attention.decode_attention``, and the GPU formulation); and the rules differ."""
+    b, t, hq, hkv, d, s, k_tile, lengths, window = CASES[1]  # no window: new_mask ignores it
+    q, k, v, kn, vn, sinks = _inputs(5, b, t, hq, hkv, d, s, jnp.float32)
+    lengths_a = jnp.asarray(lengths, jnp.int32)
+    q_pos, chain = _tree(np.broadcast_to(np.arange(t) - 1, (b, t)), lengths)
+    np.testing.assert_array_equal(chain, np.broadcast_to(np.tril(np.ones((t, t), bool)), (b, t, t)))
+    ref = decode_attention_reference(q, k, v, q_pos, lengths_a, k_new=kn, v_new=vn, sinks=sinks, new_mask=chain)
+    causal = decode_attention_reference(q, k, v, q_pos, lengths_a, k_new=kn, v_new=vn, sinks=sinks, new_causal=True)
+    bidir = decode_attention_reference(q, k, v, q_pos, lengths_a, k_new=kn, v_new=vn, sinks=sinks)
+    np.testing.assert_array_equal(ref, causal)
+    assert np.abs(np.asarray(ref) - np.asarray(bidir)).max() > 1e-2
+    for impl in ("loop", "interpret", "gpu"):
+        fn = functools.partial(decode_attention, backend="gpu", interpret=True) if impl == "gpu" else \
+            functools.partial(attention.decode_attention, impl=impl)
+        by_mask, by_rule = (_fast_jit(functools.partial(fn, sinks=sinks, **kw))(q, k, v, q_pos, lengths_a, kn, vn)
+                            for kw in (dict(new_mask=chain), dict(new_causal=True)))
+        np.testing.assert_array_equal(by_mask, by_rule, err_msg=impl)
+        np.testing.assert_allclose(np.asarray(by_mask), np.asarray(ref), atol=2e-5, err_msg=impl)
+
+
+def test_new_mask_needs_own_keys():
+    b, t, hq, hkv, d, s, k_tile, lengths, window = CASES[3]
+    q, k, v, _, _, _ = _inputs(0, b, t, hq, hkv, d, s, jnp.float32)
+    mask = jnp.ones((b, t, t), bool)
+    for impl in ("reference", "loop", "interpret"):
+        with pytest.raises(ValueError, match="new_mask"):
+            attention.decode_attention(q, k, v, _positions(lengths, t, s), jnp.asarray(lengths), new_mask=mask,
+                                       impl=impl)
 
 
 def test_stale_slots_past_the_length_are_never_seen():
@@ -165,17 +244,23 @@ def test_engine_output_is_the_same_with_every_attention(pair):
 def test_lowers_for_accelerators(platform, backend):
     """Smoke check without hardware: the kernel lowers through Pallas to Mosaic (TPU) / Triton (GPU) IR at
     production shapes (verify of 16 tokens, 32 query / 8 KV heads of 128, bf16), with and without the
-    window, sinks and own keys. The Mosaic and Triton compilers themselves only run on the devices."""
+    window, sinks and own keys (bidirectional, causal, and a tree's ``new_mask``). The Mosaic and Triton
+    compilers themselves only run on the devices."""
     b, t, hq, hkv, d, s = 2, 16, 32, 8, 128, 4096
     q, k, v, kn, vn = (jnp.zeros(sh, jnp.bfloat16) for sh in
                        [(b, t, hq, d), (b, s, hkv, d), (b, s, hkv, d), (b, t, hkv, d), (b, t, hkv, d)])
     q_pos, lengths, sinks = jnp.zeros((b, t), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.zeros((hq,), jnp.float32)
+    tree = _tree(_random_parents(np.random.default_rng(0), b, t), np.zeros(b, np.int32))[1]
 
     def run(q, k, v, kn, vn):
         plain = decode_attention(q, k, v, q_pos, lengths, interpret=False, backend=backend)
         full = decode_attention(q, k, v, q_pos, lengths, kn, vn, sliding_window=128, sinks=sinks, interpret=False,
                                 backend=backend)
-        return plain, full
+        causal = decode_attention(q, k, v, q_pos, lengths, kn, vn, sliding_window=128, new_causal=True,
+                                  interpret=False, backend=backend)
+        masked = decode_attention(q, k, v, q_pos, lengths, kn, vn, sinks=sinks, new_mask=tree, interpret=False,
+                                  backend=backend)
+        return plain, full, causal, masked
 
     text = jax.jit(run).trace(q, k, v, kn, vn).lower(lowering_platforms=(platform,)).as_text()
-    assert text.count("tpu_custom_call" if platform == "tpu" else "triton") >= 2
+    assert text.count("tpu_custom_call" if platform == "tpu" else "triton") >= 4

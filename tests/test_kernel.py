@@ -39,11 +39,18 @@ def _rel_err(x, ref):
     return np.abs(x - ref).max() / max(np.abs(ref).max(), 1e-2)
 
 
-def _check(cfg, xs, anchors, proj, tol=1e-5, ref_xs=None, ctx_start=None):
+def _causal(block_causal):
+    """value_and_grads' keyword for block_causal, given only when set: the default calls keep sharing their
+    compiles (lru_cache keys on the arguments as passed)."""
+    return {"block_causal": True} if block_causal else {}
+
+
+def _check(cfg, xs, anchors, proj, tol=1e-5, ref_xs=None, ctx_start=None, block_causal=False):
     backend, bk, window, q_tile, k_tile = cfg
     starts = () if ctx_start is None else (ctx_start,)
-    out, grads = _compiled("kernel", bk, window, q_tile, k_tile, backend)(xs, anchors, proj, *starts)
-    out_r, grads_r = _compiled("reference", bk, window)(ref_xs or xs, anchors, proj, *starts)
+    out, grads = _compiled("kernel", bk, window, q_tile, k_tile, backend, **_causal(block_causal))(
+        xs, anchors, proj, *starts)
+    out_r, grads_r = _compiled("reference", bk, window, **_causal(block_causal))(ref_xs or xs, anchors, proj, *starts)
     assert out.dtype == xs[0].dtype and all(g.dtype == x.dtype for g, x in zip(grads, xs))
     assert _rel_err(out, out_r) <= tol
     for name, g, g_r in zip(["q", "k_ctx", "v_ctx", "k_blk", "v_blk"], grads, grads_r):
@@ -105,6 +112,50 @@ def test_kernel_ctx_start(case):
     for kind in ["sorted", "unsorted", "edges", "ragged"]:
         anchors = anchor_pattern(rng, kind, batch, n, s)
         _check((backend, bk, window, q_tile, k_tile), xs, anchors, proj, ctx_start=_doc_starts(rng, anchors))
+
+
+CAUSAL_CASES = [CASES[0], CASES[1], CASES[4], CASES[3], ("tpu", *CASES[3][1:])]
+
+
+@pytest.mark.parametrize("case", CAUSAL_CASES,
+                         ids=["tpu", "gpu", "tpu-window", "gpu-window-lt-block", "tpu-window-lt-block"])
+def test_kernel_block_causal(case):
+    """block_causal=True (own block keys j <= i, window one-sided): forward and gradients against the
+    reference, with per-block context starts 0 (one document) and random ones (packed), with no window,
+    a window wider than the block and one narrower than it. (Starts 0 are what the kernel builds for
+    ctx_start=None, so one compile serves both.)"""
+    backend, batch, n, bk, s, hq, hkv, d, window, q_tile, k_tile = case
+    xs, proj = _inputs(n * s + hq, batch, n, bk, s, hq, hkv, d)
+    rng = np.random.default_rng(4)
+    for kind in ["sorted", "unsorted", "edges", "ragged"]:
+        anchors = anchor_pattern(rng, kind, batch, n, s)
+        for starts in (jnp.zeros_like(anchors), _doc_starts(rng, anchors)):
+            _check((backend, bk, window, q_tile, k_tile), xs, anchors, proj, ctx_start=starts, block_causal=True)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=["tpu", "gpu-window-lt-block"])
+def test_block_causal_later_block_keys_never_reach_earlier_queries(case):
+    """Changing block key / value j of one block: with block_causal its rows i < j (and every other block)
+    keep their output bit for bit, the rows that see j (j <= i, i - j < W) change; bidirectional, the
+    block's rows within the window of j change too. Kernel and reference, with the compiles of
+    test_kernel_block_causal (context starts 0) and test_kernel_matches_reference_fp32."""
+    backend, batch, n, bk, s, hq, hkv, d, window, q_tile, k_tile = case
+    xs, proj = _inputs(n * s + hq, batch, n, bk, s, hq, hkv, d)
+    anchors = anchor_pattern(np.random.default_rng(0), "sorted", batch, n, s)
+    blk, j = 2, 1
+    key = blk * bk + j  # the block key row changed, in every batch row
+    bumped = [x.at[:, key].add(3.0 * (-1) ** i) if i in (3, 4) else x for i, x in enumerate(xs)]
+    rows = np.arange(n * bk)
+    for block_causal, starts in ((True, (jnp.zeros_like(anchors),)), (False, ())):
+        sees = np.asarray(block_mask(anchors, s, block_size=bk, sliding_window=window,
+                                     block_causal=block_causal))[:, :, s + key]  # [B, T]: rows that see it
+        earlier = (rows >= blk * bk) & (rows < key)
+        assert np.all(sees[:, earlier] != block_causal)  # what the rule says, before testing the kernel
+        for run in (_compiled("kernel", bk, window, q_tile, k_tile, backend, **_causal(block_causal)),
+                    _compiled("reference", bk, window, **_causal(block_causal))):
+            out, out2 = (np.asarray(run(x, anchors, proj, *starts)[0]) for x in (xs, bumped))
+            changed = np.any(out != out2, axis=(2, 3))
+            np.testing.assert_array_equal(changed, sees)
 
 
 def test_tiles_before_ctx_start_are_not_read():
@@ -205,6 +256,18 @@ def test_mask_hand_worked():
         [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1],
     ])
     np.testing.assert_array_equal(m, expect)
+    # block_causal, Bk=4, S=3, anchor 2: own block keys j <= i (window 2: also i - j < 2), context unchanged.
+    m = np.asarray(block_mask(jnp.array([[2]]), 3, block_size=4, block_causal=True))[0].astype(int)
+    np.testing.assert_array_equal(m, np.concatenate([np.array([[1, 1, 0]] * 4), np.tril(np.ones((4, 4), int))], 1))
+    m = np.asarray(block_mask(jnp.array([[2]]), 3, block_size=4, sliding_window=2, block_causal=True))[0]
+    expect = np.array([
+        # ctx 0 1 2 | block 0 1 2 3
+        [0, 1, 0, 1, 0, 0, 0],  # position 2 sees p = 1 (p < anchor 2, 2 - p < 2) and itself
+        [0, 0, 0, 1, 1, 0, 0],  # position 3 would need p = 2, not < anchor 2
+        [0, 0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1, 1],
+    ])
+    np.testing.assert_array_equal(m.astype(int), expect)
 
 
 def test_dispatch():
@@ -214,6 +277,9 @@ def test_dispatch():
     call = functools.partial(attention.block_attention, *xs, anchors, block_size=bk, sliding_window=4)
     ref = call(impl="reference")
     assert _rel_err(call(impl="interpret"), ref) <= 1e-5
+    causal = call(impl="reference", block_causal=True)
+    assert _rel_err(call(impl="interpret", block_causal=True), causal) <= 1e-5
+    assert _rel_err(causal, ref) > 1e-2  # the option reaches both paths
     np.testing.assert_array_equal(call(impl="auto"), ref)  # CPU: auto is the reference
     with pytest.raises(ValueError):
         call(impl="fast")
@@ -225,9 +291,10 @@ def test_skipped_fraction():
     sorted_, unsorted = (skipped_fraction(a, 300, block_size=16, q_tile=128, k_tile=32)
                          for a in (np.sort(anchors, axis=1), anchors))
     starts = _doc_starts(rng, anchors)
-    for w, lo in [(None, None), (7, None), (None, starts), (40, starts)]:  # "visible" against the dense mask
-        mask = block_mask(jnp.asarray(anchors), 300, block_size=16, sliding_window=w, ctx_start=lo)
-        r = skipped_fraction(anchors, 300, block_size=16, sliding_window=w, ctx_start=lo)
+    for w, lo, causal in [(None, None, False), (7, None, False), (None, starts, False), (40, starts, False),
+                          (None, None, True), (7, starts, True), (40, None, True)]:  # "visible" against the dense mask
+        mask = block_mask(jnp.asarray(anchors), 300, block_size=16, sliding_window=w, ctx_start=lo, block_causal=causal)
+        r = skipped_fraction(anchors, 300, block_size=16, sliding_window=w, ctx_start=lo, block_causal=causal)
         assert r["visible"] == int(mask.sum()) and r["computed"] >= r["visible"]
     packed = skipped_fraction(np.sort(anchors, axis=1), 300, block_size=16, q_tile=128, k_tile=32,
                               ctx_start=np.minimum(np.sort(anchors, axis=1), 150))
@@ -238,10 +305,11 @@ def test_skipped_fraction():
 
 
 @pytest.mark.parametrize("platform,backend", [("tpu", "tpu"), ("cuda", "gpu")])
-@pytest.mark.parametrize("window", [None, 256])
-def test_lowers_for_accelerators(platform, backend, window):
+@pytest.mark.parametrize("window,block_causal", [(None, False), (256, False), (256, True)])
+def test_lowers_for_accelerators(platform, backend, window, block_causal):
     """Smoke check without hardware: fwd + bwd lower through Pallas to Mosaic (TPU) / Triton (GPU) IR
-    at production tiles. The Mosaic and Triton compilers themselves only run on the devices."""
+    at production tiles, also with a causal own block. The Mosaic and Triton compilers themselves only
+    run on the devices."""
     batch, n, bk, s, hq, hkv, d = 1, 20, 16, 300, 4, 2, 128
     xs = [jnp.zeros(sh, jnp.bfloat16) for sh in
           [(batch, n * bk, hq, d), (batch, s, hkv, d), (batch, s, hkv, d), (batch, n * bk, hkv, d),
@@ -250,7 +318,8 @@ def test_lowers_for_accelerators(platform, backend, window):
 
     def run(*xs):
         out, vjp = jax.vjp(lambda *a: block_attention(*a, anchors, block_size=bk, sliding_window=window,
-                                                      interpret=False, backend=backend), *xs)
+                                                      interpret=False, backend=backend,
+                                                      block_causal=block_causal), *xs)
         return out, vjp(out)
 
     text = jax.jit(run).trace(*xs).lower(lowering_platforms=(platform,)).as_text()
