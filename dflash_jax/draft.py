@@ -131,14 +131,14 @@ class DraftLayer(DecoderLayer):
         causal = self.draft is not None and self.draft.layer_causal(self.index)
         if decode_impl is None:
             o = block_attention(q, k_ctx, v_ctx, k, v, anchors, block_size=block, sliding_window=window, impl=impl,
-                                ctx_start=ctx_start, **({'block_causal': True} if causal else {}))  # TEMP
+                                ctx_start=ctx_start, block_causal=causal)
         else:  # one block per row: context slots < its anchor, its own block (positions < block_len, if given)
             live = anchors >= 0
             if block_len is not None:
                 live = live & (jnp.arange(block)[None] < block_len[:, None])
             q_pos = jnp.where(live, positions, -1)
             o = decode_attention(q, k_ctx, v_ctx, q_pos, jnp.maximum(anchors[:, 0], 0), k, v, sliding_window=window,
-                                 impl=decode_impl, **({'new_causal': True} if causal else {}))  # TEMP
+                                 impl=decode_impl, new_causal=causal)
         o = self.self_attn.output(o)
         if self.convolves:
             o = self.attention_conv.finish(o, dyn, block)
