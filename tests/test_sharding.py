@@ -159,7 +159,7 @@ def test_speculative_sharded_equals_single_device(pair, prompts, single, spec):
     assert sum(len(r.acceptance_lengths) for r in out) < len(prompts) * MAX_NEW  # the draft was accepted sometimes
 
     # the compiled loop keeps rows over data and KV heads over tensor (4 KV heads: not on tensor=8)
-    req = S._prepare(ts, ds, prompts, MAX_NEW, None, S.SamplingParams(0.0, 0, 1.0), [], 0, None)
+    req = S._prepare(ts, ds, prompts, max_new_tokens=MAX_NEW, sampling=S.SamplingParams(0.0, 0, 1.0))
     state = S._executable(req).output_shardings
     cache = NamedSharding(mesh, sh.cache_spec(mesh, 4))
     assert state.tcache.layers[0].k.is_equivalent_to(cache, 4) and state.dcache.layers[0].v.is_equivalent_to(cache, 4)
