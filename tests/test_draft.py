@@ -21,8 +21,9 @@ from hf_models import save_tiny, torch_forward
 LAYER_IDS = (0, 2, 3)
 
 
-def make_draft(tcfg, *, layers=2, block=8, sliding=None, seed=1, ids=LAYER_IDS, **fields):
-    """A random draft on ``tcfg``; ``fields``: other DraftConfig fields (e.g. ``architecture="dflash2"``)."""
+def make_draft(tcfg, *, layers=2, block=8, sliding=None, seed=1, ids=LAYER_IDS, dflash2_scale=1.0, **fields):
+    """A random draft on ``tcfg``; ``fields``: other DraftConfig fields (e.g. ``architecture="dflash2"``), whose
+    convolution and selector weights are then drawn with ``dflash2_scale`` x ``_DFLASH2_STD``."""
     kw = dict(num_hidden_layers=layers, layer_types=())
     if sliding:
         kw.update(layer_types=("sliding_attention", "full_attention")[:layers], sliding_window=sliding)
@@ -34,7 +35,7 @@ def make_draft(tcfg, *, layers=2, block=8, sliding=None, seed=1, ids=LAYER_IDS, 
     rng = np.random.RandomState(seed)
     params = _map_norms(params, lambda w: w + 0.1 * rng.randn(*w.shape).astype(np.float32))
     if dcfg.architecture == "dflash2":  # the 0.02 init would leave the convolutions and the selector inert
-        params = _scale_dflash2(params, rng)
+        params = _scale_dflash2(params, rng, dflash2_scale)
     return D.Draft(dcfg, params)
 
 
@@ -42,10 +43,10 @@ _DFLASH2_STD = {"base_kernel": 0.5, "kernel_projection": 0.3, "hidden_projection
                 "successor_codebook": 1.0}
 
 
-def _scale_dflash2(tree, rng, name=""):
+def _scale_dflash2(tree, rng, scale, name=""):
     if isinstance(tree, dict):
-        return {k: _scale_dflash2(v, rng, k if k in _DFLASH2_STD else name) for k, v in tree.items()}
-    return jnp.asarray(_DFLASH2_STD[name] * rng.randn(*tree.shape), tree.dtype) if name else tree
+        return {k: _scale_dflash2(v, rng, scale, k if k in _DFLASH2_STD else name) for k, v in tree.items()}
+    return jnp.asarray(scale * _DFLASH2_STD[name] * rng.randn(*tree.shape), tree.dtype) if name else tree
 
 
 def _map_norms(tree, fn, name=""):

@@ -244,3 +244,44 @@ def test_engine_equals_reference_loop(tiny, name):
             out, acc = reference_loop(target, draft, prompt, new, stop)
             assert g.output_ids == p.output_ids == out
             assert g.acceptance_lengths == acc
+
+
+def test_generate_cli_with_a_dflash2_draft(tiny, tmp_path, capsys):
+    """``python -m infer.generate --json --ignore-eos`` on a saved DFlash2 draft: the reference loop's
+    outputs and per-step acceptance lengths."""
+    from infer import generate as g
+
+    target, _ = tiny
+    draft = make_draft(target.config, **FORMATS["dflash2 sliding, scaled"])
+    D.save_draft(draft, str(tmp_path / "draft"), dtype="float32")
+    assert g.main(["--target", target.path, "--draft", str(tmp_path / "draft"), "--prompt-ids", "5,17,3",
+                   "--max-new-tokens", "7", "--temperature", "0", "--ignore-eos", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out, acc = reference_loop(target, dj.load_draft(str(tmp_path / "draft")), [5, 17, 3], 7)
+    assert row["output_ids"] == out and row["acceptance_lengths"] == acc
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_5"])
+def test_dflash2_on_other_families(tmp_path, family):
+    """A DFlash2 draft on a gpt-oss target (sinks, sliding ring, experts) and a Qwen3.5 hybrid (recurrent
+    rollback): lossless against plain decoding, with the whole block and with adaptive verify."""
+    import dataclasses
+
+    from test_gpt_oss import CFG as GPT_OSS
+    from test_qwen3_5 import CFG as QWEN3_5
+
+    save_tiny(str(tmp_path), family, **{"gpt_oss": GPT_OSS, "qwen3_5": QWEN3_5}[family])
+    target = dj.load_target(str(tmp_path))
+    tcfg = target.config
+    dcfg = DraftConfig.for_target(tcfg, draft_layers=1, block_size=4, mask_token_id=tcfg.vocab_size - 1,
+                                  target_layer_ids=(0, 2))
+    dcfg = dataclasses.replace(dcfg, **{k: v for k, v in DFLASH2.items()})
+    from test_draft import _scale_dflash2
+
+    draft = D.Draft(dcfg, _scale_dflash2(D.init_draft_params(dcfg, 1), np.random.RandomState(1), 1.0))
+    rng = np.random.RandomState(7)
+    prompts = [rng.randint(0, tcfg.vocab_size - 1, n).tolist() for n in (6, 11, 2)]
+    plain = [r.output_ids for r in S.generate(target, prompts, max_new_tokens=10, stop_token_ids=[])]
+    for kw in ({}, {"verify_lengths": (2, 4), "verify_threshold": 0.05}):
+        got = S.speculative_generate(target, draft, prompts, max_new_tokens=10, stop_token_ids=[], **kw)
+        assert [r.output_ids for r in got] == plain, kw

@@ -179,6 +179,21 @@ def test_speculative_sharded_equals_single_device(pair, prompts, single, spec):
         assert [r.output_ids for r in adaptive] == [r.output_ids for r in single]
 
 
+def test_dflash2_sharded_equals_single_device(pair, prompts):
+    """A DFlash2 draft (codebooks over tensor, convolutions, the selector walk) on a data x tensor mesh."""
+    from test_draft import make_draft
+    from test_draft_formats import DFLASH2
+
+    target, _ = pair
+    draft = make_draft(target.config, layers=1, block=8, ids=(0, 1), **DFLASH2)
+    want = S.speculative_generate(target, draft, prompts, max_new_tokens=MAX_NEW, stop_token_ids=[])
+    mesh = sh.make_mesh(MESHES[1])
+    ds = sh.shard_draft(draft, mesh)
+    assert ds.params["candidate_selector"]["successor_codebook"].sharding.mesh == mesh
+    _same(S.speculative_generate(sh.shard_target(target, mesh), ds, prompts, max_new_tokens=MAX_NEW,
+                                 stop_token_ids=[]), want)
+
+
 def test_mixed_placement_is_an_error(pair, prompts):
     target, draft = pair
     ts = sh.shard_target(target, sh.make_mesh("data=8"))
