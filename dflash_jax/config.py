@@ -441,13 +441,16 @@ class DraftConfig:
     @classmethod
     def for_target(cls, target: TargetConfig, *, draft_layers: int, block_size: int, mask_token_id: int,
                    target_layer_ids, layer_types=None, sliding_window: int | None = None,
-                   is_causal: bool | None = None) -> "DraftConfig":
+                   is_causal: bool | None = None, input_embedding_scale: float = 1.0,
+                   output_multiplier: float = 1.0, final_logit_softcapping: float | None = None) -> "DraftConfig":
         """A new draft shaped as the released ones: a Qwen3 stack of ``draft_layers`` layers with the target's
         widths, heads, norm eps, special tokens and rope (rotating the whole head: a hybrid target rotates part
         of it in its own attention only). The MLP width is the target's ``intermediate_size`` (a mixture-of-
         experts target's dense width, as the released drafts have) or, without one, its ``moe_intermediate_size``.
         ``layer_types`` / ``sliding_window`` / ``is_causal``: the draft's own attention (default: every layer full
-        and bidirectional). Built through ``from_hf``, so it equals what ``load_draft`` reads back from its export."""
+        and bidirectional); ``input_embedding_scale`` / ``output_multiplier`` / ``final_logit_softcapping``: its
+        input and logits (default: neither scaled nor capped). Built through ``from_hf``, so it equals what
+        ``load_draft`` reads back from its export."""
         t = target
         d = {"model_type": "qwen3", "vocab_size": t.vocab_size, "hidden_size": t.hidden_size,
              "intermediate_size": getattr(t, "intermediate_size", None) or t.moe_intermediate_size,
@@ -463,6 +466,8 @@ class DraftConfig:
             d.update(layer_types=list(layer_types), sliding_window=sliding_window)
         if is_causal is not None:
             d["is_causal"] = bool(is_causal)
+        d["dflash_config"].update(input_embedding_scale=input_embedding_scale, output_multiplier=output_multiplier,
+                                  final_logit_softcapping=final_logit_softcapping)
         draft = cls.from_hf(d)
         draft.check_fits(target)
         return draft

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -624,3 +625,99 @@ def test_train_mesh_bad_batch_says_what_to_change(env):
         train(cfg_for(env, "mesh_bad", batch_size=6, mesh=MESH_A), target=env["target"], log=_quiet)
     with pytest.raises(ValueError, match="tensor"):  # 4 heads do not divide by tensor=8
         train(cfg_for(env, "mesh_bad2", mesh="tensor=8"), target=env["target"], log=_quiet)
+
+
+# --- the draft's own attention and logits (--draft-sliding-layers, --draft-causal, ...) ---------------------
+
+
+def test_draft_flags_build_the_draft_config(env):
+    from train.loop import build_draft_config
+
+    argv = ["--target", "t", "--data", "d", "--out", "o", "--draft-layers", "3"]
+    build = lambda *a: build_draft_config(parse_args(argv + list(a)), env["target"])  # noqa: E731
+    plain = build()  # the default: every layer full and bidirectional, as before these flags
+    assert plain == DraftConfig.for_target(env["target"].config, draft_layers=3, block_size=16,
+                                           mask_token_id=plain.mask_token_id, target_layer_ids=plain.target_layer_ids)
+    assert plain.layers.layer_types == ("full_attention",) * 3 and plain.layers.sliding_window is None
+    assert plain.is_causal is None and not any(plain.layer_causal(i) for i in range(3))
+    c = build("--draft-sliding-layers", "alternate", "--draft-sliding-window", "8")
+    assert c.layers.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert [c.layers.layer_window(i) for i in range(3)] == [8, None, 8]
+    assert [c.layer_causal(i) for i in range(3)] == [True, False, True] and c.is_causal is None
+    c = build("--draft-sliding-layers", "2, 1", "--draft-sliding-window", "3", "--draft-causal", "false")
+    assert [c.layers.layer_window(i) for i in range(3)] == [None, 3, 3]
+    assert [c.layer_causal(i) for i in range(3)] == [False] * 3 and c.is_causal is False
+    hf = c.to_hf()  # what save_draft / train.export write
+    assert (hf["layer_types"], hf["sliding_window"], hf["is_causal"]) == (list(c.layers.layer_types), 3, False)
+    assert DraftConfig.from_hf(hf) == c
+    c = build("--draft-causal", "true", "--draft-output-multiplier", "0.5", "--draft-logit-softcap", "20",
+              "--draft-embedding-scale", "2")
+    assert [c.layer_causal(i) for i in range(3)] == [True] * 3 and c.layers.layer_types == plain.layers.layer_types
+    assert (c.output_multiplier, c.final_logit_softcapping, c.input_embedding_scale) == (0.5, 20.0, 2.0)
+    assert DraftConfig.from_hf(c.to_hf()) == c and c.to_hf()["is_causal"] is True
+    assert build("--draft-logit-softcap", "0").final_logit_softcapping is None
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--draft-sliding-layers", "0,2"], r"--draft-sliding-layers needs --draft-sliding-window W >= 1"),
+    (["--draft-sliding-window", "8"], r"--draft-sliding-window 8 without --draft-sliding-layers"),
+    (["--draft-sliding-layers", "1,5", "--draft-sliding-window", "8"], r"ids \[5\] are outside the draft's 5 layers"),
+    (["--draft-sliding-layers", "odd", "--draft-sliding-window", "8"], r"comma-separated layer ids or 'alternate'"),
+    (["--draft-causal", "yes"], r"--draft-causal: invalid choice: 'yes'"),
+    (["--draft-output-multiplier", "0"], r"--draft-output-multiplier must be a finite non-zero number"),
+    (["--draft-logit-softcap", "-1"], r"--draft-logit-softcap must be >= 0"),
+])
+def test_bad_draft_flags_are_refused_before_anything_runs(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--target", "t", "--data", "d", "--out", "o", *flags])
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_sliding_causal_draft_trains_exports_and_resumes(env, tmp_path):
+    """Layer 0 sliding (W 3) and causal, layer 1 full and bidirectional: the loss falls, the export reloads to
+    the same config and logits, and a resume or an --init-draft keeps the draft's own settings."""
+    from train.export import main as export_main
+
+    losses = []
+    cfg = cfg_for(env, "sliding", out=str(tmp_path / "run"), draft_layers=2, draft_sliding_layers="0",
+                  draft_sliding_window=3, draft_logit_softcap=30.0, steps=16, save_every=16)
+    draft = train(cfg, target=env["target"], on_step=lambda s, m: losses.append(m["loss"]), log=_quiet)
+    assert [draft.config.layer_causal(i) for i in range(2)] == [True, False]
+    assert draft.config.layers.layer_types == ("sliding_attention", "full_attention")
+    assert len(losses) == 16 and all(np.isfinite(losses))
+    assert np.mean(losses[-4:]) < 0.7 * np.mean(losses[:4]), losses
+    out = str(tmp_path / "export")
+    assert export_main(["--checkpoint", cfg.out, "--out", out, "--dtype", "float32"]) == 0
+    hf = json.load(open(os.path.join(out, "config.json")))
+    assert hf["layer_types"] == ["sliding_attention", "full_attention"] and hf["sliding_window"] == 3
+    assert "is_causal" not in hf and hf["dflash_config"]["final_logit_softcapping"] == 30.0
+    again = load_draft(out)
+    assert again.config == draft.config
+    ctx, block = np.array([[4, 8, 15, 16, 23, 42]]), np.array([[7, 95, 95, 95]])
+    from dflash_jax import draft_block_logits
+
+    np.testing.assert_array_equal(draft_block_logits(env["target"], again, ctx, block),
+                                  draft_block_logits(env["target"], draft, ctx, block))
+    # resume: the draft's attention is fixed, like --draft-layers
+    with pytest.raises(TrainingError, match=r"different --draft-causal \('auto' -> 'true'\)"):
+        train(cfg.replace(draft_causal="true"), target=env["target"], log=_quiet)
+    # --init-draft: its config wins over the flags, with a warning naming the ones ignored
+    init = cfg_for(env, "sliding_init", out=str(tmp_path / "init"), init_draft=out, draft_layers=2, steps=1)
+    with pytest.warns(UserWarning, match=r"sliding layers \[0\] \(window 3\).*--draft-sliding-layers / "
+                                         r"--draft-sliding-window / --draft-logit-softcap given are ignored"):
+        assert train(init, target=env["target"], log=_quiet).config == draft.config
+
+
+def test_init_draft_dflash2_is_refused(env, tmp_path, capsys):
+    layers = TargetConfig("qwen3", 96, 32, 64, 1, 4, 2, 8, max_position_embeddings=256)
+    dcfg = DraftConfig(layers, 4, 4, 95, (1, 2, 3), architecture="dflash2", conv_kernel_size=2,
+                       conv_group_size=8, selector_rank=8, selector_top_k=5)
+    path = str(tmp_path / "dflash2")
+    save_draft(Draft(dcfg, init_draft_params(dcfg, 0)), path, dtype="float32")
+    with pytest.raises(TrainingError, match=r"DFlash2 draft .*loaded and served but not trained.*not public"):
+        train(cfg_for(env, "d2", init_draft=path, out=str(tmp_path / "o")), target=env["target"], log=_quiet)
+    from train.__main__ import main
+
+    assert main(["--target", env["tdir"], "--data", env["data"], "--out", str(tmp_path / "cli"), "--init-draft",
+                 path, "--no-progress"]) == 2
+    _one_line_error(capsys, "DFlash2", "not trained", "not public")

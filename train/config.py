@@ -9,10 +9,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import types
 import typing
 
 from dflash_jax.checkpoints import DTYPES
+
+# --draft-causal -> DraftConfig.is_causal (auto: the newest reference's rule, sliding layers causal, full ones not)
+DRAFT_CAUSAL = {"auto": None, "true": True, "false": False}
 
 # Loss-weight decay gamma of the paper per block size (w_k = exp(-(k-1)/gamma)).
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -59,6 +63,18 @@ class TrainConfig:
                                   "spaced over 1..L-1 (the formula collapses on shallow targets)", default="")
     mask_token_id: int = _help("mask token id; -1: first unused embedding row (len(tokenizer) < vocab), "
                                "else the pad token, else vocab_size-1", default=-1)
+    draft_sliding_layers: str = _help("draft layers with sliding-window attention: comma-separated layer ids, or "
+                                      "'alternate' (layers 0, 2, 4, ...: sliding first, then full, as the released "
+                                      "sliding drafts); empty: none (every layer full attention)", default="")
+    draft_sliding_window: int = _help("the window W of the sliding draft layers (required with "
+                                      "--draft-sliding-layers, an error without)", default=0)
+    draft_causal: str = _help("causality inside the draft block: auto (sliding layers causal, full layers "
+                              "bidirectional, as the newest reference) | true | false (every layer)", default="auto")
+    draft_output_multiplier: float = _help("the draft logits' multiplier (output_multiplier)", default=1.0)
+    draft_logit_softcap: float = _help("soft cap of the draft logits, cap * tanh(logits / cap) "
+                                       "(final_logit_softcapping; 0: off)", default=0.0)
+    draft_embedding_scale: float = _help("multiplier of the draft block's raw token embeddings "
+                                         "(input_embedding_scale)", default=1.0)
     # the objective
     num_anchors: int = _help("anchors (blocks) per row, re-drawn every epoch", default=512)
     gamma: float = _help("loss weight decay gamma, w_k = exp(-(k-1)/gamma); 0: 7/5/4 for B=16/10/8, "
@@ -145,6 +161,7 @@ class TrainConfig:
                 self.layer_ids()
             except ValueError:
                 errors.append(f"--target-layer-ids must be comma-separated integers, got {self.target_layer_ids!r}")
+        errors += self._draft_option_errors()
         if errors:
             raise ValueError("invalid training config:\n  " + "\n  ".join(errors))
 
@@ -160,6 +177,50 @@ class TrainConfig:
         if not self.target_layer_ids:
             return None
         return tuple(int(s) for s in self.target_layer_ids.replace(" ", "").split(",") if s)
+
+    def sliding_layer_ids(self) -> tuple[int, ...]:
+        """The new draft's sliding-window layers (sorted; ``alternate``: 0, 2, 4, ... of --draft-layers)."""
+        spec = self.draft_sliding_layers.replace(" ", "")
+        if spec == "alternate":
+            return tuple(range(0, self.draft_layers, 2))
+        return tuple(sorted({int(s) for s in spec.split(",") if s}))
+
+    def draft_options(self) -> dict:
+        """``DraftConfig.for_target``'s keyword arguments for the new draft's own attention and logits."""
+        sliding = self.sliding_layer_ids()
+        return {"layer_types": tuple("sliding_attention" if i in sliding else "full_attention"
+                                     for i in range(self.draft_layers)) if sliding else None,
+                "sliding_window": self.draft_sliding_window or None,
+                "is_causal": DRAFT_CAUSAL[self.draft_causal],
+                "input_embedding_scale": self.draft_embedding_scale,
+                "output_multiplier": self.draft_output_multiplier,
+                "final_logit_softcapping": self.draft_logit_softcap or None}
+
+    def _draft_option_errors(self) -> list[str]:
+        errors = []
+        try:
+            sliding = self.sliding_layer_ids()
+        except ValueError:
+            sliding = ()
+            errors.append("--draft-sliding-layers must be comma-separated layer ids or 'alternate', got "
+                          f"{self.draft_sliding_layers!r}")
+        bad = [i for i in sliding if not 0 <= i < self.draft_layers]
+        if bad:
+            errors.append(f"--draft-sliding-layers {list(sliding)}: ids {bad} are outside the draft's "
+                          f"{self.draft_layers} layers (0..{self.draft_layers - 1}, --draft-layers)")
+        if sliding and self.draft_sliding_window < 1:
+            errors.append(f"--draft-sliding-layers needs --draft-sliding-window W >= 1, got {self.draft_sliding_window}")
+        elif not sliding and self.draft_sliding_window:
+            errors.append(f"--draft-sliding-window {self.draft_sliding_window} without --draft-sliding-layers: "
+                          "no layer would use it")
+        if self.draft_causal not in DRAFT_CAUSAL:
+            errors.append(f"--draft-causal must be auto, true or false, got {self.draft_causal!r}")
+        for name in ("draft_output_multiplier", "draft_embedding_scale"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) == 0:
+                errors.append(f"--{name.replace('_', '-')} must be a finite non-zero number, got {getattr(self, name)}")
+        if not (math.isfinite(self.draft_logit_softcap) and self.draft_logit_softcap >= 0):
+            errors.append(f"--draft-logit-softcap must be >= 0 (0: off), got {self.draft_logit_softcap}")
+        return errors
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -192,6 +253,8 @@ _REQUIRED = ("target", "data", "out")
 def _choices(name: str):
     if name in ("dtype", "param_dtype", "feature_dtype"):
         return list(DTYPES)
+    if name == "draft_causal":
+        return list(DRAFT_CAUSAL)
     return ["auto", "kernel", "reference", "interpret"] if name == "impl" else None
 
 

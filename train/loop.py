@@ -53,8 +53,9 @@ from dflash_jax.progress import progress_bar
 # computation by another kernel / in other chunks (speed and memory), equal up to float rounding; they
 # are warned about since the resumed run is then no longer bit-exact.
 _RESUME_FIXED = ("draft_layers", "block_size", "num_target_features", "target_layer_ids",
-                 "mask_token_id", "num_anchors", "gamma", "seq_len", "batch_size", "grad_accum", "seed",
-                 "dtype", "param_dtype", "init_draft", "pack")
+                 "mask_token_id", "draft_sliding_layers", "draft_sliding_window", "draft_causal",
+                 "draft_output_multiplier", "draft_logit_softcap", "draft_embedding_scale", "num_anchors", "gamma",
+                 "seq_len", "batch_size", "grad_accum", "seed", "dtype", "param_dtype", "init_draft", "pack")
 _RESUME_ROUNDING = ("impl", "loss_chunk")
 # The collapse warning: this many consecutive steps with the loss within COLLAPSE_TOL nats of ln(vocab)
 # (uniform predictions) or a gradient norm of exactly 0.
@@ -91,7 +92,8 @@ def default_mask_token_id(target: Target, tokenizer=None) -> int:
 
 def build_draft_config(cfg: TrainConfig, target: Target, tokenizer=None) -> DraftConfig:
     """The draft ``python -m train`` makes for ``target`` (``DraftConfig.for_target``) from the flags: its
-    layers, block size, target layer ids (chosen when not given) and mask token."""
+    layers, block size, target layer ids (chosen when not given), mask token, and its own attention and
+    logits (``TrainConfig.draft_options``)."""
     L = target.config.num_hidden_layers
     ids = cfg.layer_ids() or choose_target_layer_ids(L, cfg.num_target_features)
     bad = [i for i in ids if not 0 <= i < L]
@@ -99,7 +101,32 @@ def build_draft_config(cfg: TrainConfig, target: Target, tokenizer=None) -> Draf
         raise ValueError(f"--target-layer-ids {list(ids)}: ids {bad} are outside the target's {L} layers (0..{L - 1})")
     mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else default_mask_token_id(target, tokenizer)
     return DraftConfig.for_target(target.config, draft_layers=cfg.draft_layers, block_size=cfg.block_size,
-                                  mask_token_id=mask_id, target_layer_ids=ids)
+                                  mask_token_id=mask_id, target_layer_ids=ids, **cfg.draft_options())
+
+
+# The flags of TrainConfig.draft_options, by DraftConfig.for_target keyword
+_DRAFT_OPTION_FLAGS = {"layer_types": "--draft-sliding-layers", "sliding_window": "--draft-sliding-window",
+                       "is_causal": "--draft-causal", "input_embedding_scale": "--draft-embedding-scale",
+                       "output_multiplier": "--draft-output-multiplier",
+                       "final_logit_softcapping": "--draft-logit-softcap"}
+
+
+def _draft_options_of(dcfg: DraftConfig) -> dict:
+    """An existing draft's values of ``TrainConfig.draft_options`` (what an --init-draft fixes)."""
+    layers = dcfg.layers
+    return {"layer_types": layers.layer_types if "sliding_attention" in layers.layer_types else None,
+            "sliding_window": layers.sliding_window, "is_causal": dcfg.is_causal,
+            "input_embedding_scale": dcfg.input_embedding_scale, "output_multiplier": dcfg.output_multiplier,
+            "final_logit_softcapping": dcfg.final_logit_softcapping}
+
+
+def _ignored_draft_flags(cfg: TrainConfig, dcfg: DraftConfig) -> list[str]:
+    """The draft-architecture flags whose values ``dcfg`` (an --init-draft's config, which wins) does not have."""
+    flags = [f for f, ours, theirs in (("--block-size", cfg.block_size, dcfg.block_size),
+                                       ("--draft-layers", cfg.draft_layers, dcfg.layers.num_hidden_layers))
+             if ours != theirs]
+    ours, theirs = cfg.draft_options(), _draft_options_of(dcfg)
+    return flags + [flag for k, flag in _DRAFT_OPTION_FLAGS.items() if ours[k] != theirs[k]]
 
 
 def lr_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
@@ -394,10 +421,20 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
     elif cfg.init_draft:
         init = load_draft(cfg.init_draft, dtype=cfg.param_dtype)
         dcfg = init.config
-        if (dcfg.block_size, dcfg.layers.num_hidden_layers) != (cfg.block_size, cfg.draft_layers):
+        if dcfg.architecture == "dflash2":
+            raise TrainingError(f"--init-draft {cfg.init_draft} is a DFlash2 draft (DFlash2DraftModel): DFlash2 "
+                                "drafts can be loaded and served but not trained here, because the training recipe "
+                                "of their candidate selector is not public; start from a DFlash (DFlashDraftModel) "
+                                "draft or train a new one")
+        ignored = _ignored_draft_flags(cfg, dcfg)
+        if ignored:
+            sliding = [i for i, t in enumerate(dcfg.layers.layer_types) if t == "sliding_attention"]
             warnings.warn(f"--init-draft {cfg.init_draft} fixes the architecture: block_size {dcfg.block_size}, "
-                          f"{dcfg.layers.num_hidden_layers} layers, target_layer_ids {list(dcfg.target_layer_ids)} "
-                          "(the --block-size / --draft-layers given are ignored)", stacklevel=2)
+                          f"{dcfg.layers.num_hidden_layers} layers, target_layer_ids {list(dcfg.target_layer_ids)}, "
+                          f"sliding layers {sliding} (window {dcfg.layers.sliding_window}), is_causal "
+                          f"{dcfg.is_causal}, input_embedding_scale {dcfg.input_embedding_scale}, output_multiplier "
+                          f"{dcfg.output_multiplier}, final_logit_softcapping {dcfg.final_logit_softcapping} "
+                          f"(the {' / '.join(ignored)} given are ignored)", stacklevel=2)
         params = init.params
     else:
         dcfg = build_draft_config(cfg, target, tokenizer)
