@@ -229,7 +229,8 @@ def reference_loop(target, draft, prompt, max_new_tokens, stop=()):
     return out, acc
 
 
-@pytest.mark.parametrize("name", ["sliding causal (default)", "dflash2 sliding, scaled"])
+@pytest.mark.parametrize("name", ["sliding causal (default)",
+                                  pytest.param("dflash2 sliding, scaled", marks=pytest.mark.slow)])
 def test_engine_equals_reference_loop(tiny, name):
     """Outputs AND per-step acceptance lengths equal the reference loop's, with budgets that end inside a
     block (where the reference drafts a shorter block) and a stop token, batched and ragged."""
