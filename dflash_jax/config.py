@@ -382,6 +382,10 @@ class DraftConfig:
         if unknown:
             raise ValueError(f"unsupported draft architecture {unknown[0]!r}; supported: "
                              f"{', '.join(DRAFT_ARCHITECTURES)}")
+        others = [a for a in d.get("architectures") or () if a not in DRAFT_ARCHITECTURES]
+        if others and not archs and not d.get("dflash_config"):
+            raise ValueError(f"this config.json is a target model (architectures {others}), not a DFlash draft: "
+                             "pass it as the target")
         arch = DRAFT_ARCHITECTURES[archs[0]] if archs else "dflash"
         mask = key("mask_token_id")
         if mask is None:

@@ -141,6 +141,15 @@ def test_causality_per_layer():
     assert not DraftConfig.from_hf(_hf()).layer_causal(0)
 
 
+def test_target_and_draft_mixed_up():
+    with pytest.raises(ValueError, match=r"is a target model \(architectures \['Qwen3ForCausalLM'\]\), not a DFlash"):
+        DraftConfig.from_hf({**_hf(architectures=["Qwen3ForCausalLM"]), "dflash_config": None})
+    from dflash_jax.families import config_from_hf
+
+    with pytest.raises(ValueError, match="is a DFlash draft .* not a target model"):
+        config_from_hf(_hf(architectures=["DFlash2DraftModel"]))
+
+
 def test_dflash2_config_and_errors():
     c = DraftConfig.from_hf(_hf(architectures=["DFlash2DraftModel"], dflash_config={"selector_rank": 16}))
     assert (c.architecture, c.conv_kernel_size, c.conv_group_size, c.selector_rank, c.selector_top_k) == \

@@ -236,3 +236,51 @@ def test_sliding_window_ring_rollback_is_lossless():
         assert [r.output_ids for r in out] == want, block
         if block > 1:
             assert any(1 < a < block for r in out for a in r.acceptance_lengths)  # partial acceptance: rollback
+
+
+def _assert_draft_context_is_committed(target, draft, state):
+    """The draft cache holds exactly the committed tokens' context: its length is the target cache's, and
+    every slot below it holds the context K/V of the target feature of the token at that position."""
+    import jax.numpy as jnp
+
+    from dflash_jax import draft as D
+    from dflash_jax.target import forward
+
+    n = np.asarray(state.tcache.lengths)
+    np.testing.assert_array_equal(np.asarray(state.dcache.lengths), n)
+    tokens = np.asarray(state.tokens)
+    pos = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)  # later tokens never reach earlier features
+    _, feats, _ = forward(target.config, target.params, jnp.asarray(tokens), pos,
+                          feature_layer_ids=draft.config.target_layer_ids)
+    k, v = D.context_kv(draft.config, draft.params, feats, pos)
+    for layer, (kl, vl) in enumerate(zip(k, v)):
+        got_k, got_v = np.asarray(state.dcache.layers[layer].k), np.asarray(state.dcache.layers[layer].v)
+        for r, m in enumerate(n):
+            np.testing.assert_allclose(got_k[r, :m], np.asarray(kl)[r, :m], atol=2e-5, rtol=2e-5)
+            np.testing.assert_allclose(got_v[r, :m], np.asarray(vl)[r, :m], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("proposer", ["chain", "dflash2"])
+def test_draft_cache_tracks_the_committed_tokens(pair, prompts, proposer):
+    """After the prefill and after every step of a stepped run (ragged rows, partial acceptance), the draft
+    context equals the committed tokens' (the alignment a public TPU port lost); output still lossless."""
+    from test_draft import make_draft
+    from test_draft_formats import DFLASH2
+
+    target, draft = pair
+    if proposer == "dflash2":
+        draft = make_draft(target.config, block=8, ids=draft.config.target_layer_ids, **DFLASH2)
+    req = S._prepare(target, draft, prompts, max_new_tokens=20, sampling=S.SamplingParams(), stop_token_ids=[])
+    state = S._prefill_jit(req.spec, req.inputs, cache_len=req.cache_len)
+    steps = 0
+    while True:
+        _assert_draft_context_is_committed(target, draft, state)
+        if np.asarray(state.done).all():
+            break
+        state = S._step_jit(req.spec, req.inputs, state)
+        steps += 1
+    out = S._results(state, req, 1.0)
+    plain = S.generate(target, prompts, max_new_tokens=20, stop_token_ids=[])
+    assert [r.output_ids for r in out] == [r.output_ids for r in plain]
+    assert any(a > 1 for r in out for a in r.acceptance_lengths)  # partial acceptance happened
+    assert steps == max(len(r.acceptance_lengths) for r in out)

@@ -49,4 +49,8 @@ def family_of(cfg) -> Family:
 def config_from_hf(path_or_dict) -> Any:
     """A target config of whichever family the ``config.json`` (path, directory or dict) names."""
     d = read_config_json(path_or_dict)
+    drafts = [a for a in d.get("architectures") or () if "DFlash" in str(a)]
+    if drafts:
+        raise ValueError(f"this config.json is a DFlash draft (architectures {drafts}), not a target model: pass it "
+                         "as the draft")
     return family_for(d.get("model_type")).config.from_hf(d)
