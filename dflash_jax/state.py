@@ -13,6 +13,10 @@ bonus; 0 for a finished row), and every state rolls back in its own way:
 * ``Recurrent`` (linear attention, conv windows): the state after each new token of the last forward
   (when it had at most ``max_block`` tokens); ``commit`` keeps the one after the last kept token.
 
+Tree verification (``speculative``, ``tree_budget``) writes its N + 1 tree tokens at slots n..n+N, not at
+their (repeating) positions, then ``DecodeCache.compact`` moves the accepted path to slots n..n+a before the
+commit; only ``FullKV`` supports it.
+
 A token at a position < 0 is padding: never written, never attended to, never advancing a recurrence.
 """
 from __future__ import annotations
@@ -57,6 +61,14 @@ class FullKV:
 
     def commit(self, kept) -> "FullKV":
         return self
+
+    def compact(self, src, dst) -> "FullKV":
+        """Copy slots ``src`` [B, L] to slots ``dst`` [B, L] (src < 0: nothing copied), all read before any
+        write (tree verification: the accepted path's K/V to contiguous slots)."""
+        rows, keep = _rows(src), src >= 0
+        dst = jnp.where(keep, dst, self.max_len)
+        k, v = self.k[rows, jnp.maximum(src, 0)], self.v[rows, jnp.maximum(src, 0)]
+        return FullKV(self.k.at[rows, dst].set(k, mode="drop"), self.v.at[rows, dst].set(v, mode="drop"))
 
 
 @flax.struct.dataclass
@@ -181,3 +193,10 @@ class DecodeCache:
         """Keep the first ``kept`` [B] tokens of the last forward of every row; the rest is rolled back."""
         kept = kept.astype(jnp.int32)
         return self.replace(layers=tuple(s.commit(kept) for s in self.layers), lengths=self.lengths + kept)
+
+    def compact(self, src, dst) -> "DecodeCache":
+        """``FullKV.compact`` in every layer (tree verification supports full-attention caches only)."""
+        bad = {type(s).__name__ for s in self.layers if not isinstance(s, FullKV)}
+        if bad:
+            raise ValueError(f"tree verification needs full-attention caches; this cache has {', '.join(sorted(bad))}")
+        return self.replace(layers=tuple(s.compact(src, dst) for s in self.layers))
