@@ -14,6 +14,13 @@ batch). Every layer state is written for those L tokens only, and a+1 <= L are k
 protocol is unchanged; L depends on the draft's distributions, never on the tokens drawn from them, so
 the speculation is cut before any draw and the output stays exact (greedy: identical).
 
+Tree verification (``tree_budget`` N > 0; ``_tree_verify``, TREE_NOTES.md): the draft's one forward gives a
+tree of the N most probable prefixes (``tree.build_tree``); the target verifies [pending, N nodes] at
+positions n + depth in one forward, each token seeing the cache [0, n) and its tree ancestors
+(``tree.ancestor_mask``); the walk (``tree.walk``) follows the target's own tokens from the root, and the
+accepted path's K/V and features are compacted to positions n..n+a, so ``_commit`` and the rollback protocol
+are the chain's. Full-attention targets only (``_check_tree_target``).
+
 Counting: the first token comes from the prefill; each verify step's acceptance length is the
 number of tokens it committed: a+1 (accepted drafts plus the bonus token, as in the paper), between 1
 and the block size, except that the row's last step counts only the tokens kept before

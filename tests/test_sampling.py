@@ -12,8 +12,9 @@ draws; one draw repeated would fail the statistic), for plain decoding (``genera
 decoding with a random block-4 draft under both acceptance rules (``speculative_generate``, ``match`` and
 ``rejection``; token 1 comes from the prefill, tokens 2-3 from verify steps, so the acceptance rule, the
 residual and the bonus token matter; the first draft is accepted in 27-63%
-of rows, asserted > 10%), and the rejection rule with adaptive verify cut to 2 tokens (d_1, then the bonus
-from p_1 where the full block would draw the residual or d_2).
+of rows, asserted > 10%), the rejection rule with adaptive verify cut to 2 tokens (d_1, then the bonus
+from p_1 where the full block would draw the residual or d_2), and tree verification with 6 nodes (every
+node's target token drawn independently, then the greedy walk).
 
 Statistic: Pearson's chi-square over the 512 outcomes, outcomes with expected count < 5 pooled into one
 cell (a sequence the target cannot produce at all: infinite); it must stay below the chi-square quantile
@@ -163,7 +164,10 @@ def test_joint_law_of_first_three_tokens_is_the_targets(peaked, temperature, top
             "DFlash2, match rule": S.speculative_generate(target, dflash2, [PROMPT] * N, seed=5, acceptance="match",
                                                           **kw),
             "DFlash2, rejection rule": S.speculative_generate(target, dflash2, [PROMPT] * N, seed=6,
-                                                              acceptance="rejection", **kw)}
+                                                              acceptance="rejection", **kw),
+            # tree verification: 6 nodes (siblings at depth 1), the target sampled at every node, then the walk
+            "tree of 6": S.speculative_generate(target, draft, [PROMPT] * N, block_size=4, seed=7, tree_budget=6,
+                                                **kw)}
     assert {v for r in runs["speculative, rejection rule, verify 2 of 4"] for v in r.verify_lengths} == {2}
     accepted = min(np.mean([r.acceptance_lengths[0] > 1 for r in runs[k]]) for k in runs if k != "plain")
     print(f"T={temperature} top_k={top_k} top_p={top_p}: first drafts accepted in >= {accepted:.0%} of rows")
