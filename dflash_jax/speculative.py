@@ -19,7 +19,7 @@ tree of the N most probable prefixes (``tree.build_tree``); the target verifies 
 positions n + depth in one forward, each token seeing the cache [0, n) and its tree ancestors
 (``tree.ancestor_mask``); the walk (``tree.walk``) follows the target's own tokens from the root, and the
 accepted path's K/V and features are compacted to positions n..n+a, so ``_commit`` and the rollback protocol
-are the chain's. Full-attention targets only (``_check_tree_target``).
+are the chain's. Attention-only targets (``_check_tree_target``; no Gated DeltaNet).
 
 Counting: the first token comes from the prefill; each verify step's acceptance length is the
 number of tokens it committed: a+1 (accepted drafts plus the bonus token, as in the paper), between 1
@@ -136,7 +136,9 @@ def _prefill(spec: EngineSpec, inp: Inputs, cache_len: int):
     tparams, dparams, prompts, lens, budget = inp.tparams, inp.dparams, inp.prompts, inp.lens, inp.budget
     b, p = prompts.shape
     dtype = jax.tree_util.tree_leaves(tparams)[0].dtype
-    tcache = target_lib.new_cache(spec.target, b, cache_len, dtype, max_block=spec.block_size)
+    # max_block: a sliding ring must also hold a tree verify's N + 1 tokens beside its window
+    max_block = max(spec.block_size, spec.tree_budget + 1)
+    tcache = target_lib.new_cache(spec.target, b, cache_len, dtype, max_block=max_block)
     offsets = jnp.arange(p, dtype=jnp.int32)
     positions = jnp.where(offsets < lens[:, None], offsets, -1)  # padding: never cached, never attended
     logits, features, tcache = target_lib.forward(spec.target, tparams, prompts, positions, tcache,
@@ -413,7 +415,7 @@ def _prepare(target: Target, draft, prompts, *, max_new_tokens, sampling: Sampli
     _check_tree_budget(tree_budget, draft is not None and block_size > 1, verify_lengths)
     cache_len = cache_length(lens, budget, max(block_size, tree_budget + 1), cache_len)
     if tree_budget:
-        _check_tree_target(target.config, block_size, cache_len)
+        _check_tree_target(target.config, block_size)
     padded = np.zeros((len(rows), p_bucket), np.int32)
     for i, r in enumerate(rows):
         padded[i, :len(r)] = r
@@ -471,17 +473,16 @@ def _check_tree_budget(tree_budget, speculative: bool, verify_lengths) -> None:
         raise ValueError("tree_budget cannot be combined with verify_lengths")
 
 
-def _check_tree_target(cfg, block_size: int, cache_len: int) -> None:
-    """Tree verification needs every target layer to be full attention in the cache (``state.FullKV``; a
-    sliding window > the tree's depth): a ValueError names what is not (recurrent layers, sliding rings)."""
+def _check_tree_target(cfg, block_size: int) -> None:
+    """Tree verification needs attention layers (full, or sliding with a window >= the block: the tree's own
+    keys get no window): a ValueError names what is not (recurrent Gated DeltaNet layers, narrow windows)."""
     for i, s in enumerate(family_of(cfg).state_specs(cfg)):
         if not isinstance(s, KVSpec):
             raise ValueError(f"tree_budget > 0 is not supported for {cfg.model_type} targets: layer {i} is "
                              "recurrent (Gated DeltaNet); use the chain (tree_budget=0)")
-        if s.window is not None and (s.window + block_size < cache_len or s.window < block_size):
-            raise ValueError(f"tree_budget > 0 is not supported here: layer {i} has a sliding window of "
-                             f"{s.window} whose cache is a ring at {cache_len} cache slots (only full-attention "
-                             "caches are); use the chain (tree_budget=0)")
+        if s.window is not None and s.window < block_size:
+            raise ValueError(f"tree_budget > 0 needs sliding windows >= the block size {block_size}: layer {i} "
+                             f"has a sliding window of {s.window}; use the chain (tree_budget=0) or a smaller block")
 
 
 def _results(state: DecodeState, req: _Request, wall: float) -> list[GenerationResult]:
@@ -532,7 +533,7 @@ def speculative_generate(target: Target, draft, prompts, *, max_new_tokens: int,
     ``verify_lengths`` (e.g. (4, 8, 16)): adaptive verify; each step verifies only as many block tokens as
     the draft's confidence justifies at ``verify_threshold`` (``_verify_choice``), still lossless.
     ``tree_budget`` N > 0: tree verification (``_tree_verify``): each step verifies the N most probable draft
-    prefixes plus the pending token (``verify_lengths`` = N + 1); full-attention targets only; lossless.
+    prefixes plus the pending token (``verify_lengths`` = N + 1); attention-only targets; lossless.
     Returns one ``GenerationResult`` per prompt; wall time excludes compilation.
     """
     req = _prepare(target, draft, prompts, max_new_tokens=max_new_tokens, block_size=block_size,
@@ -556,7 +557,8 @@ def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int, bloc
                     stop_token_ids: Sequence[int] | None = None, seed: int = 0,
                     max_length: int | None = None, acceptance: str = "rejection",
                     attention_impl: str = "auto", verify_lengths: Sequence[int] | None = None,
-                    verify_threshold: float = 0.1, tree_budget: int = 0) -> Iterator[list[list[int]] | list[GenerationResult]]:
+                    verify_threshold: float = 0.1,
+                    tree_budget: int = 0) -> Iterator[list[list[int]] | list[GenerationResult]]:
     """Host loop over the same jitted step: yields, after prefill and each step, the new token ids of
     every row (a list per row), and finally the list of ``GenerationResult`` (with the time to the first
     token). Prefill and step are compiled and run once before the clock starts, so timings exclude

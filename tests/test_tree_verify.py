@@ -1,7 +1,7 @@
 """Tree verification in the decode loop (``tree_budget``): greedy output identical to plain decoding (ragged
 batches, budgets 1 / 4 / 16 / 64, stop tokens and max_new_tokens / max_length cut inside a step, a DFlash2
-draft, qwen3_moe and gpt_oss targets), verify lengths N + 1, tree tau >= chain tau with a trained draft, and
-clear refusals (hybrid targets, sliding rings, bad budgets). The sampled law is in test_sampling.py."""
+draft, qwen3_moe and gpt_oss targets, sliding rings), verify lengths N + 1, tree tau >= chain tau with a
+trained draft, and clear refusals (hybrid targets, windows narrower than the block, bad budgets). The sampled law is in test_sampling.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -98,16 +98,17 @@ def _as(cls, cfg, **fields):
     return cls(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, **fields})
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_other_full_attention_families(prompts, family):
-    """qwen3_moe (routed experts), and gpt_oss with sinks and windows wider than its cache (so full caches)."""
+@pytest.mark.parametrize("family,window", [("qwen3_moe", None), ("gpt_oss", 512), ("gpt_oss", 8)])
+def test_other_attention_families(prompts, family, window):
+    """qwen3_moe (routed experts); gpt_oss (sinks) with windows wider than its cache (full caches) and with a
+    window of 8 = the block, whose caches are rings (``state.SlidingKV``) that rows run far past."""
     base = tiny_target_config(vocab=16)
     if family == "qwen3_moe":
         cfg = _as(Qwen3MoeConfig, base, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                   moe_intermediate_size=16)
     else:
         cfg = _as(GptOssConfig, base, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
-                  sliding_window=512, layer_types=("sliding_attention", "full_attention") * 2, attention_bias=True)
+                  sliding_window=window, layer_types=("sliding_attention", "full_attention") * 2, attention_bias=True)
     target = Target(cfg, init_params(cfg, 0))
     draft = random_draft(cfg, block_size=8)
     want = S.generate(target, prompts, max_new_tokens=16, stop_token_ids=[])
@@ -147,7 +148,7 @@ def test_refusals(pair, prompts):
                  linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
     with pytest.raises(ValueError, match="Gated DeltaNet"):
         run(Target(hybrid, init_params(hybrid, 0)), random_draft(hybrid, block_size=8), tree_budget=4)
-    ring = _as(GptOssConfig, base, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
-               sliding_window=8, layer_types=("sliding_attention", "full_attention") * 2)
-    with pytest.raises(ValueError, match="sliding window"):
-        run(Target(ring, init_params(ring, 0)), random_draft(ring, block_size=8), tree_budget=4)
+    narrow = _as(GptOssConfig, base, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
+                 sliding_window=4, layer_types=("sliding_attention", "full_attention") * 2)
+    with pytest.raises(ValueError, match="sliding window of 4"):
+        run(Target(narrow, init_params(narrow, 0)), random_draft(narrow, block_size=8), tree_budget=4)

@@ -18,7 +18,7 @@ from dflash_jax.checkpoints import NameTable
 from dflash_jax.config import TargetConfig
 from dflash_jax.families.family import Family
 from dflash_jax.layers import MLP, AttentionProjections, Embed, Linear, RMSNorm
-from dflash_jax.state import DecodeCache, FullKV, KVSpec
+from dflash_jax.state import DecodeCache, FullKV, KVSpec, SlidingKV
 
 
 class DecoderLayer(nn.Module):
@@ -68,17 +68,26 @@ class DecoderLayer(nn.Module):
 
     def tree_attention(self, q, k, v, positions, state, new_mask, window, sinks):
         """Tree verify: tokens [root, nodes] at positions n + depth (the root's, positions[:, 0], is the
-        committed length n); each query sees the cache [0, n) and the new tokens ``new_mask`` allows. Their
-        K/V go to slots n..n+T-1 (positions repeat), for ``DecodeCache.compact`` to move the accepted path."""
-        if not isinstance(state, FullKV):
-            raise ValueError(f"tree verification needs a full-attention cache, not {type(state).__name__}")
+        committed length n); each query sees the cache below n (within the window) and the new tokens
+        ``new_mask`` allows. Their K/V are stored in slot order (``tree_write``), for ``DecodeCache.compact``."""
         n = positions[:, 0]
-        state = state.write(k, v, n[:, None] + jnp.arange(positions.shape[1], dtype=jnp.int32))
+        if isinstance(state, SlidingKV):  # the ring is small: dense over [ring | new tokens]
+            ctx = position_mask(positions, state.pos, causal=True, sliding_window=window,
+                                k_valid=(state.pos >= 0) & (state.pos < n[:, None]))
+            valid = positions >= 0
+            own = new_mask & valid[:, :, None] & valid[:, None, :]
+            o = attend(q, jnp.concatenate([state.k, k.astype(state.k.dtype)], axis=1),
+                       jnp.concatenate([state.v, v.astype(state.v.dtype)], axis=1),
+                       jnp.concatenate([ctx, own], axis=-1), sinks=sinks)
+            return o, state.tree_write(k, v, n)
+        if not isinstance(state, FullKV):
+            raise ValueError(f"tree verification needs an attention cache, not {type(state).__name__}")
         impl = self.attention_impl
         if positions.shape[1] > MAX_QUERIES and impl in ("auto", "kernel", "interpret"):
             impl = "loop"  # the kernel holds at most MAX_QUERIES queries per row; the tiled jnp loop any number
-        return decode_attention(q, state.k, state.v, positions, n, k, v, sliding_window=window, sinks=sinks,
-                                impl=impl, new_mask=new_mask), state
+        o = decode_attention(q, state.k, state.v, positions, n, k, v, sliding_window=window, sinks=sinks,
+                             impl=impl, new_mask=new_mask)
+        return o, state.tree_write(k, v, n)
 
     def __call__(self, x, positions, state, segment_ids=None, new_mask=None):
         """x [B, T, D] at ``positions`` [B, T] -> (x, new layer state or None); ``new_mask``: see ``mix``."""
