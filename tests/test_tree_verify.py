@@ -9,11 +9,16 @@ import dataclasses
 import numpy as np
 import pytest
 
+import jax
+import jax.numpy as jnp
+
 from dflash_jax import speculative as S
+from dflash_jax import target as target_lib
+from dflash_jax import tree as tree_lib
 from dflash_jax.families.gpt_oss import GptOssConfig
 from dflash_jax.families.qwen3_5 import Qwen35Config
 from dflash_jax.families.qwen3_moe import Qwen3MoeConfig
-from dflash_jax.target import Target, init_params
+from dflash_jax.target import Target, init_params, target_logits
 from pairs import random_draft, random_pair, tiny_target_config, trained_pair
 from test_draft import make_draft
 from test_draft_formats import DFLASH2
@@ -45,6 +50,35 @@ def check(results, want, budget, block=16):
         assert all(1 <= a <= block for a in r.acceptance_lengths)
         assert r.num_generated == 1 + sum(r.acceptance_lengths)
         assert r.target_forwards == len(r.acceptance_lengths) + 1
+
+
+@pytest.mark.parametrize("impl,budget", [("reference", 6), ("loop", 6), ("interpret", 6), ("auto", 19)])
+def test_tree_forward_equals_each_paths_causal_forward(pair, impl, budget):
+    """One tree verify forward (after a prefill of ragged rows): every node's logits are the plain causal
+    forward's on prompt + its path, with each attention ("interpret": the Pallas kernel on CPU; 20 queries
+    > MAX_QUERIES: routed to the loop)."""
+    target, _ = pair
+    cfg, rng = target.config, np.random.default_rng(0)
+    rows = [rng.integers(0, 8, n).tolist() for n in (5, 11)]
+    lens = jnp.asarray([len(r) for r in rows], jnp.int32)
+    prompt = jnp.asarray([r + [0] * (11 - len(r)) for r in rows], jnp.int32)
+    pos = jnp.where(jnp.arange(11) < lens[:, None], jnp.arange(11), -1)
+    _, _, cache = target_lib.forward(cfg, target.params, prompt, pos, target.new_cache(2, 128))
+    cache = cache.commit(lens)
+    tree = tree_lib.build_tree(jax.nn.log_softmax(jnp.asarray(rng.normal(size=(2, 3, 8)), jnp.float32)), budget)
+    root = jnp.asarray([[3], [6]], jnp.int32)
+    ids = jnp.concatenate([root, tree.tokens], axis=1)
+    positions = lens[:, None] + jnp.concatenate([jnp.zeros((2, 1), jnp.int32), tree.depths], axis=1)
+    logits, _, _ = target_lib.forward(cfg, target.params, ids, positions, cache, attention_impl=impl,
+                                      new_mask=tree_lib.ancestor_mask(tree.parents))
+    parents, tokens = np.asarray(tree.parents), np.asarray(tree.tokens)
+    for b, row in enumerate(rows):
+        for slot in range(budget + 1):
+            path, node = [], slot - 1
+            while node >= 0:
+                path, node = [int(tokens[b, node])] + path, int(parents[b, node])
+            want = target_logits(target, np.array([row + [int(root[b, 0])] + path]))[0, -1]
+            np.testing.assert_allclose(np.asarray(logits[b, slot]), want, atol=1e-4, err_msg=f"{b} {slot}")
 
 
 @pytest.mark.parametrize("budget", [1, 4, 16, 64])
