@@ -15,6 +15,9 @@ its ``scores`` are the draft's plain (temperature 1) distribution, for the adapt
     the candidate list), so the rejection rule's residual is p minus q on the candidates.
   * benchmarks' replay draft: ``dflash_jax.synthetic.ReplayProposer``.
 
+Tree verification (``tree_budget``) asks instead for ``propose_tree``: the best tree of N prefixes under
+the draft's v1 marginals, whatever the proposal rule (``dflash_jax.tree``).
+
 After verification the verified tokens' target features become draft context (``update_context``).
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import draft as draft_lib
+from dflash_jax import tree as tree_lib
 from dflash_jax.sampling import filtered_scores
 
 
@@ -70,6 +74,14 @@ class Proposer:
 
     def propose(self, spec, view: StepView) -> Proposal:
         raise NotImplementedError
+
+    def propose_tree(self, spec, view: StepView, max_depth) -> tree_lib.Tree:
+        """Tree verification's draft: the ``spec.tree_budget`` most probable prefixes (depth <= ``max_depth``
+        [B]) under the v1 marginals log_softmax(draft logits), fp32, at any temperature. DFlash2 drafts too:
+        the selector's candidate scores are conditional on the predecessor, not factorised over positions."""
+        logits, _ = self.draft_forward(spec, view)
+        logq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return tree_lib.build_tree(logq, spec.tree_budget, max_depth)
 
     def update_context(self, spec, dparams, dcache, features, positions):
         """Write the verified tokens' target ``features`` at ``positions`` (< 0: skipped) into the draft cache."""

@@ -14,6 +14,13 @@ batch). Every layer state is written for those L tokens only, and a+1 <= L are k
 protocol is unchanged; L depends on the draft's distributions, never on the tokens drawn from them, so
 the speculation is cut before any draw and the output stays exact (greedy: identical).
 
+Tree verification (``tree_budget`` N > 0; ``_tree_verify``, TREE_NOTES.md): the draft's one forward gives a
+tree of the N most probable prefixes (``tree.build_tree``); the target verifies [pending, N nodes] at
+positions n + depth in one forward, each token seeing the cache [0, n) and its tree ancestors
+(``tree.ancestor_mask``); the walk (``tree.walk``) follows the target's own tokens from the root, and the
+accepted path's K/V and features are compacted to positions n..n+a, so ``_commit`` and the rollback protocol
+are the chain's. Attention-only targets (``_check_tree_target``; no Gated DeltaNet).
+
 Counting: the first token comes from the prefill; each verify step's acceptance length is the
 number of tokens it committed: a+1 (accepted drafts plus the bonus token, as in the paper), between 1
 and the block size, except that the row's last step counts only the tokens kept before
@@ -35,11 +42,13 @@ import numpy as np
 from dflash_jax import draft as draft_lib
 from dflash_jax import proposers, sharding
 from dflash_jax import target as target_lib
+from dflash_jax import tree as tree_lib
 from dflash_jax.attention import DECODE_IMPLS
 from dflash_jax.config import DraftConfig
+from dflash_jax.families import family_of
 from dflash_jax.proposers import Proposer, StepView
 from dflash_jax.sampling import SamplingParams, accepted_length, choose, filtered_scores, rejection_sample
-from dflash_jax.state import DecodeCache
+from dflash_jax.state import DecodeCache, KVSpec
 from dflash_jax.target import Target, check_token_ids
 
 FINISH_REASONS = ("running", "length", "stop")
@@ -58,6 +67,7 @@ class EngineSpec:
     proposer: Proposer | None = None  # what a step drafts (``proposers``); None: plain decoding
     attention_impl: str = "auto"  # target decode / verify and draft attention (``attention.decode_attention``)
     verify_lengths: tuple[int, ...] | None = None  # adaptive verify: the lengths a step may verify (None: the block)
+    tree_budget: int = 0  # tree verification with this many draft nodes (``_tree_verify``); 0: the chain
 
     def place(self, state: "DecodeState") -> "DecodeState":
         """Pin the decode state's layout on the mesh (rows over data*fsdp, KV heads over tensor)."""
@@ -75,7 +85,7 @@ class EngineSpec:
 
     @property
     def rejection(self) -> bool:
-        return self.speculative and not self.greedy and self.acceptance == "rejection"
+        return self.speculative and not self.greedy and self.acceptance == "rejection" and not self.tree_budget
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -126,7 +136,9 @@ def _prefill(spec: EngineSpec, inp: Inputs, cache_len: int):
     tparams, dparams, prompts, lens, budget = inp.tparams, inp.dparams, inp.prompts, inp.lens, inp.budget
     b, p = prompts.shape
     dtype = jax.tree_util.tree_leaves(tparams)[0].dtype
-    tcache = target_lib.new_cache(spec.target, b, cache_len, dtype, max_block=spec.block_size)
+    # max_block: a sliding ring must also hold a tree verify's N + 1 tokens beside its window
+    max_block = max(spec.block_size, spec.tree_budget + 1)
+    tcache = target_lib.new_cache(spec.target, b, cache_len, dtype, max_block=max_block)
     offsets = jnp.arange(p, dtype=jnp.int32)
     positions = jnp.where(offsets < lens[:, None], offsets, -1)  # padding: never cached, never attended
     logits, features, tcache = target_lib.forward(spec.target, tparams, prompts, positions, tcache,
@@ -192,32 +204,35 @@ def _verify_chosen(spec: EngineSpec, choice, tparams, dparams, tcache, dcache, b
     return carry
 
 
-def _step(spec: EngineSpec, inp: Inputs, state: DecodeState) -> DecodeState:
-    """One draft + verify + commit for every row that is not done (done rows do not change)."""
-    tparams, dparams, sampling = inp.tparams, inp.dparams, inp.sampling
-    b, cache_len = state.tokens.shape
-    k = spec.block_size
-    rows = jnp.arange(b)
+def _view(spec: EngineSpec, inp: Inputs, state: DecodeState, key) -> StepView:
+    """The proposer's view of this step: the block [pending token, MASK...] at each row's committed length."""
+    b, k = state.tokens.shape[0], spec.block_size
     n = state.tcache.lengths
-    pending = state.tokens[rows, n]
+    pending = state.tokens[jnp.arange(b), n]
+    block = jnp.concatenate([pending[:, None], jnp.full((b, k - 1), inp.mask_token_id, jnp.int32)], axis=1)
+    # the block positions a row can still commit (the reference drafts a shorter block at the end)
+    block_len = jnp.clip(state.budget - state.generated + 1, 1, k)
+    return StepView(inp.tparams, inp.dparams, block, n, block_len, state.dcache, key, inp.sampling, inp.proposer_args)
+
+
+def _chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_target):
+    """Draft a chain d_1..d_{K-1} and verify it -> (p_0..p_{K-1}, accepted drafts a [B], verify length, caches)."""
+    tparams, dparams, sampling = inp.tparams, inp.dparams, inp.sampling
+    b, k = state.tokens.shape[0], spec.block_size
+    n = state.tcache.lengths
     active = ~state.done
-    key, k_draft, k_target = jax.random.split(state.key, 3)
     choice = jnp.int32(0)
     if spec.speculative:
-        block = jnp.concatenate([pending[:, None], jnp.full((b, k - 1), inp.mask_token_id, jnp.int32)], axis=1)
-        # the block positions a row can still commit (the reference drafts a shorter block at the end)
-        block_len = jnp.clip(state.budget - state.generated + 1, 1, k)
-        view = StepView(tparams, dparams, block, n, block_len, state.dcache, k_draft, sampling, inp.proposer_args)
+        view = _view(spec, inp, state, k_draft)
         proposal = spec.proposer.propose(spec, view)
-        block = block.at[:, 1:].set(proposal.tokens)
+        block = view.block.at[:, 1:].set(proposal.tokens)
         if len(spec.lengths) > 1:  # confidence: the largest probability (never the drawn token's: see README)
             scores = proposal.scores
             confidence = jnp.exp(jnp.max(scores, axis=-1) - jax.nn.logsumexp(scores, axis=-1))
             choice = _verify_choice(confidence, active, spec.lengths, inp.threshold)
     else:
-        block = pending[:, None]
-    offsets = jnp.arange(k, dtype=jnp.int32)
-    positions = n[:, None] + offsets
+        block = state.tokens[jnp.arange(b), n][:, None]
+    positions = n[:, None] + jnp.arange(k, dtype=jnp.int32)
     logits, tcache, dcache = _verify_chosen(spec, choice, tparams, dparams, state.tcache, state.dcache, block,
                                             positions, active)
     length = jnp.asarray(spec.lengths, jnp.int32)[choice]
@@ -227,8 +242,42 @@ def _step(spec: EngineSpec, inp: Inputs, state: DecodeState) -> DecodeState:
     else:
         posterior = choose(logits, k_target, *sampling, greedy=spec.greedy)  # p_0..p_{k-1}
         a = jnp.minimum(accepted_length(block[:, 1:], posterior), length - 1) if k > 1 else jnp.zeros((b,), jnp.int32)
+    return posterior, a, length, tcache, dcache
 
-    # Commit p_0..p_a, cut at the budget and just after the first stop token.
+
+def _tree_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_target):
+    """Draft a tree of N = ``spec.tree_budget`` nodes, verify [root, nodes] in one masked target forward, walk
+    it (``tree.walk``) and compact the accepted path into both caches -> (the target's tokens along the path
+    p_0..p_{K-1}, accepted nodes a [B], verify length N + 1, caches). Exact: see TREE_NOTES.md."""
+    b, k = state.tokens.shape[0], spec.block_size
+    n = state.tcache.lengths
+    view = _view(spec, inp, state, k_draft)
+    max_depth = jnp.clip(state.budget - state.generated - 1, 0, k - 1)  # drafts past it could not be committed
+    tree = spec.proposer.propose_tree(spec, view, max_depth)
+    tokens = jnp.concatenate([view.block[:, :1], tree.tokens], axis=1)
+    positions = n[:, None] + jnp.concatenate([jnp.zeros((b, 1), jnp.int32), tree.depths], axis=1)
+    logits, features, tcache = target_lib.forward(spec.target, inp.tparams, tokens, positions, state.tcache,
+                                                  spec.feature_layer_ids, attention_impl=spec.attention_impl,
+                                                  new_mask=tree_lib.ancestor_mask(tree.parents, d_max=k - 1))
+    y = choose(logits, k_target, *inp.sampling, greedy=spec.greedy)  # every node independently (one categorical)
+    path, a, _ = tree_lib.walk(tree, y)  # path [B, K]: accepted slots root first, -1 after
+    on_path, slots = path >= 0, jnp.maximum(path, 0)
+    dst = n[:, None] + jnp.arange(k, dtype=jnp.int32)
+    tcache = tcache.compact(jnp.where(on_path, n[:, None] + path, -1), dst)  # slot n+path[j] -> n+j
+    ctx_positions = jnp.where(~state.done[:, None] & on_path, dst, -1)
+    dcache = spec.proposer.update_context(spec, inp.dparams, state.dcache,
+                                          jnp.take_along_axis(features, slots[..., None], axis=1), ctx_positions)
+    return jnp.take_along_axis(y, slots, axis=1), a, jnp.int32(spec.tree_budget + 1), tcache, dcache
+
+
+def _commit(spec: EngineSpec, inp: Inputs, state: DecodeState, posterior, a, length, tcache, dcache, key):
+    """Commit p_0..p_a (``posterior`` [B, K]) at positions n+1.., cut at the budget and just after the first stop
+    token; both caches keep a+1 verified tokens (x_n, d_1..d_a); done rows do not change."""
+    b, cache_len = state.tokens.shape
+    rows = jnp.arange(b)
+    active = ~state.done
+    offsets = jnp.arange(posterior.shape[1], dtype=jnp.int32)
+    positions = state.tcache.lengths[:, None] + offsets
     limit = jnp.minimum(a + 1, state.budget - state.generated)
     is_stop = jnp.isin(posterior, inp.stop_ids) & (offsets[None] < limit[:, None])
     hit_stop = is_stop.any(axis=1)
@@ -245,6 +294,14 @@ def _step(spec: EngineSpec, inp: Inputs, state: DecodeState) -> DecodeState:
                                   acceptance=state.acceptance.at[rows, step].set(keep, mode="drop"),
                                   verified=state.verified.at[rows, step].set(length, mode="drop"),
                                   steps=state.steps + active.astype(jnp.int32), key=key))
+
+
+def _step(spec: EngineSpec, inp: Inputs, state: DecodeState) -> DecodeState:
+    """One draft + verify + commit for every row that is not done (done rows do not change)."""
+    key, k_draft, k_target = jax.random.split(state.key, 3)
+    verify = _tree_verify if spec.tree_budget else _chain_verify
+    posterior, a, length, tcache, dcache = verify(spec, inp, state, k_draft, k_target)
+    return _commit(spec, inp, state, posterior, a, length, tcache, dcache, key)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "cache_len"))
@@ -316,7 +373,7 @@ def cache_length(prompt_lengths, budget, block_size: int, cache_len: int | None 
 def _prepare(target: Target, draft, prompts, *, max_new_tokens, sampling: SamplingParams, block_size=None,
              stop_token_ids=None, seed=0, max_length=None, proposer: Proposer | None = None,
              attention_impl: str = "auto", cache_len: int | None = None, verify_lengths=None,
-             verify_threshold: float = 0.1) -> _Request:
+             verify_threshold: float = 0.1, tree_budget: int = 0) -> _Request:
     """Validate everything before any compute and build padded, bucketed inputs."""
     if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
         prompts = list(prompts)
@@ -355,7 +412,10 @@ def _prepare(target: Target, draft, prompts, *, max_new_tokens, sampling: Sampli
         raise ValueError(f"attention_impl must be one of {', '.join(DECODE_IMPLS)}, got {attention_impl!r}")
     budget = np.minimum(max_new_tokens, limit - lens).astype(np.int32)
     p_bucket = _round_up(int(lens.max()), 32)
-    cache_len = cache_length(lens, budget, block_size, cache_len)
+    _check_tree_budget(tree_budget, draft is not None and block_size > 1, verify_lengths)
+    cache_len = cache_length(lens, budget, max(block_size, tree_budget + 1), cache_len)
+    if tree_budget:
+        _check_tree_target(target.config, block_size)
     padded = np.zeros((len(rows), p_bucket), np.int32)
     for i, r in enumerate(rows):
         padded[i, :len(r)] = r
@@ -370,7 +430,8 @@ def _prepare(target: Target, draft, prompts, *, max_new_tokens, sampling: Sampli
     if speculative and proposer is None:
         proposer = proposers.for_draft(draft.config, sampled=not sampling.greedy and sampling.acceptance == "rejection")
     spec = EngineSpec(target.config, draft.config if draft is not None else None, block_size, sampling.greedy, mesh,
-                      sampling.acceptance, proposer if speculative else None, attention_impl, verify_lengths)
+                      sampling.acceptance, proposer if speculative else None, attention_impl, verify_lengths,
+                      tree_budget)
     extra = spec.proposer.arrays(spec, len(rows), cache_len) if speculative else None
     batch = (padded, lens, budget)
     if mesh is not None:  # rows over data*fsdp: pad with 1-token rows that finish at prefill (budget 1)
@@ -400,6 +461,28 @@ def _check_verify_lengths(lengths, block_size: int, threshold) -> tuple[int, ...
     if not lengths or lengths[0] < 1 or lengths[-1] > block_size:
         raise ValueError(f"verify_lengths must be in [1, {block_size}] (the block size), got {list(lengths)}")
     return None if lengths == (block_size,) else lengths
+
+
+def _check_tree_budget(tree_budget, speculative: bool, verify_lengths) -> None:
+    """tree_budget: an integer >= 0; > 0 needs a draft (block size > 1) and excludes adaptive verify."""
+    if not isinstance(tree_budget, (int, np.integer)) or isinstance(tree_budget, bool) or tree_budget < 0:
+        raise ValueError(f"tree_budget must be an integer >= 0, got {tree_budget!r}")
+    if tree_budget and not speculative:
+        raise ValueError("tree_budget needs a draft and a block size > 1")
+    if tree_budget and verify_lengths is not None:
+        raise ValueError("tree_budget cannot be combined with verify_lengths")
+
+
+def _check_tree_target(cfg, block_size: int) -> None:
+    """Tree verification needs attention layers (full, or sliding with a window >= the block: the tree's own
+    keys get no window): a ValueError names what is not (recurrent Gated DeltaNet layers, narrow windows)."""
+    for i, s in enumerate(family_of(cfg).state_specs(cfg)):
+        if not isinstance(s, KVSpec):
+            raise ValueError(f"tree_budget > 0 is not supported for {cfg.model_type} targets: layer {i} is "
+                             "recurrent (Gated DeltaNet); use the chain (tree_budget=0)")
+        if s.window is not None and s.window < block_size:
+            raise ValueError(f"tree_budget > 0 needs sliding windows >= the block size {block_size}: layer {i} "
+                             f"has a sliding window of {s.window}; use the chain (tree_budget=0) or a smaller block")
 
 
 def _results(state: DecodeState, req: _Request, wall: float) -> list[GenerationResult]:
@@ -436,7 +519,7 @@ def speculative_generate(target: Target, draft, prompts, *, max_new_tokens: int,
                          max_length: int | None = None, acceptance: str = "rejection",
                          proposer: Proposer | None = None, attention_impl: str = "auto",
                          cache_len: int | None = None, verify_lengths: Sequence[int] | None = None,
-                         verify_threshold: float = 0.1) -> list[GenerationResult]:
+                         verify_threshold: float = 0.1, tree_budget: int = 0) -> list[GenerationResult]:
     """Generate for a batch of prompts (lists of ids, ragged) in one device call.
 
     ``draft=None`` (or ``block_size=1``) is plain autoregressive decoding with the same engine.
@@ -449,12 +532,15 @@ def speculative_generate(target: Target, draft, prompts, *, max_new_tokens: int,
     many cache slots per row (a fixed bucket, for benchmarks; default: just enough, rounded up to 128).
     ``verify_lengths`` (e.g. (4, 8, 16)): adaptive verify; each step verifies only as many block tokens as
     the draft's confidence justifies at ``verify_threshold`` (``_verify_choice``), still lossless.
+    ``tree_budget`` N > 0: tree verification (``_tree_verify``): each step verifies the N most probable draft
+    prefixes plus the pending token (``verify_lengths`` = N + 1); attention-only targets; lossless.
     Returns one ``GenerationResult`` per prompt; wall time excludes compilation.
     """
     req = _prepare(target, draft, prompts, max_new_tokens=max_new_tokens, block_size=block_size,
                    sampling=SamplingParams(temperature, top_k, top_p, acceptance), stop_token_ids=stop_token_ids,
                    seed=seed, max_length=max_length, proposer=proposer, attention_impl=attention_impl,
-                   cache_len=cache_len, verify_lengths=verify_lengths, verify_threshold=verify_threshold)
+                   cache_len=cache_len, verify_lengths=verify_lengths, verify_threshold=verify_threshold,
+                   tree_budget=tree_budget)
     run = _executable(req)
     start = time.perf_counter()
     state = jax.block_until_ready(run(req.inputs))
@@ -471,15 +557,16 @@ def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int, bloc
                     stop_token_ids: Sequence[int] | None = None, seed: int = 0,
                     max_length: int | None = None, acceptance: str = "rejection",
                     attention_impl: str = "auto", verify_lengths: Sequence[int] | None = None,
-                    verify_threshold: float = 0.1) -> Iterator[list[list[int]] | list[GenerationResult]]:
+                    verify_threshold: float = 0.1,
+                    tree_budget: int = 0) -> Iterator[list[list[int]] | list[GenerationResult]]:
     """Host loop over the same jitted step: yields, after prefill and each step, the new token ids of
     every row (a list per row), and finally the list of ``GenerationResult`` (with the time to the first
     token). Prefill and step are compiled and run once before the clock starts, so timings exclude
-    compilation as in ``speculative_generate``."""
+    compilation as in ``speculative_generate`` (whose options these are)."""
     req = _prepare(target, draft, prompts, max_new_tokens=max_new_tokens, block_size=block_size,
                    sampling=SamplingParams(temperature, top_k, top_p, acceptance), stop_token_ids=stop_token_ids,
                    seed=seed, max_length=max_length, attention_impl=attention_impl, verify_lengths=verify_lengths,
-                   verify_threshold=verify_threshold)
+                   verify_threshold=verify_threshold, tree_budget=tree_budget)
 
     def prefill():
         return _prefill_jit(req.spec, req.inputs, cache_len=req.cache_len)

@@ -13,6 +13,10 @@ bonus; 0 for a finished row), and every state rolls back in its own way:
 * ``Recurrent`` (linear attention, conv windows): the state after each new token of the last forward
   (when it had at most ``max_block`` tokens); ``commit`` keeps the one after the last kept token.
 
+Tree verification (``speculative``, ``tree_budget``) writes its N + 1 tree tokens as positions n..n+N (slot
+order, not their repeating tree positions: ``tree_write``), then ``DecodeCache.compact`` moves the accepted
+path to positions n..n+a before the commit; ``FullKV`` and ``SlidingKV`` support it, ``Recurrent`` does not.
+
 A token at a position < 0 is padding: never written, never attended to, never advancing a recurrence.
 """
 from __future__ import annotations
@@ -58,6 +62,18 @@ class FullKV:
     def commit(self, kept) -> "FullKV":
         return self
 
+    def tree_write(self, k_new, v_new, start) -> "FullKV":
+        """A tree verify's T tokens at slots start..start+T-1 (slot order: tree positions repeat)."""
+        return self.write(k_new, v_new, start[:, None] + jnp.arange(k_new.shape[1], dtype=jnp.int32))
+
+    def compact(self, src, dst) -> "FullKV":
+        """Copy positions ``src`` [B, L] to positions ``dst`` [B, L] (src < 0: nothing copied), all read before
+        any write (tree verification: the accepted path's K/V to contiguous positions)."""
+        rows, keep = _rows(src), src >= 0
+        dst = jnp.where(keep, dst, self.max_len)
+        k, v = self.k[rows, jnp.maximum(src, 0)], self.v[rows, jnp.maximum(src, 0)]
+        return FullKV(self.k.at[rows, dst].set(k, mode="drop"), self.v.at[rows, dst].set(v, mode="drop"))
+
 
 @flax.struct.dataclass
 class SlidingKV:
@@ -91,6 +107,26 @@ class SlidingKV:
 
     def commit(self, kept) -> "SlidingKV":
         return self
+
+    def tree_write(self, k_new, v_new, start) -> "SlidingKV":
+        """A tree verify's T tokens as positions start..start+T-1 (slot order: tree positions repeat), at slots
+        position % R; positions past the accepted path stay invisible (>= the next start) until overwritten
+        by the next tree verify. Needs R >= window + T - 1 (``max_block`` >= T)."""
+        at = start[:, None] + jnp.arange(k_new.shape[1], dtype=jnp.int32)
+        return self._put(k_new, v_new, at, jnp.ones(at.shape, bool))
+
+    def compact(self, src, dst) -> "SlidingKV":
+        """``FullKV.compact`` on the ring (positions -> slots position % R)."""
+        r, rows, keep = self.k.shape[1], _rows(src), src >= 0
+        s = jnp.maximum(src, 0) % r
+        return self._put(self.k[rows, s], self.v[rows, s], dst, keep)
+
+    def _put(self, k, v, positions, keep) -> "SlidingKV":
+        r, rows = self.k.shape[1], _rows(positions)
+        slots = jnp.where(keep, positions % r, r)
+        return SlidingKV(self.k.at[rows, slots].set(k.astype(self.k.dtype), mode="drop"),
+                         self.v.at[rows, slots].set(v.astype(self.v.dtype), mode="drop"),
+                         self.pos.at[rows, slots].set(positions, mode="drop"))
 
 
 @flax.struct.dataclass
@@ -181,3 +217,10 @@ class DecodeCache:
         """Keep the first ``kept`` [B] tokens of the last forward of every row; the rest is rolled back."""
         kept = kept.astype(jnp.int32)
         return self.replace(layers=tuple(s.commit(kept) for s in self.layers), lengths=self.lengths + kept)
+
+    def compact(self, src, dst) -> "DecodeCache":
+        """``compact`` in every layer (tree verification supports attention caches only)."""
+        bad = {type(s).__name__ for s in self.layers if not isinstance(s, (FullKV, SlidingKV))}
+        if bad:
+            raise ValueError(f"tree verification needs attention caches; this cache has {', '.join(sorted(bad))}")
+        return self.replace(layers=tuple(s.compact(src, dst) for s in self.layers))

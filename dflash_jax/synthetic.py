@@ -184,6 +184,8 @@ class ReplayProposer(Chain):
         """(reference [rows, cache_len] int32, probs [rows, K] float32), checked."""
         if not (spec.speculative and spec.greedy):
             raise ValueError("replay needs speculative greedy decoding (a draft, block size > 1, temperature 0)")
+        if spec.tree_budget:
+            raise ValueError("tree_budget cannot be combined with replay (a replayed step is a chain)")
         if spec.verify_lengths is not None:
             raise ValueError("verify_lengths cannot be combined with replay: a replayed step commits the length "
                              "it drew, which a shorter verify would cut")

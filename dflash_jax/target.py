@@ -65,12 +65,13 @@ def init_params(cfg, seed: int = 0, dtype=jnp.float32):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "feature_layer_ids", "attention_impl"))
 def forward(cfg, params, input_ids, positions, cache=None, feature_layer_ids=(), logits_index=None,
-            segment_ids=None, attention_impl: str = "auto"):
-    """The family decoder's forward: (logits float32, features or None, cache); see ``dense.Decoder``.
+            segment_ids=None, attention_impl: str = "auto", new_mask=None):
+    """The family decoder's forward: (logits float32, features or None, cache); see ``dense.Decoder``
+    (``new_mask``: tree verification, full-attention families only).
     ``attention_impl``: how decode / verify forwards attend to a full-attention cache
     (``attention.decode_attention``: "auto", "kernel", "interpret", "loop"; "reference" = dense, unbounded)."""
     return decoder(cfg, attention_impl).apply({"params": params}, input_ids, positions, cache, feature_layer_ids,
-                                              logits_index, segment_ids)
+                                              logits_index, segment_ids, new_mask)
 
 
 def embed(cfg, params, ids):

@@ -11,7 +11,8 @@ rounding looks different from a bug), how repetitive the outputs are (distinct 4
 one draft and one verify forward. ``--json`` prints one row per prompt,
 then one summary object. With ``--verify-lengths`` (adaptive verify) DFlash runs with it and the fixed
 block runs beside it as a third method: the chosen-length histogram, tokens verified per step, the fixed
-block's tokens/s and adaptive / fixed.
+block's tokens/s and adaptive / fixed. With ``--tree-budget N`` DFlash runs with tree verification: the
+summary's ``tau`` is the tree's, plus ``tree_budget`` and ``verified_tokens_per_step`` (N + 1).
 
 ``--synthetic NAME`` benchmarks a preset at real model shapes (Qwen3-4B / 8B, LLaMA-3.1-8B, a tiny CPU one)
 with random weights and a SIMULATED acceptance length (``--replay-tau`` / ``--replay-histogram``), per
@@ -32,7 +33,7 @@ from dflash_jax.machine import machine, warn_if_busy
 from dflash_jax.progress import progress_bar
 from infer import synthetic
 from infer.common import (DEMO_TARGET, adaptive_kwargs, add_model_args, decoding_kwargs, die, encode, load_models,
-                          param_dtype, read_prompts_file)
+                          param_dtype, read_prompts_file, tree_kwargs)
 
 
 def parse_args(argv=None):
@@ -204,10 +205,10 @@ def main(argv=None) -> int:
         die("the benchmark compares plain and DFlash decoding: pass --draft")
     prompts = prompt_ids(args, tokenizer)
     kw = decoding_kwargs(args, target)
-    adaptive = adaptive_kwargs(args)
+    adaptive, tree = adaptive_kwargs(args), tree_kwargs(args)
     block = args.block_size or draft.config.block_size
     methods = [lambda p: generate(target, [p], **kw)[0],
-               lambda p: speculative_generate(target, draft, [p], block_size=block, **kw, **adaptive)[0]]
+               lambda p: speculative_generate(target, draft, [p], block_size=block, **kw, **adaptive, **tree)[0]]
     if adaptive:  # the fixed block side by side
         methods.append(lambda p: speculative_generate(target, draft, [p], block_size=block, **kw)[0])
     if args.plot:
@@ -253,8 +254,9 @@ def main(argv=None) -> int:
         bar.close()
     acc = np.array(all_acc)
     hist = np.bincount(acc, minlength=block + 1)[1:block + 1]
-    # draft token k accepted, among the steps that verified it (adaptive verify may stop before position k)
-    ver = np.array(verified)
+    # draft token k accepted, among the steps that verified it (adaptive verify may stop before position k; a
+    # tree reaches every depth up to min(N, block - 1))
+    ver = np.full(len(acc), min(args.tree_budget, block - 1) + 1) if tree else np.array(verified)
     per_position = [float((acc[ver > k] > k).mean()) if (ver > k).any() else None for k in range(1, block)]
     plain_tps, spec_tps = plain_tokens / plain_time, spec_tokens / spec_time
     tau = float(acc.mean())
@@ -275,6 +277,8 @@ def main(argv=None) -> int:
                        verified_tokens_per_step=float(np.mean(verified)),
                        fixed_block_tokens_per_s=fixed_tokens / fixed_time,
                        adaptive_vs_fixed=spec_tps * fixed_time / fixed_tokens)
+    if tree:
+        summary.update(tree_budget=args.tree_budget, verified_tokens_per_step=float(np.mean(verified)))
     # wall time per target forward of each method, prefill included (plain: one per token)
     summary["plain_step_s"] = plain_time / plain_tokens
     summary["dflash_step_s"] = spec_time / (len(all_acc) + len(prompts))
@@ -310,6 +314,9 @@ def main(argv=None) -> int:
                   + f", {summary['verified_tokens_per_step']:.2f} tokens verified per step"
                   + f"; fixed block {block}: {summary['fixed_block_tokens_per_s']:.1f} tokens/s, adaptive / fixed "
                     f"{summary['adaptive_vs_fixed']:.2f}x")
+        if tree:
+            print(f"tree verify: {args.tree_budget} nodes, {summary['verified_tokens_per_step']:.0f} tokens verified "
+                  "per step")
         print("acceptance rate per block position:", " ".join("-" if r is None else f"{r:.2f}" for r in per_position))
         print(f"one step: plain {summary['plain_step_s'] * 1e3:.2f} ms, DFlash {summary['dflash_step_s'] * 1e3:.2f} ms"
               + ("" if args.no_timing_split else " = " + " + ".join(

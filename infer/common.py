@@ -46,6 +46,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="with --verify-lengths: a longer verify is taken while the draft expects at least this "
                         "many accepted tokens per added position (0: always the longest; > 1: the shortest; "
                         "default 0.1, the best measured on the demo pair: README)")
+    d.add_argument("--tree-budget", type=int, default=0,
+                   help="tree verification: each step the target verifies a tree of the N most probable draft "
+                        "prefixes (plus the pending token: N + 1 tokens) and keeps its longest matching path; "
+                        "lossless; full-attention targets only. 0 (default): the chain (the block)")
     d.add_argument("--seed", type=int, default=0, help="sampling seed (default 0; greedy ignores it)")
     d.add_argument("--stop-token-ids", default=None,
                    help="comma-separated stop ids (default: the target's eos_token_id)")
@@ -74,6 +78,11 @@ def adaptive_kwargs(args) -> dict:
     if not lengths:
         die(f"--verify-lengths takes comma-separated integers, got {args.verify_lengths!r}")
     return dict(verify_lengths=lengths, verify_threshold=args.verify_threshold)
+
+
+def tree_kwargs(args) -> dict:
+    """``tree_budget`` from the options (empty for the chain)."""
+    return dict(tree_budget=args.tree_budget) if args.tree_budget else {}
 
 
 def die(msg: str) -> None:

@@ -11,7 +11,7 @@ import json
 import sys
 
 from infer.common import (adaptive_kwargs, add_model_args, decoding_kwargs, die, encode, load_models, param_dtype,
-                          read_prompts_file)
+                          read_prompts_file, tree_kwargs)
 
 DEMO_PROMPT = 'import os\n\n\ndef read_lines(path):\n    """Return the lines of the text file at path."""\n'
 
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     target, draft, tokenizer = load_models(args)
     prompts = prompt_ids(args, tokenizer)
     kw = decoding_kwargs(args, target)
-    spec_kw = dict(kw, block_size=args.block_size, **adaptive_kwargs(args))
+    spec_kw = dict(kw, block_size=args.block_size, **adaptive_kwargs(args), **tree_kwargs(args))
     try:
         if args.stream:
             results = []
@@ -115,6 +115,8 @@ def main(argv=None) -> int:
         if "verify_lengths" in spec_kw and r.verify_lengths:
             print(f"--- adaptive verify: {sum(r.verify_lengths) / len(r.verify_lengths):.2f} tokens verified per step "
                   f"(lengths {','.join(map(str, r.verify_lengths))})")
+        if "tree_budget" in spec_kw and r.verify_lengths:
+            print(f"--- tree verify: {args.tree_budget} nodes, {r.verify_lengths[0]} tokens verified per step")
         if r.time_to_first_token_s is not None and r.num_generated > 1:
             after = (r.num_generated - 1) / max(r.wall_time_s - r.time_to_first_token_s, 1e-9)
             print(f"--- time to first token {r.time_to_first_token_s * 1e3:.1f} ms, then {after:.1f} tokens/s")

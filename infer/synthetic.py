@@ -172,6 +172,9 @@ def run(args) -> int:
     if args.verify_lengths is not None:
         die("--verify-lengths does not apply to --synthetic: its acceptance is replayed, so the confidence of its "
             "random draft says nothing; measure adaptive verify on a trained pair (python -m infer.benchmark)")
+    if args.tree_budget:
+        die("--tree-budget does not apply to --synthetic: its replayed acceptance is a chain's; measure tree "
+            "verification on a trained pair (python -m infer.benchmark)")
     try:
         preset = syn.preset(args.synthetic)
     except ValueError as e:

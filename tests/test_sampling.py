@@ -12,8 +12,9 @@ draws; one draw repeated would fail the statistic), for plain decoding (``genera
 decoding with a random block-4 draft under both acceptance rules (``speculative_generate``, ``match`` and
 ``rejection``; token 1 comes from the prefill, tokens 2-3 from verify steps, so the acceptance rule, the
 residual and the bonus token matter; the first draft is accepted in 27-63%
-of rows, asserted > 10%), and the rejection rule with adaptive verify cut to 2 tokens (d_1, then the bonus
-from p_1 where the full block would draw the residual or d_2). In two of the cases also a random DFlash2
+of rows, asserted > 10%), the rejection rule with adaptive verify cut to 2 tokens (d_1, then the bonus
+from p_1 where the full block would draw the residual or d_2), and tree verification with 6 nodes (every
+node's target token drawn independently, then the greedy walk). In two of the cases also a random DFlash2
 draft (block 4, selector over its top-5 of the 8 tokens, weights drawn large enough that the pairwise
 selector terms move its proposals) under both rules: the walk samples from softmax(s / T) over the
 candidates, and the rejection rule must use exactly that q, zero off the candidates.
@@ -166,15 +167,20 @@ def test_joint_law_of_first_three_tokens_is_the_targets(peaked, temperature, top
             # adaptive verify cut to 2 of the 4 block tokens: d_1 verified, the bonus from the target's p_1
             "speculative, rejection rule, verify 2 of 4": S.speculative_generate(
                 target, draft, [PROMPT] * N, block_size=4, seed=4, acceptance="rejection", verify_lengths=(2, 4),
-                verify_threshold=2.0, **kw)}
+                verify_threshold=2.0, **kw),
+            # tree verification: 6 nodes (siblings at depth 1), the target sampled at every node, then the walk
+            "tree of 6": S.speculative_generate(target, draft, [PROMPT] * N, block_size=4, seed=7, tree_budget=6,
+                                                **kw)}
     if (temperature, top_k, top_p) in DFLASH2_CASES:  # the selector walk samples over its top-5 candidates
         runs["DFlash2, match rule"] = S.speculative_generate(target, dflash2, [PROMPT] * N, seed=5,
                                                              acceptance="match", **kw)
         runs["DFlash2, rejection rule"] = S.speculative_generate(target, dflash2, [PROMPT] * N, seed=6,
                                                                  acceptance="rejection", **kw)
     assert {v for r in runs["speculative, rejection rule, verify 2 of 4"] for v in r.verify_lengths} == {2}
-    accepted = min(np.mean([r.acceptance_lengths[0] > 1 for r in runs[k]]) for k in runs if k != "plain")
-    print(f"T={temperature} top_k={top_k} top_p={top_p}: first drafts accepted in >= {accepted:.0%} of rows")
+    rates = {k: np.mean([r.acceptance_lengths[0] > 1 for r in runs[k]]) for k in runs if k != "plain"}
+    accepted = min(rates.values())
+    print(f"T={temperature} top_k={top_k} top_p={top_p}: first drafts accepted in >= {accepted:.0%} of rows",
+          {k: f"{v:.0%}" for k, v in rates.items()})
     report = []
     for name, results in runs.items():
         toks = np.array([r.generated_ids for r in results])

@@ -18,7 +18,7 @@ from dflash_jax.checkpoints import NameTable
 from dflash_jax.config import TargetConfig
 from dflash_jax.families.family import Family
 from dflash_jax.layers import MLP, AttentionProjections, Embed, Linear, RMSNorm
-from dflash_jax.state import DecodeCache, FullKV, KVSpec
+from dflash_jax.state import DecodeCache, FullKV, KVSpec, SlidingKV
 
 
 class DecoderLayer(nn.Module):
@@ -42,12 +42,16 @@ class DecoderLayer(nn.Module):
         """The block after attention (``mlp``): the gated MLP here; a family with experts overrides it."""
         return MLP(self.cfg)
 
-    def mix(self, h, positions, state, segment_ids=None):
+    def mix(self, h, positions, state, segment_ids=None, new_mask=None):
         """The token mixer on the normed input h [B, T, D] -> (output [B, T, D], new layer state or None);
-        ``segment_ids`` [B, T] (no state): a token sees only keys of its own segment (packed documents)."""
+        ``segment_ids`` [B, T] (no state): a token sees only keys of its own segment (packed documents);
+        ``new_mask`` [B, T, T]: a tree verify (``tree_attention``)."""
         q, gate = self.self_attn.gated_queries(h, positions)
         k, v = self.self_attn.keys_values(h, positions)
         window, sinks = self.cfg.layer_window(self.index), self.self_attn.sink_logits()
+        if new_mask is not None:
+            o, state = self.tree_attention(q, k, v, positions, state, new_mask, window, sinks)
+            return self.self_attn.output(o, gate), state
         if isinstance(state, FullKV) and positions.shape[1] <= MAX_QUERIES:  # decode / verify: length-bounded
             state = state.write(k, v, positions)
             o = decode_attention(q, state.k, state.v, positions, jnp.max(positions, axis=1) + 1,
@@ -62,9 +66,32 @@ class DecoderLayer(nn.Module):
         mask = position_mask(positions, k_pos, causal=True, sliding_window=window, k_valid=exists)
         return self.self_attn.output(attend(q, k, v, mask, sinks=sinks), gate), state
 
-    def __call__(self, x, positions, state, segment_ids=None):
-        """x [B, T, D] at ``positions`` [B, T] -> (x, new layer state or None)."""
-        out, state = self.mix(self.input_layernorm(x), positions, state, segment_ids)
+    def tree_attention(self, q, k, v, positions, state, new_mask, window, sinks):
+        """Tree verify: tokens [root, nodes] at positions n + depth (the root's, positions[:, 0], is the
+        committed length n); each query sees the cache below n (within the window) and the new tokens
+        ``new_mask`` allows. Their K/V are stored in slot order (``tree_write``), for ``DecodeCache.compact``."""
+        n = positions[:, 0]
+        if isinstance(state, SlidingKV):  # the ring is small: dense over [ring | new tokens]
+            ctx = position_mask(positions, state.pos, causal=True, sliding_window=window,
+                                k_valid=(state.pos >= 0) & (state.pos < n[:, None]))
+            valid = positions >= 0
+            own = new_mask & valid[:, :, None] & valid[:, None, :]
+            o = attend(q, jnp.concatenate([state.k, k.astype(state.k.dtype)], axis=1),
+                       jnp.concatenate([state.v, v.astype(state.v.dtype)], axis=1),
+                       jnp.concatenate([ctx, own], axis=-1), sinks=sinks)
+            return o, state.tree_write(k, v, n)
+        if not isinstance(state, FullKV):
+            raise ValueError(f"tree verification needs an attention cache, not {type(state).__name__}")
+        impl = self.attention_impl
+        if positions.shape[1] > MAX_QUERIES and impl in ("auto", "kernel", "interpret"):
+            impl = "loop"  # the kernel holds at most MAX_QUERIES queries per row; the tiled jnp loop any number
+        o = decode_attention(q, state.k, state.v, positions, n, k, v, sliding_window=window, sinks=sinks,
+                             impl=impl, new_mask=new_mask)
+        return o, state.tree_write(k, v, n)
+
+    def __call__(self, x, positions, state, segment_ids=None, new_mask=None):
+        """x [B, T, D] at ``positions`` [B, T] -> (x, new layer state or None); ``new_mask``: see ``mix``."""
+        out, state = self.mix(self.input_layernorm(x), positions, state, segment_ids, new_mask)
         x = x + out
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, state
@@ -95,7 +122,7 @@ class Decoder(nn.Module):
         return self.lm_head(h).astype(jnp.float32)
 
     def __call__(self, input_ids, positions, cache: DecodeCache | None = None, feature_layer_ids: tuple = (),
-                 logits_index=None, segment_ids=None):
+                 logits_index=None, segment_ids=None, new_mask=None):
         """input_ids, positions [B, T] -> (logits [B, T or 1, V] float32, features [B, T, n*D] or None, cache).
 
         Features are Hugging Face ``hidden_states[id + 1]`` for each id in ``feature_layer_ids``,
@@ -104,11 +131,12 @@ class Decoder(nn.Module):
         only the logits at one position per row (prefill needs just the last prompt token's).
         ``segment_ids`` [B, T] (without a cache): attention stays within each segment, so a row packed
         with several documents (positions restarting at 0 in each) gives each its unpacked features.
+        ``new_mask`` [B, T, T] bool (with a cache): tree verification (``DecoderLayer.tree_attention``).
         """
         x = self.embed(input_ids)
         hidden, states = [], []
         for i, layer in enumerate(self.layers):
-            x, s = layer(x, positions, None if cache is None else cache.layers[i], segment_ids)
+            x, s = layer(x, positions, None if cache is None else cache.layers[i], segment_ids, new_mask)
             hidden.append(x)
             states.append(s)
         last = self.cfg.num_hidden_layers - 1

@@ -349,10 +349,12 @@ class DecoderLayer(dense.DecoderLayer):
         else:
             super().token_mixer()
 
-    def mix(self, h, positions, state, segment_ids=None):
+    def mix(self, h, positions, state, segment_ids=None, new_mask=None):
         if self.cfg.is_linear(self.index):
+            if new_mask is not None:  # a scan cannot separate siblings (a state per node is not implemented)
+                raise ValueError("tree verification is not supported on Gated DeltaNet layers")
             return self.linear_attn(h, positions, state, segment_ids)
-        return super().mix(h, positions, state, segment_ids)
+        return super().mix(h, positions, state, segment_ids, new_mask)
 
 
 class Decoder(dense.Decoder):
