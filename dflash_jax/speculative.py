@@ -14,7 +14,7 @@ batch). Every layer state is written for those L tokens only, and a+1 <= L are k
 protocol is unchanged; L depends on the draft's distributions, never on the tokens drawn from them, so
 the speculation is cut before any draw and the output stays exact (greedy: identical).
 
-Tree verification (``tree_budget`` N > 0; ``_tree_verify``, TREE_NOTES.md): the draft's one forward gives a
+Tree verification (``tree_budget`` N > 0; ``_tree_verify``, README "Tree verification"): the draft's one forward gives a
 tree of the N most probable prefixes (``tree.build_tree``); the target verifies [pending, N nodes] at
 positions n + depth in one forward, each token seeing the cache [0, n) and its tree ancestors
 (``tree.ancestor_mask``); the walk (``tree.walk``) follows the target's own tokens from the root, and the
@@ -248,7 +248,7 @@ def _chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_
 def _tree_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_target):
     """Draft a tree of N = ``spec.tree_budget`` nodes, verify [root, nodes] in one masked target forward, walk
     it (``tree.walk``) and compact the accepted path into both caches -> (the target's tokens along the path
-    p_0..p_{K-1}, accepted nodes a [B], verify length N + 1, caches). Exact: see TREE_NOTES.md."""
+    p_0..p_{K-1}, accepted nodes a [B], verify length N + 1, caches). Exact: see README "Tree verification"."""
     b, k = state.tokens.shape[0], spec.block_size
     n = state.tcache.lengths
     view = _view(spec, inp, state, k_draft)
