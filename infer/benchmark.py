@@ -11,8 +11,10 @@ rounding looks different from a bug), how repetitive the outputs are (distinct 4
 one draft and one verify forward. ``--json`` prints one row per prompt,
 then one summary object. With ``--verify-lengths`` (adaptive verify) DFlash runs with it and the fixed
 block runs beside it as a third method: the chosen-length histogram, tokens verified per step, the fixed
-block's tokens/s and adaptive / fixed. With ``--tree-budget N`` DFlash runs with tree verification: the
-summary's ``tau`` is the tree's, plus ``tree_budget`` and ``verified_tokens_per_step`` (N + 1).
+block's tokens/s and adaptive / fixed. With ``--tree-budget N`` DFlash runs with tree verification and the
+chain runs beside it: the summary's ``tau`` is the tree's, plus ``tree_budget``, ``verified_tokens_per_step``
+(N + 1), ``chain_tau``, ``tree_vs_chain_tau``, ``chain_tokens_per_s``, ``tree_vs_chain_speed`` and both
+acceptance-depth histograms.
 
 ``--synthetic NAME`` benchmarks a preset at real model shapes (Qwen3-4B / 8B, LLaMA-3.1-8B, a tiny CPU one)
 with random weights and a SIMULATED acceptance length (``--replay-tau`` / ``--replay-histogram``), per
@@ -209,7 +211,7 @@ def main(argv=None) -> int:
     block = args.block_size or draft.config.block_size
     methods = [lambda p: generate(target, [p], **kw)[0],
                lambda p: speculative_generate(target, draft, [p], block_size=block, **kw, **adaptive, **tree)[0]]
-    if adaptive:  # the fixed block side by side
+    if adaptive or tree:  # the fixed block (the chain) side by side
         methods.append(lambda p: speculative_generate(target, draft, [p], block_size=block, **kw)[0])
     if args.plot:
         try:
@@ -223,7 +225,7 @@ def main(argv=None) -> int:
     bar = progress_bar(len(prompts), "benchmark", "prompt", not args.json or sys.stderr.isatty())
     try:
         rows, plain_time, spec_time, plain_tokens, spec_tokens, all_acc = [], 0.0, 0.0, 0, 0, []
-        fixed_time, fixed_tokens, verified = 0.0, 0, []
+        fixed_time, fixed_tokens, verified, chain_acc = 0.0, 0, [], []
         for i, p in enumerate(prompts):
             base, spec, *fixed = _fastest(args.repeats, *(functools.partial(m, p) for m in methods))
             plain_time += base.wall_time_s
@@ -244,6 +246,7 @@ def main(argv=None) -> int:
             if fixed:
                 fixed_time += fixed[0].wall_time_s
                 fixed_tokens += fixed[0].num_generated
+                chain_acc += fixed[0].acceptance_lengths
                 rows[-1].update(verify_lengths=spec.verify_lengths,
                                 fixed_block_tokens_per_s=fixed[0].tokens_per_second,
                                 fixed_block_identical=fixed[0].output_ids == base.output_ids)
@@ -277,8 +280,12 @@ def main(argv=None) -> int:
                        verified_tokens_per_step=float(np.mean(verified)),
                        fixed_block_tokens_per_s=fixed_tokens / fixed_time,
                        adaptive_vs_fixed=spec_tps * fixed_time / fixed_tokens)
-    if tree:
-        summary.update(tree_budget=args.tree_budget, verified_tokens_per_step=float(np.mean(verified)))
+    if tree:  # the chain's figures from the same run
+        chain_tau, chain_tps = float(np.mean(chain_acc)), fixed_tokens / fixed_time
+        summary.update(tree_budget=args.tree_budget, verified_tokens_per_step=float(np.mean(verified)),
+                       chain_tau=chain_tau, tree_vs_chain_tau=tau / chain_tau, chain_tokens_per_s=chain_tps,
+                       tree_vs_chain_speed=spec_tps / chain_tps,
+                       chain_acceptance_histogram=np.bincount(chain_acc, minlength=block + 1)[1:block + 1].tolist())
     # wall time per target forward of each method, prefill included (plain: one per token)
     summary["plain_step_s"] = plain_time / plain_tokens
     summary["dflash_step_s"] = spec_time / (len(all_acc) + len(prompts))
@@ -316,7 +323,9 @@ def main(argv=None) -> int:
                     f"{summary['adaptive_vs_fixed']:.2f}x")
         if tree:
             print(f"tree verify: {args.tree_budget} nodes, {summary['verified_tokens_per_step']:.0f} tokens verified "
-                  "per step")
+                  f"per step; chain (block {block}) in the same run: tau {summary['chain_tau']:.2f}, "
+                  f"{summary['chain_tokens_per_s']:.1f} tokens/s; tree / chain: tau {summary['tree_vs_chain_tau']:.2f}x, "
+                  f"speed {summary['tree_vs_chain_speed']:.2f}x")
         print("acceptance rate per block position:", " ".join("-" if r is None else f"{r:.2f}" for r in per_position))
         print(f"one step: plain {summary['plain_step_s'] * 1e3:.2f} ms, DFlash {summary['dflash_step_s'] * 1e3:.2f} ms"
               + ("" if args.no_timing_split else " = " + " + ".join(
