@@ -21,6 +21,16 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def architectures(d: Mapping) -> tuple[str, ...]:
+    """A config's ``architectures`` list (absent: empty), checked."""
+    archs = d.get("architectures")
+    if archs is None:
+        return ()
+    if not isinstance(archs, (list, tuple)):
+        raise ValueError(f"config.json architectures must be a list of class names, got {archs!r}")
+    return tuple(str(a) for a in archs)
+
+
 def read_config_json(path_or_dict) -> dict:
     """A config dict from a dict, a config.json path or a model directory."""
     if isinstance(path_or_dict, Mapping):
@@ -377,12 +387,12 @@ class DraftConfig:
         def key(name, default=None):  # a key in dflash_config wins over the same top-level key
             return _first(dflash.get(name), d.get(name), default)
 
-        archs = [a for a in d.get("architectures") or () if a in DRAFT_ARCHITECTURES]
-        unknown = [a for a in d.get("architectures") or () if "DFlash" in str(a) and a not in DRAFT_ARCHITECTURES]
+        archs = [a for a in architectures(d) if a in DRAFT_ARCHITECTURES]
+        unknown = [a for a in architectures(d) if "DFlash" in a and a not in DRAFT_ARCHITECTURES]
         if unknown:
             raise ValueError(f"unsupported draft architecture {unknown[0]!r}; supported: "
                              f"{', '.join(DRAFT_ARCHITECTURES)}")
-        others = [a for a in d.get("architectures") or () if a not in DRAFT_ARCHITECTURES]
+        others = [a for a in architectures(d) if a not in DRAFT_ARCHITECTURES]
         if others and not archs and not d.get("dflash_config"):
             raise ValueError(f"this config.json is a target model (architectures {others}), not a DFlash draft: "
                              "pass it as the target")

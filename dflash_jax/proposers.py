@@ -81,7 +81,7 @@ class Proposer:
         the selector's candidate scores are conditional on the predecessor, not factorised over positions."""
         logits, _ = self.draft_forward(spec, view)
         logq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return tree_lib.build_tree(logq, spec.tree_budget, max_depth)
+        return tree_lib.build_tree(logq, spec.tree_budget, max_depth, chain=True)
 
     def update_context(self, spec, dparams, dcache, features, positions):
         """Write the verified tokens' target ``features`` at ``positions`` (< 0: skipped) into the draft cache."""

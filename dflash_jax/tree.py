@@ -46,16 +46,18 @@ class Tree:
         return self.depths > 0
 
 
-@functools.partial(jax.jit, static_argnames="budget")
-def build_tree(logq, budget: int, max_depth=None) -> Tree:
+@functools.partial(jax.jit, static_argnames=("budget", "chain"))
+def build_tree(logq, budget: int, max_depth=None, chain: bool = False) -> Tree:
     """logq [B, D, V] (log q_i: log_softmax of the draft's logits) -> the ``budget`` most probable prefixes
-    of depth <= max_depth ([B] int32 at runtime, default D), padded where fewer exist (module docstring)."""
+    of depth <= max_depth ([B] int32 at runtime, default D), padded where fewer exist (module docstring).
+    ``chain``: the greedy chain (the rank-0 token at every depth, as deep as the budget allows) first, then
+    the most probable other prefixes: the best tree that contains what the chain would verify."""
     vals, ids = jax.lax.top_k(logq.astype(jnp.float32), min(budget, logq.shape[-1]))
-    return tree_from_top_k(vals, ids, budget, max_depth)
+    return tree_from_top_k(vals, ids, budget, max_depth, chain)
 
 
-@functools.partial(jax.jit, static_argnames="budget")
-def tree_from_top_k(vals, ids, budget: int, max_depth=None) -> Tree:
+@functools.partial(jax.jit, static_argnames=("budget", "chain"))
+def tree_from_top_k(vals, ids, budget: int, max_depth=None, chain: bool = False) -> Tree:
     """``build_tree`` from each depth's top-K log q, sorted descending (``lax.top_k``): vals [B, D, K]
     float32, ids [B, D, K] int32. K >= min(budget, V) keeps the result exact (a node of rank r has r
     siblings before it)."""
@@ -64,38 +66,42 @@ def tree_from_top_k(vals, ids, budget: int, max_depth=None) -> Tree:
     # frontier's scalar reads folded into it, it becomes a sort of the whole vocabulary (~100x slower).
     vals, ids = jax.lax.optimization_barrier((vals, ids))
     max_depth = jnp.full((b,), d, jnp.int32) if max_depth is None else jnp.minimum(max_depth, d)
-    nodes = jax.vmap(functools.partial(_best_first, budget=budget))(vals, ids, max_depth)
+    nodes = jax.vmap(functools.partial(_best_first, budget=budget, chain=chain))(vals, ids, max_depth)
     return Tree(*nodes, d_max=d)
 
 
-def _best_first(vals, ids, max_depth, *, budget):
+def _best_first(vals, ids, max_depth, *, budget, chain=False):
     """One row: ``budget`` pops of a frontier of 2 * budget + 1 slots, argmax-popped. Pop i pushes the
     popped node's next sibling into slot 2i + 1 and its first child into slot 2i + 2, so slot order is
     push order and the first maximum is the tie-break of the module docstring. A candidate is its parent
     node, depth, rank at that depth, the parent's log q and its score (the parent's plus its own, so a
-    node's log q is the left-to-right float32 sum along its path)."""
+    node's log q is the left-to-right float32 sum along its path). ``chain``: the one candidate on the
+    greedy chain (rank 0 under a chain node) is popped before any other."""
     n_depth, k = vals.shape
     slots = 2 * budget + 1
     frontier = (jnp.zeros(slots, jnp.int32).at[0].set(jnp.where(max_depth >= 1, 1, 0)),  # depth, 0 = empty
                 jnp.zeros(slots, jnp.int32),                                           # rank
                 jnp.full(slots, -1, jnp.int32),                                        # parent node
                 jnp.zeros(slots, jnp.float32),                                         # parent's log q
-                jnp.zeros(slots, jnp.float32).at[0].set(vals[0, 0]))                   # score
+                jnp.zeros(slots, jnp.float32).at[0].set(vals[0, 0]),                   # score
+                jnp.zeros(slots, bool).at[0].set(chain))                               # on the chain
 
     def pop(frontier, i):
-        depth, rank, parent, base, score = frontier
+        depth, rank, parent, base, score, on_chain = frontier
         live = depth > 0
         key = jnp.where(live, score, -jnp.inf)
-        s = jnp.argmax(live & (key == key.max()))  # == rather than argmax(key): a live score may be -inf
-        ok, d, r, p, up, sc = live[s], depth[s], rank[s], parent[s], base[s], score[s]
+        first = live & on_chain
+        best = jnp.where(first.any(), first, live & (key == key.max()))  # == rather than argmax: scores may be -inf
+        s = jnp.argmax(best)
+        ok, d, r, p, up, sc, c = live[s], depth[s], rank[s], parent[s], base[s], score[s], on_chain[s]
         node = (jnp.where(ok, ids[d - 1, r], 0), jnp.where(ok, p, -1), jnp.where(ok, d, 0),
                 jnp.where(ok, sc, -jnp.inf))
         sib, child = jnp.minimum(r + 1, k - 1), jnp.minimum(d, n_depth - 1)
         pushed = ((jnp.where(ok & (r + 1 < k), d, 0), jnp.where(ok & (d < max_depth), d + 1, 0)),
-                  (r + 1, 0), (p, i), (up, sc), (up + vals[d - 1, sib], sc + vals[child, 0]))
+                  (r + 1, 0), (p, i), (up, sc), (up + vals[d - 1, sib], sc + vals[child, 0]), (False, c))
         depth = depth.at[s].set(0)
         frontier = tuple(jax.lax.dynamic_update_slice(a, jnp.stack(v).astype(a.dtype), (2 * i + 1,))
-                         for a, v in zip((depth, rank, parent, base, score), pushed))
+                         for a, v in zip((depth, rank, parent, base, score, on_chain), pushed))
         return frontier, node
 
     return jax.lax.scan(pop, frontier, jnp.arange(budget, dtype=jnp.int32))[1]

@@ -13,10 +13,11 @@
 #   train        one training step at the paper's shape (Qwen3-8B, 5-layer draft, S 3072, 512 anchors,
 #                16 sequences): tokens/s, target features vs draft step, MFU, peak memory
 #   adaptive     the demo pair: plain vs fixed block 16 vs adaptive verify lengths 4,8,16
+#   tree16, tree64, tree256   the demo pair: plain vs chain vs tree verification at 16 / 64 / 256 nodes
 set -u
 OUT=${1:-gpu_results}
 shift || true
-STEPS=${*:-kernel synthetic context train adaptive}
+STEPS=${*:-kernel synthetic context train adaptive tree16 tree64 tree256}
 mkdir -p "$OUT"
 python - <<'EOF' > "$OUT/devices.txt" 2>&1
 import jax
@@ -44,4 +45,7 @@ step context 150 python -m infer.context_sweep --synthetic qwen3-8b --context 10
   --bucket 33024 --attention auto,reference --json
 step train 600 python -m train.bench --preset qwen3-8b-paper --impl kernel --json
 step adaptive 120 python -m infer.benchmark --verify-lengths 4,8,16 --verify-threshold 0.1 --json
+step tree16 150 python -m infer.benchmark --tree-budget 16 --json
+step tree64 150 python -m infer.benchmark --tree-budget 64 --json
+step tree256 200 python -m infer.benchmark --tree-budget 256 --json
 echo "results in $OUT/"

@@ -8,6 +8,7 @@ Runs before any test module imports jax or huggingface_hub:
 - PyTorch (the reference models) uses one thread: on a shared 2-core machine its default thread pool
   spins, and a tiny forward takes ~1 s instead of ~3 ms.
 - The Hugging Face hub is offline: no test may touch the network (CI has none).
+- After each module its compiled programs are released (``_release_compiled_programs``).
 """
 from __future__ import annotations
 
@@ -44,3 +45,16 @@ def tiny_hf(tmp_path_factory):
         return saved[name]
 
     return make
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After each test module, drop the compiled programs it left in this process (jax's caches and the
+    engine's AOT table): a whole-suite process otherwise holds hundreds of XLA executables."""
+    yield
+    import jax
+
+    from dflash_jax import speculative
+
+    speculative._compiled.clear()
+    jax.clear_caches()

@@ -57,4 +57,4 @@ def test_gpu_script_commands_parse():
             args = parse[cmd[2]](cmd[3:])
             assert getattr(args, "synthetic", None) in (None, *PRESETS), cmd
             seen.add(cmd[2])
-    assert seen == set(parse) and len(commands) == 5
+    assert seen == set(parse) and len(commands) == 8

@@ -15,7 +15,7 @@ from dflash_jax import speculative as S
 from dflash_jax.config import DraftConfig
 from draft_reference import numpy_draft, numpy_select_greedy
 from hf_models import save_tiny, torch_forward
-from test_draft import LAYER_IDS, make_draft
+from test_draft import make_draft
 
 DFLASH2 = dict(architecture="dflash2", conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=5,
                is_causal=False)
@@ -241,13 +241,13 @@ def reference_loop(target, draft, prompt, max_new_tokens, stop=()):
 @pytest.mark.parametrize("name", ["sliding causal (default)",
                                   pytest.param("dflash2 sliding, scaled", marks=pytest.mark.slow)])
 def test_engine_equals_reference_loop(tiny, name):
-    """Outputs AND per-step acceptance lengths equal the reference loop's, with budgets that end inside a
+    """Outputs AND per-step acceptance lengths equal the reference loop's, with a budget that ends inside a
     block (where the reference drafts a shorter block) and a stop token, batched and ragged."""
     target, _ = tiny
     draft = make_draft(target.config, **FORMATS[name])
     rng = np.random.RandomState(6)
     prompts = [rng.randint(0, 90, n).tolist() for n in (5, 9)]
-    for new, stop in ((4, ()), (10, (int(rng.randint(0, 90)),))):
+    for new, stop in ((10, (int(rng.randint(0, 90)),)),):
         got = S.speculative_generate(target, draft, prompts, max_new_tokens=new, stop_token_ids=list(stop))
         plain = S.generate(target, prompts, max_new_tokens=new, stop_token_ids=list(stop))
         for g, p, prompt in zip(got, plain, prompts):
@@ -271,7 +271,7 @@ def test_generate_cli_with_a_dflash2_draft(tiny, tmp_path, capsys):
     assert row["output_ids"] == out and row["acceptance_lengths"] == acc
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_5"])
+@pytest.mark.parametrize("family", ["gpt_oss", pytest.param("qwen3_5", marks=pytest.mark.slow)])
 def test_dflash2_on_other_families(tmp_path, family):
     """A DFlash2 draft on a gpt-oss target (sinks, sliding ring, experts) and a Qwen3.5 hybrid (recurrent
     rollback): lossless against plain decoding, with the whole block and with adaptive verify."""

@@ -13,8 +13,8 @@ decoding with a random block-4 draft under both acceptance rules (``speculative_
 ``rejection``; token 1 comes from the prefill, tokens 2-3 from verify steps, so the acceptance rule, the
 residual and the bonus token matter; the first draft is accepted in 27-63%
 of rows, asserted > 10%), the rejection rule with adaptive verify cut to 2 tokens (d_1, then the bonus
-from p_1 where the full block would draw the residual or d_2), and tree verification with 6 nodes (every
-node's target token drawn independently, then the greedy walk). In two of the cases also a random DFlash2
+from p_1 where the full block would draw the residual or d_2). In two of the cases also tree verification
+with 6 nodes (every node's target token drawn independently, then the greedy walk) and a random DFlash2
 draft (block 4, selector over its top-5 of the 8 tokens, weights drawn large enough that the pairwise
 selector terms move its proposals) under both rules: the walk samples from softmax(s / T) over the
 candidates, and the rejection rule must use exactly that q, zero off the candidates.
@@ -139,7 +139,7 @@ CASES = [  # (temperature, top_k, top_p)
     (1.5, 3, 0.8),
     (1.0, 0, 0.9),
 ]
-DFLASH2_CASES = CASES[0::2]  # the DFlash2 draft's runs (two cases keep the file's time down)
+DFLASH2_CASES = CASES[0::2]  # the tree's and the DFlash2 draft's runs (two cases keep the file's time down)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", CASES)
@@ -167,11 +167,12 @@ def test_joint_law_of_first_three_tokens_is_the_targets(peaked, temperature, top
             # adaptive verify cut to 2 of the 4 block tokens: d_1 verified, the bonus from the target's p_1
             "speculative, rejection rule, verify 2 of 4": S.speculative_generate(
                 target, draft, [PROMPT] * N, block_size=4, seed=4, acceptance="rejection", verify_lengths=(2, 4),
-                verify_threshold=2.0, **kw),
-            # tree verification: 6 nodes (siblings at depth 1), the target sampled at every node, then the walk
-            "tree of 6": S.speculative_generate(target, draft, [PROMPT] * N, block_size=4, seed=7, tree_budget=6,
-                                                **kw)}
-    if (temperature, top_k, top_p) in DFLASH2_CASES:  # the selector walk samples over its top-5 candidates
+                verify_threshold=2.0, **kw)}
+    if (temperature, top_k, top_p) in DFLASH2_CASES:
+        # tree verification: 6 nodes (siblings at depth 1), the target sampled at every node, then the walk
+        runs["tree of 6"] = S.speculative_generate(target, draft, [PROMPT] * N, block_size=4, seed=7, tree_budget=6,
+                                                   **kw)
+        # DFlash2: the selector walk samples over its top-5 candidates
         runs["DFlash2, match rule"] = S.speculative_generate(target, dflash2, [PROMPT] * N, seed=5,
                                                              acceptance="match", **kw)
         runs["DFlash2, rejection rule"] = S.speculative_generate(target, dflash2, [PROMPT] * N, seed=6,

@@ -245,3 +245,30 @@ def test_walk_full_chain_and_nothing():
         nothing[row, 0] = next(t for t in range(v) if t not in tokens[row][parents[row] == -1]) \
             if (parents[row] == -1).sum() < v else v  # every token is a root child: an impossible target
     np.testing.assert_array_equal(check_walk(tree, nothing), 0)
+
+
+@pytest.mark.parametrize("v,d", [(5, 3), (4, 4)])
+def test_chain_first_equals_brute_force(v, d):
+    """``chain=True``: the greedy chain (as deep as budget and max_depth allow), then the most probable other
+    prefixes; a tree (parents first) that contains the chain's nodes, best-first among the rest."""
+    rng = np.random.default_rng(11)
+    logq = random_logq(rng, d + 1, d, v, scale=1.0)  # flat: the exact top-N often drops deep chain nodes
+    max_depth = np.arange(d + 1, dtype=np.int32)
+    dropped = 0
+    for budget in (2, d, 3 * d, v ** d + 3):
+        tree = T.build_tree(jnp.asarray(logq), budget, jnp.asarray(max_depth), chain=True)
+        plain = T.build_tree(jnp.asarray(logq), budget, jnp.asarray(max_depth))
+        for row in range(d + 1):
+            greedy = tuple(int(t) for t in logq[row].argmax(-1))
+            m = min(budget, max_depth[row])
+            chain = {greedy[:k] for k in range(1, m + 1)}
+            rest = sorted(((p, u) for u, p in all_prefixes(logq[row], max_depth[row]).items() if u not in chain),
+                          key=lambda x: -x[0])[:budget - m]
+            got = prefixes_of(tree, row)
+            assert set(got) == chain | {u for _, u in rest}
+            assert not chain - set(prefixes_of(plain, row)) or len(got) == len(prefixes_of(plain, row))
+            dropped += bool(chain - set(prefixes_of(plain, row)))
+            depths = np.asarray(tree.depths[row])
+            parents = np.asarray(tree.parents[row])
+            assert all(-1 <= parents[i] < i for i in np.flatnonzero(depths > 0)), "a parent before its children"
+    assert dropped  # the case that makes the option matter occurred

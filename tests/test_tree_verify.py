@@ -88,7 +88,8 @@ def test_lossless_ragged_batch(pair, prompts, plain, budget):
                                   tree_budget=budget)
     check(tree, plain, budget)
     assert all(r.finish_reason == "length" and r.num_generated == MAX_NEW for r in tree)
-    if budget >= 8:  # >= the vocabulary: every depth-1 token is a node, so every step but a row's last accepts one
+    if budget >= 64:  # the chain's 15 nodes, then 49 more: here every depth-1 token of the 8 is among them, so
+        # every step but a row's last accepts a draft (deterministic for this pair; not a law for any tree)
         assert all(a >= 2 for r in tree for a in r.acceptance_lengths[:-1])
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_jax.config import read_config_json
+from dflash_jax.config import architectures, read_config_json
 from dflash_jax.families import dense, gpt_oss, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next
 from dflash_jax.families.family import Family
 
@@ -49,7 +49,7 @@ def family_of(cfg) -> Family:
 def config_from_hf(path_or_dict) -> Any:
     """A target config of whichever family the ``config.json`` (path, directory or dict) names."""
     d = read_config_json(path_or_dict)
-    drafts = [a for a in d.get("architectures") or () if "DFlash" in str(a)]
+    drafts = [a for a in architectures(d) if "DFlash" in a]
     if drafts:
         raise ValueError(f"this config.json is a DFlash draft (architectures {drafts}), not a target model: pass it "
                          "as the draft")
