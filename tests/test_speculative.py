@@ -260,7 +260,7 @@ def _assert_draft_context_is_committed(target, draft, state):
             np.testing.assert_allclose(got_v[r, :m], np.asarray(vl)[r, :m], atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("proposer", ["chain", "dflash2"])
+@pytest.mark.parametrize("proposer", ["chain", "dflash2", "tree"])
 def test_draft_cache_tracks_the_committed_tokens(pair, prompts, proposer):
     """After the prefill and after every step of a stepped run (ragged rows, partial acceptance), the draft
     context equals the committed tokens' (the alignment a public TPU port lost); output still lossless."""
@@ -270,7 +270,8 @@ def test_draft_cache_tracks_the_committed_tokens(pair, prompts, proposer):
     target, draft = pair
     if proposer == "dflash2":
         draft = make_draft(target.config, block=8, ids=draft.config.target_layer_ids, **DFLASH2)
-    req = S._prepare(target, draft, prompts, max_new_tokens=20, sampling=S.SamplingParams(), stop_token_ids=[])
+    req = S._prepare(target, draft, prompts, max_new_tokens=20, sampling=S.SamplingParams(), stop_token_ids=[],
+                     tree_budget=16 if proposer == "tree" else 0)
     state = S._prefill_jit(req.spec, req.inputs, cache_len=req.cache_len)
     steps = 0
     while True:
