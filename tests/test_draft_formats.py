@@ -271,7 +271,8 @@ def test_generate_cli_with_a_dflash2_draft(tiny, tmp_path, capsys):
     assert row["output_ids"] == out and row["acceptance_lengths"] == acc
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", pytest.param("qwen3_5", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_5"])
 def test_dflash2_on_other_families(tmp_path, family):
     """A DFlash2 draft on a gpt-oss target (sinks, sliding ring, experts) and a Qwen3.5 hybrid (recurrent
     rollback): lossless against plain decoding, with the whole block and with adaptive verify."""

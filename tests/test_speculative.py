@@ -260,7 +260,8 @@ def _assert_draft_context_is_committed(target, draft, state):
             np.testing.assert_allclose(got_v[r, :m], np.asarray(vl)[r, :m], atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("proposer", ["chain", "dflash2", "tree"])
+@pytest.mark.parametrize("proposer", ["chain", pytest.param("dflash2", marks=pytest.mark.slow),
+                                      pytest.param("tree", marks=pytest.mark.slow)])
 def test_draft_cache_tracks_the_committed_tokens(pair, prompts, proposer):
     """After the prefill and after every step of a stepped run (ragged rows, partial acceptance), the draft
     context equals the committed tokens' (the alignment a public TPU port lost); output still lossless."""

@@ -52,7 +52,8 @@ def check(results, want, budget, block=16):
         assert r.target_forwards == len(r.acceptance_lengths) + 1
 
 
-@pytest.mark.parametrize("impl,budget", [("reference", 6), ("loop", 6), ("interpret", 6), ("auto", 19)])
+@pytest.mark.parametrize("impl,budget", [pytest.param("reference", 6, marks=pytest.mark.slow), ("loop", 6),
+                                         ("interpret", 6), ("auto", 19)])
 def test_tree_forward_equals_each_paths_causal_forward(pair, impl, budget):
     """One tree verify forward (after a prefill of ragged rows): every node's logits are the plain causal
     forward's on prompt + its path, with each attention ("interpret": the Pallas kernel on CPU; 20 queries
@@ -81,7 +82,8 @@ def test_tree_forward_equals_each_paths_causal_forward(pair, impl, budget):
             np.testing.assert_allclose(np.asarray(logits[b, slot]), want, atol=1e-4, err_msg=f"{b} {slot}")
 
 
-@pytest.mark.parametrize("budget", [1, 4, 16, 64])
+@pytest.mark.parametrize("budget", [pytest.param(1, marks=pytest.mark.slow), 4,
+                                    pytest.param(16, marks=pytest.mark.slow), 64])
 def test_lossless_ragged_batch(pair, prompts, plain, budget):
     target, draft = pair
     tree = S.speculative_generate(target, draft, prompts, max_new_tokens=MAX_NEW, stop_token_ids=[],
@@ -133,7 +135,8 @@ def _as(cls, cfg, **fields):
     return cls(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, **fields})
 
 
-@pytest.mark.parametrize("family,window", [("qwen3_moe", None), ("gpt_oss", 512), ("gpt_oss", 8)])
+@pytest.mark.parametrize("family,window", [pytest.param("qwen3_moe", None, marks=pytest.mark.slow),
+                                           pytest.param("gpt_oss", 512, marks=pytest.mark.slow), ("gpt_oss", 8)])
 def test_other_attention_families(prompts, family, window):
     """qwen3_moe (routed experts); gpt_oss (sinks) with windows wider than its cache (full caches) and with a
     window of 8 = the block, whose caches are rings (``state.SlidingKV``) that rows run far past."""
