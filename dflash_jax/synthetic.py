@@ -1,6 +1,6 @@
 """Synthetic target + draft pairs at real model shapes, for benchmarking without a download.
 
-``PRESETS`` holds the released targets' shapes (written out from their ``config.json``) with their
+``PRESETS`` holds the released targets' shapes (and Qwen3-0.6B / 1.7B: real shapes a CPU runs) (written out from their ``config.json``) with their
 released DFlash drafts' shapes, plus ``tiny`` (runs on a laptop CPU in seconds). ``synthetic_pair``
 builds one with random weights drawn on the device, leaf by leaf, under jit (straight onto the mesh's
 shardings when one is given): an 8B model never exists in host memory.
@@ -58,7 +58,7 @@ _LLAMA31_ROPE = RopeConfig(theta=500000.0, rope_type="llama3", params=tuple(sort
 
 # Draft shapes: 5 layers with the target's widths, block 16, target layers by the released formula
 # round(1 + i*(L-4)/4) (z-lab/Qwen3-{4B,8B}-DFlash-b16: layers 1, 9, 17, 25, 33 of 36; REFERENCE.md, the
-# paper's default of 5 draft layers). The LLaMA draft's ids follow the same formula (1, 8, 15, 22, 29);
+# paper's default of 5 draft layers; 1, 7, 13, 19, 25 of Qwen3-0.6B / 1.7B's 28). The LLaMA draft's ids follow the same formula (1, 8, 15, 22, 29);
 # its mask id is LLaMA-3's first reserved special token.
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(TargetConfig(model_type="qwen3", vocab_size=4096, hidden_size=256, intermediate_size=768,
@@ -66,6 +66,12 @@ PRESETS: dict[str, Preset] = {
                                 max_position_embeddings=32768, rope=RopeConfig(theta=1e6), eos_token_id=(1,)),
                    draft_layers=2, block_size=16, target_layer_ids=choose_target_layer_ids(4, 2), mask_token_id=4095,
                    source="small CPU preset (Qwen3 layers, hidden 256, 4 layers; draft 2 layers, block 16)"),
+    "qwen3-0.6b": Preset(_qwen3(1024, 3072, 28, tie=True, heads=16), 5, 16, (1, 7, 13, 19, 25), 151669,
+                         "Qwen/Qwen3-0.6B config.json; draft shaped as the released Qwen3 drafts (5 layers of the "
+                         "target's width, block 16, released layer formula)"),
+    "qwen3-1.7b": Preset(_qwen3(2048, 6144, 28, tie=True, heads=16), 5, 16, (1, 7, 13, 19, 25), 151669,
+                         "Qwen/Qwen3-1.7B config.json; draft shaped as the released Qwen3 drafts (5 layers of the "
+                         "target's width, block 16, released layer formula)"),
     "qwen3-4b": Preset(_qwen3(2560, 9728, 36, tie=True), 5, 16, (1, 9, 17, 25, 33), 151669,
                        "Qwen/Qwen3-4B config.json; draft z-lab/Qwen3-4B-DFlash-b16"),
     "qwen3-8b": Preset(_qwen3(4096, 12288, 36, tie=False), 5, 16, (1, 9, 17, 25, 33), 151669,

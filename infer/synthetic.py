@@ -34,7 +34,8 @@ def add_args(p) -> None:
     g = p.add_argument_group("synthetic benchmark (--synthetic)")
     g.add_argument("--synthetic", metavar="NAME",
                    help="benchmark a preset with random weights and simulated acceptance instead of --target/--draft: "
-                        "tiny (CPU-sized), qwen3-4b, qwen3-8b, llama3.1-8b (real shapes and their released drafts')")
+                        "tiny (CPU-sized); qwen3-0.6b, qwen3-1.7b (real shapes a CPU runs), qwen3-4b, "
+                        "qwen3-8b, llama3.1-8b (real shapes and their released drafts')")
     g.add_argument("--replay-tau", type=float, default=None,
                    help="with --synthetic: mean acceptance length to replay (truncated geometric: each draft token "
                         "accepted with the same probability; default 6.5, the paper's Qwen3-8B average)")
