@@ -47,7 +47,7 @@ def test_generate_text_baseline_and_stream(pair_dirs, capsys):
     tdir, ddir, _ = pair_dirs
     code, out = run(g, ["--target", tdir, "--draft", ddir, "--prompt", "def f(x):", "--max-new-tokens", "6",
                         "--baseline"], capsys)
-    assert code == 0 and "speedup" in out.out and "identical output: True" in out.out and "tau" in out.out
+    assert code == 0 and "speedup" in out.out and "identical output: yes" in out.out and "tau" in out.out
     code, out = run(g, ["--target", tdir, "--draft", ddir, "--prompt", "def f(x):", "--max-new-tokens", "6",
                         "--stream"], capsys)
     assert code == 0 and out.out.startswith("def f(x):") and "time to first token" in out.out
@@ -58,6 +58,20 @@ def test_generate_text_baseline_and_stream(pair_dirs, capsys):
     code, out = run(g, ["--target", tdir, "--draft", ddir, "--prompt", "def f(x):", "--max-new-tokens", "6",
                         "--baseline", "--temperature", "1"], capsys)
     assert code == 0 and "lossless means the same distribution" in out.out
+
+
+def test_generate_demo_shows_plain_beside_dflash(capsys):
+    """No --target (the README's first command): plain decoding runs beside DFlash on the embedded demo pair,
+    with both speeds, the speedup and "identical output: yes"; --no-baseline skips it."""
+    from infer import generate as g
+
+    code, out = run(g, ["--max-new-tokens", "12"], capsys)
+    assert code == 0 and "tau" in out.out
+    line = next(x for x in out.out.splitlines() if x.startswith("--- plain decoding"))
+    assert "speedup" in line and "identical output: yes" in line, line
+    assert "exclude one-time setup" in out.err
+    code, out = run(g, ["--max-new-tokens", "12", "--no-baseline"], capsys)
+    assert code == 0 and "tau" in out.out and "plain decoding" not in out.out
 
 
 @pytest.mark.parametrize("argv,match", [
