@@ -125,6 +125,23 @@ def test_demo_draft_bad_init_draft_fails_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "w" / "draft" / "data").exists()  # no data generated for a run that cannot start
 
 
+@pytest.mark.parametrize("stage", ["target", "draft"])
+def test_demo_stages_do_not_overwrite_the_shipped_pair(stage, tmp_path, capsys):
+    """The default export goes to the work directory; --out naming the shipped pair needs --replace-shipped,
+    refused before any work."""
+    from dflash_jax.demo import DEMO_DRAFT, DEMO_TARGET
+    from train.demo.__main__ import _out_dir, build_parser, main
+
+    args = build_parser().parse_args([stage, "--work", str(tmp_path / "w")])
+    assert _out_dir(args, stage) == str(tmp_path / "w" / stage / "export")
+    for shipped in (DEMO_TARGET, DEMO_DRAFT):
+        assert main([stage, "--out", shipped, "--work", str(tmp_path / "w")]) == 2
+        assert "--replace-shipped" in capsys.readouterr().err
+        assert not (tmp_path / "w").exists()  # nothing ran
+        ok = build_parser().parse_args([stage, "--out", shipped, "--replace-shipped"])
+        assert _out_dir(ok, stage) == shipped
+
+
 def test_demo_draft_prompt_chars_option(capsys):
     from train.demo.__main__ import build_parser
 

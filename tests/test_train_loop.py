@@ -110,7 +110,7 @@ def test_make_data_resumes(env, tmp_path):
     with np.load(out / "shard_00001.npz") as a, np.load(env["data"] + "/shard_00001.npz") as b:
         assert all((a[k] == b[k]).all() for k in ("input_ids", "loss_mask", "offsets"))
     assert len(before) > 0
-    with pytest.raises(DataError, match="other settings"):  # a different run into the same directory
+    with pytest.raises(DataError, match=r"other settings \(--max-new-tokens 32 -> 16\)"):  # names what changed
         make_data(env["target"], env["pfile"], str(out), max_new_tokens=16, batch_size=6, shard_size=6,
                   progress=False, log=_quiet)
 
@@ -190,12 +190,16 @@ def test_kill_and_resume_is_exact(env, reference):
     logs = []
     resumed = train(cfg, target=env["target"], log=logs.append)
     assert any("resumed from" in s and "step 20" in s for s in logs)
+    assert any(s.startswith("step 30/40: loss ") for s in logs), logs  # no progress bar: a line per --log-every
     same = jax.tree_util.tree_map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()),
                                   resumed.params, reference["draft"].params)
     assert all(jax.tree_util.tree_leaves(same)), "resumed run diverged from the uninterrupted one"
     # resuming with settings that change the data order or anchors is refused
     with pytest.raises(TrainingError, match="seed"):
         train(cfg.replace(seed=1), target=env["target"], log=_quiet)
+    # a changed --seq-len is named as the cause (the data reads differently under it, but did not change)
+    with pytest.raises(TrainingError, match=r"different --seq-len \(48 -> 40\)"):
+        train(cfg.replace(seq_len=40), target=env["target"], log=_quiet)
 
 
 def test_packed_rows_resume_exactly_and_cached_features_match(env):

@@ -254,17 +254,17 @@ def _check_resume(meta: dict, cfg: TrainConfig, data: TrainData) -> None:
     if moved:
         warnings.warn(f"resuming with a different path for {moved} ({[getattr(old, f) for f in moved]} -> "
                       f"{[getattr(cfg, f) for f in moved]}); it must hold the same model / data", stacklevel=3)
+    diff = [f for f in _RESUME_FIXED if getattr(old, f) != getattr(cfg, f)]
+    if diff:  # before the data check: a changed option (--seq-len) also changes what the data reads as
+        raise TrainingError(
+            "cannot resume exactly: the checkpoint was made with different " + ", ".join(
+                f"--{f.replace('_', '-')} ({getattr(old, f)!r} -> {getattr(cfg, f)!r})" for f in diff)
+            + "; use the original values, or a new --out to start over")
     had = meta.get("data_summary")
     if had is not None and had != _data_summary(data):
         raise TrainingError(f"cannot resume exactly: the checkpoint was trained on {had['sequences']} sequences / "
                             f"{had['tokens']} tokens, {cfg.data} now holds {len(data)} / {data.num_tokens}; "
                             "use the original data or a new --out")
-    diff = [f for f in _RESUME_FIXED if getattr(old, f) != getattr(cfg, f)]
-    if diff:
-        raise TrainingError(
-            "cannot resume exactly: the checkpoint was made with different " + ", ".join(
-                f"--{f.replace('_', '-')} ({getattr(old, f)!r} -> {getattr(cfg, f)!r})" for f in diff)
-            + "; use the original values, or a new --out to start over")
     changed = [f.name for f in dataclasses.fields(TrainConfig)
                if f.name in ("steps", "epochs", "lr", "warmup_frac", "min_lr_frac", "clip", "weight_decay",
                              "beta1", "beta2") and getattr(old, f.name) != getattr(cfg, f.name)]
@@ -610,6 +610,9 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
                        "elapsed_s": time.perf_counter() - t_run}
                 rec.pop("step", None)
                 write_metrics({"step": step, **rec})
+                if not cfg.progress:  # no bar to show the loss: one line per --log-every steps
+                    speed = f", {rec['tokens_per_s']:.0f} tokens/s" if rec["tokens_per_s"] else ""
+                    log(f"step {step}/{total}: loss {rec['loss']:.4f}, acc {rec['acc']:.3f}, lr {lr:.2e}{speed}")
                 window, win_tokens, win_time, win_steps = None, 0, 0.0, 0
             if step % cfg.save_every == 0 and step < total:
                 ckpt.save(step, params, opt_state, meta_for(step, last))

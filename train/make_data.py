@@ -74,6 +74,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _differences(manifest: dict, settings: dict, vocab: int) -> list[str]:
+    """What differs between the settings a data directory was made with and this run's, as option names."""
+    had = manifest.get("settings") or {}
+    out = []
+    for k in sorted(set(had) | set(settings)):
+        if had.get(k) == settings.get(k):
+            continue
+        if k == "prompts_sha1":
+            out.append("the prompt file's contents")
+        else:
+            name = "--chat-template-kwargs" if k == "chat_kwargs" else "--" + k.replace("_", "-")
+            out.append(f"{name} {had.get(k)!r} -> {settings.get(k)!r}")
+    if manifest.get("vocab_size") != vocab:
+        out.append(f"the target's vocab_size {manifest.get('vocab_size')} -> {vocab}")
+    return out
+
+
 def make_data(target, prompts: str, out: str, *, responses: str = "auto", chat: bool = False,
               chat_kwargs: dict | None = None, max_new_tokens: int = 512, temperature: float = 0.0, top_k: int = 0,
               top_p: float = 1.0, seed: int = 0, batch_size: int = 8, shard_size: int = 256,
@@ -111,9 +128,10 @@ def make_data(target, prompts: str, out: str, *, responses: str = "auto", chat: 
     os.makedirs(out, exist_ok=True)
     if os.path.isfile(os.path.join(out, "manifest.json")):
         manifest = read_manifest(out)
-        if manifest.get("settings") != settings or manifest.get("vocab_size") != vocab:
-            raise DataError(f"{out} holds data made with other settings or another prompt file; use a new --out "
-                            "(or delete it) to start over")
+        differ = _differences(manifest, settings, vocab)
+        if differ:
+            raise DataError(f"{out} holds data made with other settings ({'; '.join(differ)}); use the original "
+                            "values, or a new --out (or delete it) to start over")
     else:
         manifest = {"format": FORMAT, "version": 1, "vocab_size": vocab, "target": target.path,
                     "prompts": os.path.abspath(prompts), "num_records": len(records), "settings": settings,

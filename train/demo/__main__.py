@@ -10,8 +10,8 @@
   3. pretraining of a Qwen3-architecture model from scratch (``train/demo/pretrain.py``), resumable:
      rerunning the same command continues from the last checkpoint in the work directory;
   4. export in the Hugging Face layout (config.json, bf16 model.safetensors, tokenizer files,
-     training.json) to ``dflash_jax/demo/target/`` and a reload check with transformers and
-     ``dj.load_target``.
+     training.json) to ``--out`` (default ``runs/demo/target/export``) and a reload check with transformers
+     and ``dj.load_target``.
 Work files (tokenizer, token streams, checkpoint, metrics.jsonl) live in ``runs/demo/target/``.
 
   python -m train.demo draft [--steps 600] [--target DIR] [--out DIR] [--work DIR] [--init-draft DIR]
@@ -21,8 +21,9 @@ Work files (tokenizer, token streams, checkpoint, metrics.jsonl) live in ``runs/
      prompts for evaluation;
   2. the target answers them greedily (``train.make_data``, batched through the decode engine);
   3. ``train.loop.train`` with cached target features (``--cache-features``);
-  4. export in the released layout (bf16) to ``dflash_jax/demo/draft/``.
+  4. export in the released layout (bf16) to ``--out`` (default ``runs/demo/draft/export``).
 Every step resumes: rerunning skips finished data shards and continues from the last checkpoint.
+Replacing the pair the package ships (``dflash_jax/demo/``) takes ``--out`` naming it and ``--replace-shipped``.
 """
 from __future__ import annotations
 
@@ -89,12 +90,27 @@ def prepare_data(work: str, vocab_size: int, log=_log):
     return tok_dir, train, heldout, key
 
 
+def _out_dir(args, stage: str) -> str | None:
+    """Where ``stage`` exports: ``--out``, or WORK/STAGE/export; None (after saying why) when it names a
+    directory of the shipped demo pair without --replace-shipped."""
+    out = args.out or os.path.join(args.work, stage, "export")
+    shipped = [d for d in (DEMO_TARGET, DEMO_DRAFT) if os.path.realpath(out) == os.path.realpath(d)]
+    if shipped and not args.replace_shipped:
+        _log(f"--out {out} is the demo pair the package ships ({shipped[0]}): pass --replace-shipped to "
+             "overwrite it, or another --out")
+        return None
+    return out
+
+
 def cmd_target(args) -> int:
     import jax
 
     from dflash_jax.demo import corpus
     from train.demo.pretrain import TrainHParams, check_export, count_params, export_hf, model_config, pretrain
 
+    out = _out_dir(args, "target")
+    if out is None:
+        return 2
     work = os.path.join(args.work, "target")
     os.makedirs(work, exist_ok=True)
     minutes = args.minutes if (args.minutes is not None or args.steps is not None) else 45.0
@@ -130,12 +146,12 @@ def cmd_target(args) -> int:
                    "heldout_tokens": int(len(heldout)),
                    "heldout_rule": "int(sha1(path relative to the stdlib).hexdigest(), 16) % 20 == 0"},
     }
-    export_hf(cfg, params, args.out, tok_dir, summary)
-    _log(f"exported to {args.out}: " + ", ".join(f"{n} {os.path.getsize(os.path.join(args.out, n)) / 1e6:.2f} MB"
-                                                  for n in sorted(os.listdir(args.out))))
+    export_hf(cfg, params, out, tok_dir, summary)
+    _log(f"exported to {out}: " + ", ".join(f"{n} {os.path.getsize(os.path.join(out, n)) / 1e6:.2f} MB"
+                                             for n in sorted(os.listdir(out))))
     if not args.no_check:
         text = corpus.read_text(corpus.heldout_files()[0])[:2000]
-        check = check_export(args.out, text, compare_torch=True)
+        check = check_export(out, text, compare_torch=True)
         _log(f"reload check: tokenizer round-trips, eos {check['eos_token']!r} = {check['eos_token_id']}, "
              f"mask = {check['mask_token_id']}; transformers vs dj.load_target logits max |diff| "
              f"{check['max_abs_logit_diff']:.2e}, argmax agreement {check['argmax_agreement']:.3f}")
@@ -158,6 +174,9 @@ def cmd_draft(args) -> int:
     from train.loop import train
     from train.make_data import make_data
 
+    out = _out_dir(args, "draft")
+    if out is None:
+        return 2
     if not os.path.isfile(os.path.join(args.target, "config.json")):
         _log(f"no target at {args.target}: run `python -m train.demo target` first")
         return 2
@@ -188,9 +207,9 @@ def cmd_draft(args) -> int:
                       eval_every=args.eval_every, eval_prompts=evals, eval_max_new_tokens=96,
                       progress=not args.no_progress)
     train(cfg, log=_log)
-    export(cfg.out, args.out, dtype="bfloat16")
-    _log(f"exported the draft to {args.out}: " + ", ".join(
-        f"{n} {os.path.getsize(os.path.join(args.out, n)) / 1e6:.2f} MB" for n in sorted(os.listdir(args.out))))
+    export(cfg.out, out, dtype="bfloat16")
+    _log(f"exported the draft to {out}: " + ", ".join(
+        f"{n} {os.path.getsize(os.path.join(out, n)) / 1e6:.2f} MB" for n in sorted(os.listdir(out))))
     return 0
 
 
@@ -216,7 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the step count and cosine schedule are planned to end with it")
     t.add_argument("--steps", type=int, default=None, help="train exactly this many steps (with --minutes: "
                                                           "whichever comes first)")
-    t.add_argument("--out", default=DEMO_TARGET, help="where the Hugging Face model directory goes")
+    t.add_argument("--out", default=None, help="where the Hugging Face model directory goes (default: "
+                                               "WORK/target/export)")
+    t.add_argument("--replace-shipped", action="store_true",
+                   help="allow --out to name the demo target the package ships (overwrites it)")
     t.add_argument("--work", default=DEFAULT_WORK, help="work files go to WORK/target (delete it to start over)")
     t.add_argument("--vocab-size", type=int, default=4096)
     t.add_argument("--layers", type=int, default=6)
@@ -242,7 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train the demo draft end to end (rerun to resume).",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d.add_argument("--target", default=DEMO_TARGET, help="the demo target (Hugging Face directory)")
-    d.add_argument("--out", default=DEMO_DRAFT, help="where the exported draft goes")
+    d.add_argument("--out", default=None, help="where the exported draft goes (default: WORK/draft/export)")
+    d.add_argument("--replace-shipped", action="store_true",
+                   help="allow --out to name the demo draft the package ships (overwrites it)")
     d.add_argument("--work", default=DEFAULT_WORK, help="work files go to WORK/draft (delete it to start over)")
     d.add_argument("--num-prompts", type=int, default=1500, help="training prompts cut from the training modules")
     d.add_argument("--prompt-chars", type=_char_range, default=(120, 400), metavar="MIN,MAX",
