@@ -64,13 +64,31 @@ def default_prompts(n: int) -> list[str]:
     return code_prompts(heldout_files(), n, seed=1234)
 
 
-def prompt_ids(args, tokenizer) -> list[list[int]]:
-    """The prompts of the run: ``--prompts-file``, or the demo's code prompts for the demo target."""
+def prompt_records(args) -> list[dict]:
+    """The prompts of the run, read before any model loads: ``--prompts-file``, or the demo's code prompts for
+    the demo target."""
     if args.prompts_file:
-        return encode(tokenizer, read_prompts_file(args.prompts_file))
+        return read_prompts_file(args.prompts_file)
     if args.target is None or args.target == DEMO_TARGET:
-        return encode(tokenizer, [{"prompt": t} for t in default_prompts(args.num_prompts)])
+        return [{"prompt": t} for t in default_prompts(args.num_prompts)]
     die("pass --prompts-file (the default prompts are stdlib code for the demo target)")
+
+
+def check_plot_path(path: str | None) -> None:
+    """``--plot``: matplotlib importable and the file's folder there, before the benchmark runs."""
+    if not path:
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+    except ImportError:
+        die("--plot needs matplotlib: pip install 'dflash_jax[plot]'")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        die(f"--plot {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        die(f"--plot {path}: the folder {folder} is not writable")
 
 
 def distinct_4grams(ids: list[int]) -> float:
@@ -202,24 +220,18 @@ def main(argv=None) -> int:
     synthetic.check_unused(args)
     from dflash_jax.speculative import generate, speculative_generate
 
+    check_plot_path(args.plot)  # every option the command line alone can check, before loading
+    records, adaptive, tree = prompt_records(args), adaptive_kwargs(args), tree_kwargs(args)
     target, draft, tokenizer = load_models(args)
     if draft is None:
         die("the benchmark compares plain and DFlash decoding: pass --draft")
-    prompts = prompt_ids(args, tokenizer)
+    prompts = encode(tokenizer, records)
     kw = decoding_kwargs(args, target)
-    adaptive, tree = adaptive_kwargs(args), tree_kwargs(args)
     block = args.block_size or draft.config.block_size
     methods = [lambda p: generate(target, [p], **kw)[0],
                lambda p: speculative_generate(target, draft, [p], block_size=block, **kw, **adaptive, **tree)[0]]
     if adaptive or tree:  # the fixed block (the chain) side by side
         methods.append(lambda p: speculative_generate(target, draft, [p], block_size=block, **kw)[0])
-    if args.plot:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-        except ImportError:
-            die("--plot needs matplotlib: pip install 'dflash_jax[plot]'")
     where = machine()
     warn_if_busy(where)
     bar = progress_bar(len(prompts), "benchmark", "prompt", not args.json or sys.stderr.isatty())

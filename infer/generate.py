@@ -37,7 +37,8 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def prompt_ids(args, tokenizer) -> list[list[int]]:
+def prompt_sources(args) -> tuple[list[list[int]], list[dict]]:
+    """The ``--prompt-ids`` rows and the text / file records, read and checked before any model loads."""
     ids = []
     for s in args.prompt_ids:
         try:
@@ -50,11 +51,16 @@ def prompt_ids(args, tokenizer) -> list[list[int]]:
     records = [{"prompt": t} for t in args.prompt]
     if args.prompts_file:
         records += read_prompts_file(args.prompts_file)
+    return ids, records
+
+
+def prompt_ids(args, tokenizer, sources=None) -> list[list[int]]:
+    """All prompts as ids: the ``--prompt-ids`` rows, then the text records encoded (the demo prompt when
+    there are none); ``sources``: ``prompt_sources(args)`` when already read."""
+    ids, records = sources or prompt_sources(args)
     if records:
-        ids += encode(tokenizer, records, args.chat)
-    if not ids:
-        ids = encode(tokenizer, [{"prompt": DEMO_PROMPT}])
-    return ids
+        ids = ids + encode(tokenizer, records, args.chat)
+    return ids or encode(tokenizer, [{"prompt": DEMO_PROMPT}])
 
 
 def main(argv=None) -> int:
@@ -63,13 +69,15 @@ def main(argv=None) -> int:
         die("--chat applies to text prompts: pass --prompt or --prompts-file")
     from dflash_jax.speculative import generate, speculative_generate, stream_generate
 
+    sources = prompt_sources(args)  # every option the command line alone can check, before loading
+    extra = dict(**adaptive_kwargs(args), **tree_kwargs(args))
     target, draft, tokenizer = load_models(args)
-    prompts = prompt_ids(args, tokenizer)
+    prompts = prompt_ids(args, tokenizer, sources)
     if args.baseline is None:  # the first run (the demo) shows what DFlash does: plain decoding beside it
         args.baseline = args.target is None
     args.baseline = args.baseline and draft is not None
     kw = decoding_kwargs(args, target)
-    spec_kw = dict(kw, block_size=args.block_size, **adaptive_kwargs(args), **tree_kwargs(args))
+    spec_kw = dict(kw, block_size=args.block_size, **extra)
     try:
         if args.stream:
             results = []

@@ -93,6 +93,27 @@ def test_generate_bad_input(pair_dirs, capsys, argv, match):
     assert match in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cli,argv,match", [
+    ("generate", ["--prompt-ids", "1,x"], "comma-separated integers"),
+    ("generate", ["--prompts-file", "{bad}"], "prompt must be a string"),
+    ("generate", ["--verify-lengths", "4,x"], "comma-separated integers"),
+    ("benchmark", ["--prompts-file", "{bad}"], "prompt must be a string"),
+    ("benchmark", ["--plot", "/nonexistent/plot.png"], "does not exist"),
+    ("benchmark", ["--verify-lengths", ""], "comma-separated integers"),
+])
+def test_command_line_errors_come_before_loading(cli, argv, match, tmp_path, monkeypatch, capsys):
+    """What the command line alone can check is refused before any model loads (minutes for a 30B target)."""
+    import importlib
+
+    mod = importlib.import_module(f"infer.{cli}")
+    monkeypatch.setattr(mod, "load_models", lambda args: pytest.fail("models loaded before the options were checked"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": 3}\n')
+    with pytest.raises(SystemExit) as e:
+        mod.main([a.replace("{bad}", str(bad)) for a in argv])
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
 def test_generate_missing_target(capsys, tmp_path):
     from infer import generate as g
 

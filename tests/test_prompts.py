@@ -61,6 +61,7 @@ def _make_data_prompt(tok, pfile: str, out: str, chat: bool) -> list[int]:
 @pytest.mark.parametrize("chat", [False, True])
 def test_generate_benchmark_make_data_and_eval_encode_a_prompt_alike(tok_dir, tmp_path, chat):
     from infer import benchmark, generate
+    from infer.common import encode
     from train.loop import load_eval_prompts
 
     tok = load_tokenizer(tok_dir)
@@ -77,8 +78,8 @@ def test_generate_benchmark_make_data_and_eval_encode_a_prompt_alike(tok_dir, tm
         "eval prompts": load_eval_prompts(str(text), tok, 8, chat),
     }
     if not chat:  # the benchmark has no --chat
-        got["benchmark"] = benchmark.prompt_ids(
-            benchmark.parse_args(["--target", tok_dir, "--prompts-file", str(jsonl)]), tok)
+        got["benchmark"] = encode(tok, benchmark.prompt_records(
+            benchmark.parse_args(["--target", tok_dir, "--prompts-file", str(jsonl)])))
     want = _expected(chat)
     assert got == {k: [want] for k in got}
     assert want.count(BOS) == 1
