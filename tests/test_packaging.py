@@ -53,3 +53,46 @@ def test_kernels_import_nothing_from_the_library():
                 continue
             assert not [n for n in names if n.split(".")[0] in {"dflash_jax", "infer", "train", "kernels"}], \
                 f"{path.name}:{node.lineno} imports {names}"
+
+
+def _install_block() -> list[str]:
+    """The pip commands of README's first code block under "## Install" (the CPU install)."""
+    text = (REPO / "README.md").read_text().split("## Install", 1)[1]
+    block = text.split("```bash", 1)[1].split("```", 1)[0]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip().startswith("pip install")]
+
+
+def test_ci_installs_exactly_as_the_readme_says():
+    """.ci/run runs README's CPU install commands, in the same order (quiet flags aside)."""
+    readme = _install_block()
+    ci = [line.strip().replace(" --quiet", "") for line in (REPO / ".ci" / "run").read_text().splitlines()
+          if line.strip().startswith("pip install")]
+    assert readme and readme == ci, (readme, ci)
+    assert any("torch==2.13.0" in c and "whl/cpu" in c for c in readme)  # the CPU torch before the test extra
+    assert readme[-1] == 'pip install -e ".[test]"'
+
+
+def test_console_scripts_are_the_clis():
+    """Every [project.scripts] entry names a module's ``main`` that exists (the same CLI as ``python -m``)."""
+    import importlib
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {"dflash-generate", "dflash-benchmark", "dflash-train"} <= set(scripts)
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        assert callable(getattr(importlib.import_module(module), func)), name
+
+
+def test_console_script_runs_from_a_folder_that_shadows_the_packages(tmp_path):
+    """``dflash-generate`` from a research folder with its own ``infer/`` and ``train.py`` runs our CLI."""
+    import subprocess
+    import sys
+
+    exe = Path(sys.executable).parent / "dflash-generate"
+    assert exe.is_file(), f"{exe} missing: reinstall with pip install -e ."
+    (tmp_path / "infer").mkdir()
+    (tmp_path / "infer" / "__init__.py").write_text("raise SystemExit('the local infer/ was imported')\n")
+    (tmp_path / "train.py").write_text("raise SystemExit('the local train.py was imported')\n")
+    r = subprocess.run([str(exe), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--tree-budget" in r.stdout, r.stderr
