@@ -195,3 +195,14 @@ def encode(tokenizer, records: list[dict], chat: bool = False) -> list[list[int]
             die(f"prompt {r.get('prompt', r.get('prompt_ids'))!r} encodes to no tokens")
         out.append(ids)
     return out
+
+
+def parse_ints(text: str, flag: str) -> list[int]:
+    """Positive integers from a comma-separated option value (``--batch-size 1,8``); dies naming ``flag``."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        die(f"{flag} takes positive integers separated by commas, got {text!r}")
+    return out

@@ -150,7 +150,7 @@ def model_flops(tcfg, dcfg, *, seq_len: int, anchors) -> dict:
 
 
 class _SyntheticData:
-    """What ``train.loop._device_batch`` reads from a ``TrainData``: ``batch(idx) -> (ids, mask, doc_start)``
+    """What ``train.loop.device_batch`` reads from a ``TrainData``: ``batch(idx) -> (ids, mask, doc_start)``
     (unpacked: no doc_start)."""
 
     def __init__(self, ids, mask):
@@ -177,7 +177,7 @@ def setup(args):
     from dflash_jax.target import Target, load_target, param_shapes
     from train import objective
     from train.config import TrainConfig
-    from train.loop import _device_batch, build_draft_config, cached_train_step
+    from train.loop import build_draft_config, cached_train_step, device_batch
 
     hf, shape = PRESETS[args.preset]
     shape = {k: getattr(args, k) if getattr(args, k) is not None else shape[k] for k in SHAPE_FLAGS
@@ -234,7 +234,7 @@ def setup(args):
     mask = np.zeros((a * b, s), np.int32)
     mask[:, s // 8:] = 1  # a prompt, then the supervised response
     idx = np.arange(a * b).reshape(a, b)
-    ids_d, mask_d, idx_d, _, _ = _device_batch(_SyntheticData(ids, mask), None, idx, mesh, cfg.dtype)
+    ids_d, mask_d, idx_d, _, _ = device_batch(_SyntheticData(ids, mask), None, idx, mesh, cfg.dtype)
     anchors = np.concatenate([np.asarray(objective.sample_batch_anchors(cfg.seed, 0, jnp.asarray(idx[i]),
                                                                         jnp.asarray(mask[idx[i]]), cfg.num_anchors))
                               for i in range(a)])

@@ -320,7 +320,7 @@ class CollapseDetector:
                       f"recover. The learning rate is probably too high: start over with a lower --lr (now "
                       f"{self.lr:g}; default 6e-4) and a new --out")
 
-def _device_batch(data: TrainData, store, idx, mesh, dtype):
+def device_batch(data: TrainData, store, idx, mesh, dtype):
     """(ids, mask, idx, feats or None, doc starts or None) of the global step ``idx`` [A, B] on the device(s).
     On a mesh each process reads only its ``process_slice`` of the B rows and the rows are split over
     data*fsdp. Cached features travel in their storage dtype and are cast on the device (one compiled step
@@ -563,7 +563,7 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
             epoch, idx = data.step_indices(step, seed=cfg.seed, grad_accum=cfg.grad_accum, batch_size=cfg.batch_size)
             lr = lr_at(cfg, step, total)
             t0 = time.perf_counter()
-            ids, mask, idx_d, feats, starts = _device_batch(data, store, idx, mesh, cfg.dtype)
+            ids, mask, idx_d, feats, starts = device_batch(data, store, idx, mesh, cfg.dtype)
             params, opt_state, sums, ok, gnorm = step_fn(params, opt_state, target.params, ids, mask, idx_d,
                                                          jnp.int32(epoch), feats, jnp.float32(lr), starts)
             sums, ok, gnorm = jax.device_get((sums, ok, gnorm))
