@@ -26,7 +26,7 @@ from dflash_jax.attention import block_attention, decode_attention
 from dflash_jax.checkpoints import NameTable, export_params, load_params, resolve_path, save_safetensors
 from dflash_jax.config import DraftConfig
 from dflash_jax.families.dense import DecoderLayer
-from dflash_jax.layers import Linear, RMSNorm, random_params
+from dflash_jax.layers import Linear, RMSNorm, initializer, random_params
 from dflash_jax.state import DecodeCache, KVSpec
 from dflash_jax.target import Target, check_token_ids
 
@@ -56,7 +56,7 @@ class DynamicConv(nn.Module):
     group_size: int
 
     def setup(self):
-        self.base_kernel = self.param("base_kernel", nn.with_logical_partitioning(nn.initializers.zeros,
+        self.base_kernel = self.param("base_kernel", nn.with_logical_partitioning(initializer("base_kernel"),
                                                                                   (None, None, "embed")),
                                       (2, self.kernel_size, self.hidden))
         self.kernel_projection = Linear(2 * self.kernel_size * (self.hidden // self.group_size), False,
@@ -90,9 +90,10 @@ class CandidateSelector(nn.Module):
 
     def setup(self):
         self.hidden_projection = Linear(self.rank, False, ("embed", None))
-        init = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", None))
-        self.predecessor_codebook = self.param("predecessor_codebook", init, (self.vocab, self.rank))
-        self.successor_codebook = self.param("successor_codebook", init, (self.vocab, self.rank))
+        init = lambda name: nn.with_logical_partitioning(initializer(name), ("vocab", None))  # noqa: E731
+        self.predecessor_codebook = self.param("predecessor_codebook", init("predecessor_codebook"),
+                                               (self.vocab, self.rank))
+        self.successor_codebook = self.param("successor_codebook", init("successor_codebook"), (self.vocab, self.rank))
 
     def __call__(self, h):
         """Final-normed hidden [B, T, H] -> (u [B, T, r], predecessor [V, r], successor [V, r])."""

@@ -370,6 +370,37 @@ def cache_length(prompt_lengths, budget, block_size: int, cache_len: int | None 
     return max(_round_up(max(int((lens + budget).max()), p_bucket) + block_size + 1, 128), cache_len or 0)
 
 
+# How the option checks below name the options in their messages: the library's parameter names (the CLIs
+# pass their flags: ``infer.common.FLAGS``).
+PARAMS = {"max_new_tokens": "max_new_tokens", "seed": "seed", "block_size": "block_size", "draft": "a draft"}
+
+
+def check_budget_and_seed(max_new_tokens, seed, names=PARAMS) -> None:
+    """``max_new_tokens`` >= 1 and ``seed`` in [0, 2**63): checked by every decode call and, before any weight
+    is loaded, by the CLIs (with their flags' ``names``)."""
+    is_int = isinstance(max_new_tokens, (int, np.integer))
+    if not is_int or max_new_tokens < 1:
+        raise ValueError(f"{names['max_new_tokens']} must be {'' if is_int else 'an integer '}>= 1, "
+                         f"got {max_new_tokens!r}")
+    if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 63:
+        raise ValueError(f"{names['seed']} must be an integer in [0, 2**63), got {seed!r}")
+
+
+def resolve_block_size(block_size, trained: int | None, names=PARAMS) -> int:
+    """The block to decode with: ``block_size`` in [1, ``trained``] (the draft's trained block; None: that
+    block), or 1 without a draft (``trained`` None). Shared with the CLIs' checks before loading."""
+    if trained is None:
+        if block_size not in (None, 1):
+            raise ValueError(f"{names['block_size']} {block_size} needs {names['draft']}; plain decoding uses a "
+                             "block of 1")
+        return 1
+    block_size = trained if block_size is None else block_size
+    if not 1 <= block_size <= trained:
+        raise ValueError(f"{names['block_size']} must be in [1, {trained}] (the draft was trained with block_size "
+                         f"{trained}), got {block_size}")
+    return block_size
+
+
 def _prepare(target: Target, draft, prompts, *, max_new_tokens, sampling: SamplingParams, block_size=None,
              stop_token_ids=None, seed=0, max_length=None, proposer: Proposer | None = None,
              attention_impl: str = "auto", cache_len: int | None = None, verify_lengths=None,
@@ -384,23 +415,12 @@ def _prepare(target: Target, draft, prompts, *, max_new_tokens, sampling: Sampli
     vocab = target.config.vocab_size
     rows = [check_token_ids(np.asarray(p).reshape(1, -1) if len(p) else np.zeros((1, 0), np.int32), vocab,
                             f"prompt {i}")[0] for i, p in enumerate(prompts)]
-    if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 63:
-        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_budget_and_seed(max_new_tokens, seed)
     if draft is not None:
         draft_lib.check_fits(target, draft)
-        trained = draft.config.block_size
-        block_size = trained if block_size is None else block_size
-        if not 1 <= block_size <= trained:
-            raise ValueError(f"block_size must be in [1, {trained}] (the draft was trained with block_size "
-                             f"{trained}), got {block_size}")
-    else:
-        if block_size not in (None, 1):
-            raise ValueError(f"block_size {block_size} needs a draft; plain decoding uses a block of 1")
-        if proposer is not None:
-            raise ValueError("a proposer needs a draft")
-        block_size = 1
+    elif proposer is not None and block_size in (None, 1):
+        raise ValueError("a proposer needs a draft")
+    block_size = resolve_block_size(block_size, draft.config.block_size if draft is not None else None)
     verify_lengths = _check_verify_lengths(verify_lengths, block_size, verify_threshold)
     lens = np.array([len(r) for r in rows], np.int32)
     limit = max_length or target.config.max_position_embeddings

@@ -95,10 +95,10 @@ def synthetic_pair(name: str, dtype="bfloat16", mesh=None, seed: int = 0) -> tup
     tcfg, dcfg = p.target, p.draft
     tsh = dsh = None
     if mesh is not None:
-        from dflash_jax import sharding
+        from dflash_jax import model_sharding as ms
 
-        rules = sharding.model_rules(mesh, tcfg, dcfg)
-        tsh, dsh = sharding.param_shardings(tcfg, mesh, rules), sharding.param_shardings(dcfg, mesh, rules)
+        rules = ms.model_rules(mesh, tcfg, dcfg)
+        tsh, dsh = ms.param_shardings(tcfg, mesh, rules), ms.param_shardings(dcfg, mesh, rules)
     target = Target(tcfg, device_random_params(param_shapes(tcfg), seed, dtype, tsh), path=f"synthetic:{name}")
     draft = Draft(dcfg, device_random_params(draft_param_shapes(dcfg), seed + 1, dtype, dsh),
                   path=f"synthetic:{name}-draft")

@@ -169,7 +169,7 @@ def setup(args):
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax import sharding
+    from dflash_jax import model_sharding, sharding
     from dflash_jax.checkpoints import load_tokenizer, resolve_dtype
     from dflash_jax.config import TargetConfig
     from dflash_jax.draft import draft_param_shapes
@@ -200,13 +200,13 @@ def setup(args):
             raise BenchError(f"--target {args.target}: not a directory (a Hugging Face checkpoint directory)")
         try:
             target = (load_target(args.target, dtype=cfg.dtype) if mesh is None
-                      else sharding.load_sharded(args.target, None, mesh, cfg.dtype)[0])
+                      else model_sharding.load_sharded(args.target, None, mesh, cfg.dtype)[0])
         except (OSError, ValueError, KeyError) as e:
             raise BenchError(f"--target {args.target}: {_one_line(e)}") from None
         tokenizer = load_tokenizer(target.path)
     else:
         tcfg = TargetConfig.from_hf(hf)
-        shard = None if mesh is None else sharding.param_shardings(tcfg, mesh)
+        shard = None if mesh is None else model_sharding.param_shardings(tcfg, mesh)
         target = Target(tcfg, device_random_params(param_shapes(tcfg), args.seed + 1, dtype, shard))
         tokenizer = None
     tcfg = target.config
@@ -223,7 +223,7 @@ def setup(args):
     p_shard = o_shard = None
     optimizer, _ = cached_train_step(cfg, tcfg, dcfg, offline=True)
     if mesh is not None:  # as train(): draft params and optimizer state over fsdp / tensor
-        p_shard = sharding.param_shardings(dcfg, mesh, sharding.model_rules(mesh, tcfg, dcfg), shapes)
+        p_shard = model_sharding.param_shardings(dcfg, mesh, model_sharding.model_rules(mesh, tcfg, dcfg), shapes)
         o_shard = sharding.opt_state_shardings(jax.eval_shape(optimizer.init, shapes), p_shard, mesh, shapes)
     params = device_random_params(shapes, args.seed, param_dtype, p_shard)
     opt_state = jax.jit(optimizer.init, out_shardings=o_shard)(params)
