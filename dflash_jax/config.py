@@ -306,7 +306,7 @@ def _first(*values):
 
 
 DRAFT_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
-# DFlash2 keys of ``dflash_config`` -> their defaults (REFERENCE.md "DFlash2 drafts")
+# DFlash2 keys of ``dflash_config`` -> their defaults (README, "Draft formats")
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
 

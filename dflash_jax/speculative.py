@@ -58,8 +58,8 @@ FINISH_REASONS = ("running", "length", "stop")
 class EngineSpec:
     """Everything static about a compiled decode loop (the one frozen object its functions are bound to)."""
 
-    target: Any  # the target's config (any family)
-    draft: DraftConfig | None
+    target_config: Any  # the target's config (any family)
+    draft_config: DraftConfig | None
     block_size: int
     greedy: bool
     mesh: Any = None  # jax.sharding.Mesh the params live on (None: one device); rows and caches go over data
@@ -81,7 +81,7 @@ class EngineSpec:
 
     @property
     def speculative(self) -> bool:
-        return self.draft is not None and self.block_size > 1
+        return self.draft_config is not None and self.block_size > 1
 
     @property
     def rejection(self) -> bool:
@@ -94,7 +94,7 @@ class EngineSpec:
 
     @property
     def feature_layer_ids(self) -> tuple[int, ...]:
-        return self.draft.target_layer_ids if self.speculative else ()
+        return self.draft_config.target_layer_ids if self.speculative else ()
 
 
 @flax.struct.dataclass
@@ -138,10 +138,10 @@ def _prefill(spec: EngineSpec, inp: Inputs, cache_len: int):
     dtype = jax.tree_util.tree_leaves(tparams)[0].dtype
     # max_block: a sliding ring must also hold a tree verify's N + 1 tokens beside its window
     max_block = max(spec.block_size, spec.tree_budget + 1)
-    tcache = target_lib.new_cache(spec.target, b, cache_len, dtype, max_block=max_block)
+    tcache = target_lib.new_cache(spec.target_config, b, cache_len, dtype, max_block=max_block)
     offsets = jnp.arange(p, dtype=jnp.int32)
     positions = jnp.where(offsets < lens[:, None], offsets, -1)  # padding: never cached, never attended
-    logits, features, tcache = target_lib.forward(spec.target, tparams, prompts, positions, tcache,
+    logits, features, tcache = target_lib.forward(spec.target_config, tparams, prompts, positions, tcache,
                                                   spec.feature_layer_ids, lens - 1,
                                                   attention_impl=spec.attention_impl)
     key, sub = jax.random.split(inp.key)
@@ -150,8 +150,8 @@ def _prefill(spec: EngineSpec, inp: Inputs, cache_len: int):
     tokens = jnp.zeros((b, cache_len), jnp.int32).at[:, :p].set(prompts).at[rows, lens].set(first)
     dcache = None
     if spec.speculative:
-        dcache = draft_lib.new_cache(spec.draft, b, cache_len, dtype)
-        dcache = draft_lib.materialize(spec.draft, dparams, dcache, features, positions).commit(lens)
+        dcache = draft_lib.new_cache(spec.draft_config, b, cache_len, dtype)
+        dcache = draft_lib.materialize(spec.draft_config, dparams, dcache, features, positions).commit(lens)
     stopped = jnp.isin(first, inp.stop_ids)
     finish = jnp.where(stopped, 2, jnp.where(budget <= 1, 1, 0)).astype(jnp.int32)
     return spec.place(DecodeState(tokens=tokens, tcache=tcache.commit(lens), dcache=dcache,
@@ -179,7 +179,7 @@ def _verify(spec: EngineSpec, tparams, dparams, block, positions, active, tcache
     """The target forward on the first ``length`` (static) tokens of the block, and their features as new draft
     context -> (logits [B, K, V], zero past ``length``; tcache; dcache), every layer state written for those
     tokens only (the rest of the block is never cached, so no state needs rolling back past them)."""
-    logits, features, tcache = target_lib.forward(spec.target, tparams, block[:, :length], positions[:, :length],
+    logits, features, tcache = target_lib.forward(spec.target_config, tparams, block[:, :length], positions[:, :length],
                                                   tcache, spec.feature_layer_ids, attention_impl=spec.attention_impl)
     if spec.speculative:  # slots past n+a are masked until overwritten
         ctx_positions = jnp.where(active[:, None], positions[:, :length], -1)
@@ -194,7 +194,7 @@ def _verify_chosen(spec: EngineSpec, choice, tparams, dparams, tcache, dcache, b
     verify = functools.partial(_verify, spec, tparams, dparams, block, positions, active)
     if len(spec.lengths) == 1:
         return verify(tcache, dcache, length=spec.lengths[0])
-    carry = (jnp.zeros(block.shape + (spec.target.vocab_size,), jnp.float32), tcache, dcache)
+    carry = (jnp.zeros(block.shape + (spec.target_config.vocab_size,), jnp.float32), tcache, dcache)
     for i, length in enumerate(spec.lengths):
         def once(c, length=length):
             _, (_, t, d) = c
@@ -256,7 +256,7 @@ def _tree_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_t
     tree = spec.proposer.propose_tree(spec, view, max_depth)
     tokens = jnp.concatenate([view.block[:, :1], tree.tokens], axis=1)
     positions = n[:, None] + jnp.concatenate([jnp.zeros((b, 1), jnp.int32), tree.depths], axis=1)
-    logits, features, tcache = target_lib.forward(spec.target, inp.tparams, tokens, positions, state.tcache,
+    logits, features, tcache = target_lib.forward(spec.target_config, inp.tparams, tokens, positions, state.tcache,
                                                   spec.feature_layer_ids, attention_impl=spec.attention_impl,
                                                   new_mask=tree_lib.ancestor_mask(tree.parents, d_max=k - 1))
     y = choose(logits, k_target, *inp.sampling, greedy=spec.greedy)  # every node independently (one categorical)

@@ -57,9 +57,9 @@ _LLAMA31_ROPE = RopeConfig(theta=500000.0, rope_type="llama3", params=tuple(sort
     {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}.items())))
 
 # Draft shapes: 5 layers with the target's widths, block 16, target layers by the released formula
-# round(1 + i*(L-4)/4) (z-lab/Qwen3-{4B,8B}-DFlash-b16: layers 1, 9, 17, 25, 33 of 36; REFERENCE.md, the
-# paper's default of 5 draft layers). The LLaMA draft's ids follow the same formula (1, 8, 15, 22, 29);
-# its mask id is LLaMA-3's first reserved special token.
+# round(1 + i*(L-4)/4) (``config.choose_target_layer_ids``; z-lab/Qwen3-{4B,8B}-DFlash-b16: layers 1, 9, 17,
+# 25, 33 of 36; the paper's default of 5 draft layers). The LLaMA draft's ids follow the same formula (1, 8, 15,
+# 22, 29); its mask id is LLaMA-3's first reserved special token.
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(TargetConfig(model_type="qwen3", vocab_size=4096, hidden_size=256, intermediate_size=768,
                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -208,5 +208,5 @@ class ReplayProposer(Chain):
         length = jax.random.categorical(view.key, jnp.log(probs), axis=-1) + 1
         pos = view.lengths[:, None] + 1 + jnp.arange(k1)
         ref = jnp.take_along_axis(reference, jnp.minimum(pos, reference.shape[1] - 1), axis=1)
-        out = jnp.where(jnp.arange(k1)[None] < length[:, None] - 1, ref, (ref + 1) % spec.target.vocab_size)
+        out = jnp.where(jnp.arange(k1)[None] < length[:, None] - 1, ref, (ref + 1) % spec.target_config.vocab_size)
         return Proposal(jnp.where(real.tokens < 0, real.tokens, out), real.scores)

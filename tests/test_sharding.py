@@ -8,6 +8,7 @@ another and training continues.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 
 import jax
@@ -133,12 +134,22 @@ def test_param_shardings_follow_the_rules(pair):
     assert set(d) == set(traverse_util.flatten_dict(draft.params))
 
 
+@contextlib.contextmanager
+def mesh_context(mesh, rules=sh.LOGICAL_RULES):
+    """``with mesh_context(mesh):`` = ``jax.set_mesh(mesh)`` + Flax logical-axis rules, so bare
+    PartitionSpecs and ``nn.with_logical_constraint`` inside traced code resolve against this mesh."""
+    import flax.linen as nn
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield mesh
+
+
 def test_mesh_context_resolves_logical_constraints():
     import flax.linen as nn
 
     mesh = sh.make_mesh("data=2,fsdp=2,tensor=2")
     f = jax.jit(lambda x: nn.with_logical_constraint(x * 2, ("batch", "length", "heads")))
-    with sh.mesh_context(mesh):
+    with mesh_context(mesh):
         y = f(np.ones((8, 4, 16), np.float32))
     assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")), 3)
     assert f(np.ones((8, 4, 16), np.float32)).sharding.is_fully_replicated  # no rules outside: no-op

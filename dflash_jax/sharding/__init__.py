@@ -20,12 +20,12 @@ from dflash_jax.sharding.placement import (abstract_like, batch_sharding, batch_
                                            check_batch_rows, constrain_batch, constrain_cache, mesh_of,
                                            opt_state_shardings, pad_rows, shard_batch, shard_local_batch,
                                            shard_params, to_host)
-from dflash_jax.sharding.rules import (LOGICAL_RULES, check_divisible, logical_fit, logical_to_mesh, mesh_context,
+from dflash_jax.sharding.rules import (LOGICAL_RULES, check_divisible, logical_fit, logical_to_mesh,
                                        rules_for)
 
 __all__ = ["AXES", "BATCH_AXES", "LOGICAL_RULES", "abstract_like", "batch_multiple", "batch_sharding", "batch_spec",
            "cache_sharding", "cache_spec", "check_batch_rows", "check_divisible", "constrain_batch",
            "constrain_cache", "logical_fit", "logical_to_mesh", "make_mesh",
-           "maybe_initialize_distributed", "mesh_context", "mesh_of", "mesh_str", "opt_state_shardings",
+           "maybe_initialize_distributed", "mesh_of", "mesh_str", "opt_state_shardings",
            "pad_rows", "parse_mesh_spec", "process_slice",
            "rules_for", "shard_batch", "shard_local_batch", "shard_params", "to_host"]
