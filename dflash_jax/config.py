@@ -164,6 +164,10 @@ class TargetConfig:
                              f"num_key_value_heads={self.num_key_value_heads}")
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_hidden_layers)
+        self._check_layer_types()
+
+    def _check_layer_types(self) -> None:
+        """The layer types this config's family accepts (a family with other kinds of layers overrides it)."""
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
 
@@ -302,7 +306,7 @@ def _first(*values):
 
 
 DRAFT_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
-# DFlash2 keys of ``dflash_config`` -> their defaults (REFERENCE.md "DFlash2 drafts")
+# DFlash2 keys of ``dflash_config`` -> their defaults (README, "Draft formats")
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
 

@@ -26,7 +26,7 @@ from dflash_jax.attention import block_attention, decode_attention
 from dflash_jax.checkpoints import NameTable, export_params, load_params, resolve_path, save_safetensors
 from dflash_jax.config import DraftConfig
 from dflash_jax.families.dense import DecoderLayer
-from dflash_jax.layers import Linear, RMSNorm, random_params
+from dflash_jax.layers import Linear, RMSNorm, initializer, random_params
 from dflash_jax.state import DecodeCache, KVSpec
 from dflash_jax.target import Target, check_token_ids
 
@@ -56,7 +56,7 @@ class DynamicConv(nn.Module):
     group_size: int
 
     def setup(self):
-        self.base_kernel = self.param("base_kernel", nn.with_logical_partitioning(nn.initializers.zeros,
+        self.base_kernel = self.param("base_kernel", nn.with_logical_partitioning(initializer("base_kernel"),
                                                                                   (None, None, "embed")),
                                       (2, self.kernel_size, self.hidden))
         self.kernel_projection = Linear(2 * self.kernel_size * (self.hidden // self.group_size), False,
@@ -90,9 +90,10 @@ class CandidateSelector(nn.Module):
 
     def setup(self):
         self.hidden_projection = Linear(self.rank, False, ("embed", None))
-        init = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", None))
-        self.predecessor_codebook = self.param("predecessor_codebook", init, (self.vocab, self.rank))
-        self.successor_codebook = self.param("successor_codebook", init, (self.vocab, self.rank))
+        init = lambda name: nn.with_logical_partitioning(initializer(name), ("vocab", None))  # noqa: E731
+        self.predecessor_codebook = self.param("predecessor_codebook", init("predecessor_codebook"),
+                                               (self.vocab, self.rank))
+        self.successor_codebook = self.param("successor_codebook", init("successor_codebook"), (self.vocab, self.rank))
 
     def __call__(self, h):
         """Final-normed hidden [B, T, H] -> (u [B, T, r], predecessor [V, r], successor [V, r])."""
@@ -119,8 +120,11 @@ class DraftLayer(DecoderLayer):
     def context_kv(self, ctx, positions):
         return self.self_attn.keys_values(ctx, positions)
 
-    def __call__(self, x, positions, anchors, k_ctx, v_ctx, impl: str = "auto", ctx_start=None,
-                 decode_impl: str | None = None, block_len=None):
+    def __call__(self, x, positions, anchors, k_ctx, v_ctx, *, impl: str, decode: bool, ctx_start=None,
+                 block_len=None):
+        """``decode`` False (training, N blocks per row): ``attention.block_attention`` with ``impl`` (and
+        ``ctx_start``); True (decoding, one block per row): ``attention.decode_attention`` with ``impl`` (and
+        ``block_len``)."""
         block = x.shape[1] // anchors.shape[1]
         h = self.input_layernorm(x)
         if self.convolves:
@@ -129,7 +133,7 @@ class DraftLayer(DecoderLayer):
         k, v = self.self_attn.keys_values(h, positions)
         window = self.cfg.layer_window(self.index)
         causal = self.draft is not None and self.draft.layer_causal(self.index)
-        if decode_impl is None:
+        if not decode:
             o = block_attention(q, k_ctx, v_ctx, k, v, anchors, block_size=block, sliding_window=window, impl=impl,
                                 ctx_start=ctx_start, block_causal=causal)
         else:  # one block per row: context slots < its anchor, its own block (positions < block_len, if given)
@@ -138,7 +142,7 @@ class DraftLayer(DecoderLayer):
                 live = live & (jnp.arange(block)[None] < block_len[:, None])
             q_pos = jnp.where(live, positions, -1)
             o = decode_attention(q, k_ctx, v_ctx, q_pos, jnp.maximum(anchors[:, 0], 0), k, v, sliding_window=window,
-                                 impl=decode_impl, new_causal=causal)
+                                 impl=impl, new_causal=causal)
         o = self.self_attn.output(o)
         if self.convolves:
             o = self.attention_conv.finish(o, dyn, block)
@@ -173,22 +177,22 @@ class DFlashDraft(nn.Module):
         kv = [layer.context_kv(ctx, positions) for layer in self.layers]
         return tuple(k for k, _ in kv), tuple(v for _, v in kv)
 
-    def __call__(self, x, anchors, k_ctx, v_ctx, impl: str = "auto", ctx_start=None, decode_impl: str | None = None,
+    def __call__(self, x, anchors, k_ctx, v_ctx, impl: str = "auto", ctx_start=None, *, decode: bool = False,
                  block_len=None):
         """Block embeddings x [B, N*Bk, D] (block b anchored at anchors[:, b]) -> final-normed hidden.
 
         k_ctx / v_ctx: per-layer [B, S, K, H] context K/V, slot s holding position s; ``ctx_start``
-        [B, N] (training on packed rows): the first context slot each block sees (None: 0). ``impl``: the
-        block attention's (training); ``decode_impl`` (decoding, one block per row): the decode attention's
-        instead, and ``block_len`` [B] (optional) the block positions a row keeps (the later ones are left
+        [B, N] (training on packed rows): the first context slot each block sees (None: 0). ``decode``
+        False (training): ``impl`` is the block attention's; True (decoding, one block per row): the decode
+        attention's, and ``block_len`` [B] (optional) the block positions a row keeps (the later ones are left
         out, as a shorter block would be: the reference's last step).
         """
         block = x.shape[1] // anchors.shape[1]
-        if decode_impl is not None and anchors.shape[1] != 1:
+        if decode and anchors.shape[1] != 1:
             raise ValueError(f"decode attention takes one block per row, got {anchors.shape[1]}")
         positions = (anchors[:, :, None] + jnp.arange(block, dtype=anchors.dtype)).reshape(x.shape[:2])
         for layer, k, v in zip(self.layers, k_ctx, v_ctx):
-            x = layer(x, positions, anchors, k, v, impl, ctx_start, decode_impl, block_len)
+            x = layer(x, positions, anchors, k, v, impl=impl, decode=decode, ctx_start=ctx_start, block_len=block_len)
         return self.norm(x)
 
     def select_inputs(self, h):
@@ -277,13 +281,15 @@ def draft_hidden(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_
     """THE draft forward (decoding and training): block token ids [B, N*Bk], block b anchored at
     ``anchors[:, b]`` (seeing context slots from ``ctx_start[:, b]``, default 0), embedded with the
     target's raw table times ``input_embedding_scale``; per-layer context K/V [B, S, K, H] (slot s =
-    position s) -> final-normed hidden states [B, N*Bk, D] in the context's dtype. ``decode_impl``,
+    position s) -> final-normed hidden states [B, N*Bk, D] in the context's dtype. ``decode_impl`` given:
+    decoding (one block per row) with that decode attention impl instead of ``impl``'s block attention;
     ``block_len``: see ``DFlashDraft.__call__`` (not differentiable; None for training)."""
     x = target_lib.embed(tcfg, tparams, block_ids).astype(k_ctx[0].dtype)
     if cfg.input_embedding_scale != 1.0:
         x = x * jnp.asarray(cfg.input_embedding_scale, x.dtype)
-    return DFlashDraft(cfg).apply({"params": params}, x, anchors, k_ctx, v_ctx, impl, ctx_start, decode_impl,
-                                  block_len)
+    decode = decode_impl is not None
+    return DFlashDraft(cfg).apply({"params": params}, x, anchors, k_ctx, v_ctx, decode_impl if decode else impl,
+                                  ctx_start, decode=decode, block_len=block_len)
 
 
 def logits(tcfg, tparams, cfg: DraftConfig, h):

@@ -17,50 +17,57 @@ from flax import traverse_util
 from dflash_jax.config import RopeConfig, TargetConfig
 
 INIT_STD = 0.02
-_init = nn.initializers.normal(INIT_STD)
+# The parameters that start at a constant, by leaf name; every other parameter starts normal(INIT_STD). The
+# modules declare their initialisers through ``initializer`` and ``random_params`` / ``device_random_params``
+# read the same table, so what a module declares is what a fresh model gets.
+CONSTANT_INIT = {"weight": 1.0, "dt_bias": 1.0, "bias": 0.0, "gate_up_proj_bias": 0.0, "down_proj_bias": 0.0,
+                 "A_log": 0.0, "base_kernel": 0.0}
+
+
+def initializer(name: str):
+    """The Flax initialiser of the parameter called ``name`` (``CONSTANT_INIT``, else normal(INIT_STD))."""
+    c = CONSTANT_INIT.get(name)
+    if c is None:
+        return nn.initializers.normal(INIT_STD)
+    return nn.initializers.constant(c)
 
 
 def random_params(shapes, seed: int, *, std: float = INIT_STD, dtype=jnp.float32):
-    """Parameters shaped like ``shapes`` (ShapeDtypeStructs) with this module's initialisers -- normal(std)
-    matrices and embeddings, unit RMSNorm weights, zero biases -- drawn with numpy: no per-op compilation
-    (Flax's eager ``init`` compiles every op, seconds per model on a small CPU)."""
+    """Parameters shaped like ``shapes`` (ShapeDtypeStructs) with the declared initialisers -- the constants of
+    ``CONSTANT_INIT`` (unit norm weights, zero biases, ...), normal(std) for the rest, in sorted path order --
+    drawn with numpy: no per-op compilation (Flax's eager ``init`` compiles every op, seconds per model on a
+    small CPU)."""
     rng = np.random.default_rng(seed)
     out = {}
     for path, leaf in sorted(traverse_util.flatten_dict(shapes).items()):
-        if path[-1] == "weight":
-            v = np.ones(leaf.shape, np.float32)
-        elif path[-1] == "bias":
-            v = np.zeros(leaf.shape, np.float32)
-        else:
-            v = rng.standard_normal(leaf.shape, np.float32) * std
+        c = CONSTANT_INIT.get(path[-1])
+        v = rng.standard_normal(leaf.shape, np.float32) * std if c is None else np.full(leaf.shape, c, np.float32)
         out[path] = jnp.asarray(v, dtype)
     return traverse_util.unflatten_dict(out)
 
 
 @functools.lru_cache(maxsize=None)
-def _leaf_fn(shape, dtype, kind: str, sharding):
-    """A jitted maker of one parameter on its device(s); one compile per distinct (shape, kind, sharding)."""
+def _leaf_fn(shape, dtype, constant: float | None, sharding):
+    """A jitted maker of one parameter on its device(s); one compile per distinct (shape, init, sharding)."""
     def make(key):
-        if kind == "weight":
-            return jnp.ones(shape, dtype)
-        if kind == "bias":
-            return jnp.zeros(shape, dtype)
+        if constant is not None:
+            return jnp.full(shape, constant, dtype)
         return (jax.random.normal(key, shape, jnp.float32) * INIT_STD).astype(dtype)
 
     return jax.jit(make, out_shardings=sharding)
 
 
 def device_random_params(shapes, seed: int, dtype, shardings=None):
-    """Parameters like ``random_params`` (normal(std) matrices, unit norms, zero biases), each drawn by a
-    jitted function on the device(s) it lives on (``shardings``: a matching tree, or None = default
+    """Parameters with ``random_params``' initialisers (constants of ``CONSTANT_INIT``, normal(INIT_STD)), each
+    drawn by a jitted function on the device(s) it lives on (``shardings``: a matching tree, or None = default
     device); the host never holds a copy (an 8B model in seconds)."""
     flat = traverse_util.flatten_dict(shapes)
     flat_sh = traverse_util.flatten_dict(shardings) if shardings is not None else {}
     key = jax.random.PRNGKey(seed)
     out = {}
     for i, (path, leaf) in enumerate(sorted(flat.items())):
-        kind = path[-1] if path[-1] in ("weight", "bias") else "normal"
-        out[path] = _leaf_fn(tuple(leaf.shape), jnp.dtype(dtype), kind, flat_sh.get(path))(jax.random.fold_in(key, i))
+        make = _leaf_fn(tuple(leaf.shape), jnp.dtype(dtype), CONSTANT_INIT.get(path[-1]), flat_sh.get(path))
+        out[path] = make(jax.random.fold_in(key, i))
     return traverse_util.unflatten_dict(out)
 
 
@@ -73,11 +80,12 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        kernel = self.param("kernel", nn.with_logical_partitioning(_init, self.axes), (x.shape[-1], self.features))
+        kernel = self.param("kernel", nn.with_logical_partitioning(initializer("kernel"), self.axes),
+                            (x.shape[-1], self.features))
         kernel = jnp.asarray(kernel, x.dtype)
         y = jnp.einsum("...I,IO->...O", x, kernel)
         if self.use_bias:
-            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:]),
+            bias = self.param("bias", nn.with_logical_partitioning(initializer("bias"), self.axes[1:]),
                               (self.features,))
             y = y + jnp.asarray(bias, x.dtype)
         return y
@@ -90,7 +98,8 @@ class Embed(nn.Module):
     features: int
 
     def setup(self):
-        self.embedding = self.param("embedding", nn.with_logical_partitioning(_init, ("vocab", "embed")),
+        self.embedding = self.param("embedding",
+                                    nn.with_logical_partitioning(initializer("embedding"), ("vocab", "embed")),
                                     (self.vocab_size, self.features))
 
     def __call__(self, ids):
@@ -111,7 +120,7 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        weight = self.param("weight", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+        weight = self.param("weight", nn.with_logical_partitioning(initializer("weight"), (self.axis_name,)),
                             (x.shape[-1],))
         x32 = x.astype(jnp.float32)
         x_hat = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -219,7 +228,8 @@ class AttentionProjections(nn.Module):
             self.q_norm = RMSNorm(c.rms_norm_eps, axis_name="head_dim", zero_centred=c.norm_offset)
             self.k_norm = RMSNorm(c.rms_norm_eps, axis_name="head_dim", zero_centred=c.norm_offset)
         if c.attention_sinks:
-            self.sinks = self.param("sinks", nn.with_logical_partitioning(_init, (None,)), (c.num_attention_heads,))
+            self.sinks = self.param("sinks", nn.with_logical_partitioning(initializer("sinks"), (None,)),
+                                    (c.num_attention_heads,))
 
     def sink_logits(self):
         """[N] sink logits for ``attend``, or None without sinks."""

@@ -18,9 +18,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.layers import INIT_STD
+from dflash_jax.layers import initializer
 
-_init = nn.initializers.normal(INIT_STD)
 # The families with experts declare this rule: the experts' weights split over the mesh's ``expert`` axis.
 LOGICAL_RULES = (("expert", "expert"),)
 
@@ -51,12 +50,14 @@ class Experts(nn.Module):
     def setup(self):
         e, d, i = self.num_experts, self.hidden_size, self.intermediate_size
         box = nn.with_logical_partitioning
-        self.gate_up_proj = self.param("gate_up_proj", box(_init, ("expert", "embed", "mlp")), (e, d, 2 * i))
-        self.down_proj = self.param("down_proj", box(_init, ("expert", "mlp", "embed")), (e, i, d))
+        self.gate_up_proj = self.param("gate_up_proj", box(initializer("gate_up_proj"), ("expert", "embed", "mlp")),
+                                       (e, d, 2 * i))
+        self.down_proj = self.param("down_proj", box(initializer("down_proj"), ("expert", "mlp", "embed")), (e, i, d))
         if self.use_bias:
-            zeros = nn.initializers.zeros
-            self.gate_up_proj_bias = self.param("gate_up_proj_bias", box(zeros, ("expert", "mlp")), (e, 2 * i))
-            self.down_proj_bias = self.param("down_proj_bias", box(zeros, ("expert", "embed")), (e, d))
+            self.gate_up_proj_bias = self.param("gate_up_proj_bias", box(initializer("gate_up_proj_bias"),
+                                                                         ("expert", "mlp")), (e, 2 * i))
+            self.down_proj_bias = self.param("down_proj_bias", box(initializer("down_proj_bias"), ("expert", "embed")),
+                                             (e, d))
 
     def _act(self, h):
         """[..., 2I] fused gate/up -> [..., I]."""

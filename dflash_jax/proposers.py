@@ -68,7 +68,7 @@ class Proposer:
 
     def draft_forward(self, spec, view: StepView):
         """(draft logits [B, K-1, V] of block positions 1.., their final-normed hidden states)."""
-        return draft_lib.block_logits(spec.target, view.tparams, spec.draft, view.dparams, view.block,
+        return draft_lib.block_logits(spec.target_config, view.tparams, spec.draft_config, view.dparams, view.block,
                                       view.lengths[:, None], *draft_lib.cache_kv(view.dcache), drop_anchor=True,
                                       decode_impl=spec.attention_impl, block_len=view.block_len, with_hidden=True)
 
@@ -85,7 +85,7 @@ class Proposer:
 
     def update_context(self, spec, dparams, dcache, features, positions):
         """Write the verified tokens' target ``features`` at ``positions`` (< 0: skipped) into the draft cache."""
-        return draft_lib.materialize(spec.draft, dparams, dcache, features, positions)
+        return draft_lib.materialize(spec.draft_config, dparams, dcache, features, positions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +107,7 @@ class Selector(Proposer):
     def propose(self, spec, view: StepView) -> Proposal:
         logits, h = self.draft_forward(spec, view)
         temperature = view.sampling[0] if self.sampled else None
-        tokens, cand, s = draft_lib.select(spec.draft, view.dparams, h, logits, view.block[:, 0],
+        tokens, cand, s = draft_lib.select(spec.draft_config, view.dparams, h, logits, view.block[:, 0],
                                            temperature=temperature, key=view.key if self.sampled else None)
         q = jax.nn.log_softmax(s / (1.0 if temperature is None else temperature), axis=-1)
         return Proposal(tokens, draft_lib.on_vocab(cand, q, logits.shape[-1]))

@@ -58,8 +58,8 @@ FINISH_REASONS = ("running", "length", "stop")
 class EngineSpec:
     """Everything static about a compiled decode loop (the one frozen object its functions are bound to)."""
 
-    target: Any  # the target's config (any family)
-    draft: DraftConfig | None
+    target_config: Any  # the target's config (any family)
+    draft_config: DraftConfig | None
     block_size: int
     greedy: bool
     mesh: Any = None  # jax.sharding.Mesh the params live on (None: one device); rows and caches go over data
@@ -81,7 +81,7 @@ class EngineSpec:
 
     @property
     def speculative(self) -> bool:
-        return self.draft is not None and self.block_size > 1
+        return self.draft_config is not None and self.block_size > 1
 
     @property
     def rejection(self) -> bool:
@@ -94,7 +94,7 @@ class EngineSpec:
 
     @property
     def feature_layer_ids(self) -> tuple[int, ...]:
-        return self.draft.target_layer_ids if self.speculative else ()
+        return self.draft_config.target_layer_ids if self.speculative else ()
 
 
 @flax.struct.dataclass
@@ -138,10 +138,10 @@ def _prefill(spec: EngineSpec, inp: Inputs, cache_len: int):
     dtype = jax.tree_util.tree_leaves(tparams)[0].dtype
     # max_block: a sliding ring must also hold a tree verify's N + 1 tokens beside its window
     max_block = max(spec.block_size, spec.tree_budget + 1)
-    tcache = target_lib.new_cache(spec.target, b, cache_len, dtype, max_block=max_block)
+    tcache = target_lib.new_cache(spec.target_config, b, cache_len, dtype, max_block=max_block)
     offsets = jnp.arange(p, dtype=jnp.int32)
     positions = jnp.where(offsets < lens[:, None], offsets, -1)  # padding: never cached, never attended
-    logits, features, tcache = target_lib.forward(spec.target, tparams, prompts, positions, tcache,
+    logits, features, tcache = target_lib.forward(spec.target_config, tparams, prompts, positions, tcache,
                                                   spec.feature_layer_ids, lens - 1,
                                                   attention_impl=spec.attention_impl)
     key, sub = jax.random.split(inp.key)
@@ -150,8 +150,8 @@ def _prefill(spec: EngineSpec, inp: Inputs, cache_len: int):
     tokens = jnp.zeros((b, cache_len), jnp.int32).at[:, :p].set(prompts).at[rows, lens].set(first)
     dcache = None
     if spec.speculative:
-        dcache = draft_lib.new_cache(spec.draft, b, cache_len, dtype)
-        dcache = draft_lib.materialize(spec.draft, dparams, dcache, features, positions).commit(lens)
+        dcache = draft_lib.new_cache(spec.draft_config, b, cache_len, dtype)
+        dcache = draft_lib.materialize(spec.draft_config, dparams, dcache, features, positions).commit(lens)
     stopped = jnp.isin(first, inp.stop_ids)
     finish = jnp.where(stopped, 2, jnp.where(budget <= 1, 1, 0)).astype(jnp.int32)
     return spec.place(DecodeState(tokens=tokens, tcache=tcache.commit(lens), dcache=dcache,
@@ -179,7 +179,7 @@ def _verify(spec: EngineSpec, tparams, dparams, block, positions, active, tcache
     """The target forward on the first ``length`` (static) tokens of the block, and their features as new draft
     context -> (logits [B, K, V], zero past ``length``; tcache; dcache), every layer state written for those
     tokens only (the rest of the block is never cached, so no state needs rolling back past them)."""
-    logits, features, tcache = target_lib.forward(spec.target, tparams, block[:, :length], positions[:, :length],
+    logits, features, tcache = target_lib.forward(spec.target_config, tparams, block[:, :length], positions[:, :length],
                                                   tcache, spec.feature_layer_ids, attention_impl=spec.attention_impl)
     if spec.speculative:  # slots past n+a are masked until overwritten
         ctx_positions = jnp.where(active[:, None], positions[:, :length], -1)
@@ -194,7 +194,7 @@ def _verify_chosen(spec: EngineSpec, choice, tparams, dparams, tcache, dcache, b
     verify = functools.partial(_verify, spec, tparams, dparams, block, positions, active)
     if len(spec.lengths) == 1:
         return verify(tcache, dcache, length=spec.lengths[0])
-    carry = (jnp.zeros(block.shape + (spec.target.vocab_size,), jnp.float32), tcache, dcache)
+    carry = (jnp.zeros(block.shape + (spec.target_config.vocab_size,), jnp.float32), tcache, dcache)
     for i, length in enumerate(spec.lengths):
         def once(c, length=length):
             _, (_, t, d) = c
@@ -256,7 +256,7 @@ def _tree_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_t
     tree = spec.proposer.propose_tree(spec, view, max_depth)
     tokens = jnp.concatenate([view.block[:, :1], tree.tokens], axis=1)
     positions = n[:, None] + jnp.concatenate([jnp.zeros((b, 1), jnp.int32), tree.depths], axis=1)
-    logits, features, tcache = target_lib.forward(spec.target, inp.tparams, tokens, positions, state.tcache,
+    logits, features, tcache = target_lib.forward(spec.target_config, inp.tparams, tokens, positions, state.tcache,
                                                   spec.feature_layer_ids, attention_impl=spec.attention_impl,
                                                   new_mask=tree_lib.ancestor_mask(tree.parents, d_max=k - 1))
     y = choose(logits, k_target, *inp.sampling, greedy=spec.greedy)  # every node independently (one categorical)
@@ -370,6 +370,37 @@ def cache_length(prompt_lengths, budget, block_size: int, cache_len: int | None 
     return max(_round_up(max(int((lens + budget).max()), p_bucket) + block_size + 1, 128), cache_len or 0)
 
 
+# How the option checks below name the options in their messages: the library's parameter names (the CLIs
+# pass their flags: ``infer.common.FLAGS``).
+PARAMS = {"max_new_tokens": "max_new_tokens", "seed": "seed", "block_size": "block_size", "draft": "a draft"}
+
+
+def check_budget_and_seed(max_new_tokens, seed, names=PARAMS) -> None:
+    """``max_new_tokens`` >= 1 and ``seed`` in [0, 2**63): checked by every decode call and, before any weight
+    is loaded, by the CLIs (with their flags' ``names``)."""
+    is_int = isinstance(max_new_tokens, (int, np.integer))
+    if not is_int or max_new_tokens < 1:
+        raise ValueError(f"{names['max_new_tokens']} must be {'' if is_int else 'an integer '}>= 1, "
+                         f"got {max_new_tokens!r}")
+    if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 63:
+        raise ValueError(f"{names['seed']} must be an integer in [0, 2**63), got {seed!r}")
+
+
+def resolve_block_size(block_size, trained: int | None, names=PARAMS) -> int:
+    """The block to decode with: ``block_size`` in [1, ``trained``] (the draft's trained block; None: that
+    block), or 1 without a draft (``trained`` None). Shared with the CLIs' checks before loading."""
+    if trained is None:
+        if block_size not in (None, 1):
+            raise ValueError(f"{names['block_size']} {block_size} needs {names['draft']}; plain decoding uses a "
+                             "block of 1")
+        return 1
+    block_size = trained if block_size is None else block_size
+    if not 1 <= block_size <= trained:
+        raise ValueError(f"{names['block_size']} must be in [1, {trained}] (the draft was trained with block_size "
+                         f"{trained}), got {block_size}")
+    return block_size
+
+
 def _prepare(target: Target, draft, prompts, *, max_new_tokens, sampling: SamplingParams, block_size=None,
              stop_token_ids=None, seed=0, max_length=None, proposer: Proposer | None = None,
              attention_impl: str = "auto", cache_len: int | None = None, verify_lengths=None,
@@ -384,23 +415,12 @@ def _prepare(target: Target, draft, prompts, *, max_new_tokens, sampling: Sampli
     vocab = target.config.vocab_size
     rows = [check_token_ids(np.asarray(p).reshape(1, -1) if len(p) else np.zeros((1, 0), np.int32), vocab,
                             f"prompt {i}")[0] for i, p in enumerate(prompts)]
-    if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 63:
-        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_budget_and_seed(max_new_tokens, seed)
     if draft is not None:
         draft_lib.check_fits(target, draft)
-        trained = draft.config.block_size
-        block_size = trained if block_size is None else block_size
-        if not 1 <= block_size <= trained:
-            raise ValueError(f"block_size must be in [1, {trained}] (the draft was trained with block_size "
-                             f"{trained}), got {block_size}")
-    else:
-        if block_size not in (None, 1):
-            raise ValueError(f"block_size {block_size} needs a draft; plain decoding uses a block of 1")
-        if proposer is not None:
-            raise ValueError("a proposer needs a draft")
-        block_size = 1
+    elif proposer is not None and block_size in (None, 1):
+        raise ValueError("a proposer needs a draft")
+    block_size = resolve_block_size(block_size, draft.config.block_size if draft is not None else None)
     verify_lengths = _check_verify_lengths(verify_lengths, block_size, verify_threshold)
     lens = np.array([len(r) for r in rows], np.int32)
     limit = max_length or target.config.max_position_embeddings

@@ -57,9 +57,9 @@ _LLAMA31_ROPE = RopeConfig(theta=500000.0, rope_type="llama3", params=tuple(sort
     {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}.items())))
 
 # Draft shapes: 5 layers with the target's widths, block 16, target layers by the released formula
-# round(1 + i*(L-4)/4) (z-lab/Qwen3-{4B,8B}-DFlash-b16: layers 1, 9, 17, 25, 33 of 36; REFERENCE.md, the
-# paper's default of 5 draft layers; 1, 7, 13, 19, 25 of Qwen3-0.6B / 1.7B's 28). The LLaMA draft's ids follow the same formula (1, 8, 15, 22, 29);
-# its mask id is LLaMA-3's first reserved special token.
+# round(1 + i*(L-4)/4) (``config.choose_target_layer_ids``; z-lab/Qwen3-{4B,8B}-DFlash-b16: layers 1, 9, 17,
+# 25, 33 of 36; the paper's default of 5 draft layers; 1, 7, 13, 19, 25 of Qwen3-0.6B / 1.7B's 28). The LLaMA
+# draft's ids follow the same formula (1, 8, 15, 22, 29); its mask id is LLaMA-3's first reserved special token.
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(TargetConfig(model_type="qwen3", vocab_size=4096, hidden_size=256, intermediate_size=768,
                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -101,10 +101,10 @@ def synthetic_pair(name: str, dtype="bfloat16", mesh=None, seed: int = 0) -> tup
     tcfg, dcfg = p.target, p.draft
     tsh = dsh = None
     if mesh is not None:
-        from dflash_jax import sharding
+        from dflash_jax import model_sharding as ms
 
-        rules = sharding.model_rules(mesh, tcfg, dcfg)
-        tsh, dsh = sharding.param_shardings(tcfg, mesh, rules), sharding.param_shardings(dcfg, mesh, rules)
+        rules = ms.model_rules(mesh, tcfg, dcfg)
+        tsh, dsh = ms.param_shardings(tcfg, mesh, rules), ms.param_shardings(dcfg, mesh, rules)
     target = Target(tcfg, device_random_params(param_shapes(tcfg), seed, dtype, tsh), path=f"synthetic:{name}")
     draft = Draft(dcfg, device_random_params(draft_param_shapes(dcfg), seed + 1, dtype, dsh),
                   path=f"synthetic:{name}-draft")
@@ -214,5 +214,5 @@ class ReplayProposer(Chain):
         length = jax.random.categorical(view.key, jnp.log(probs), axis=-1) + 1
         pos = view.lengths[:, None] + 1 + jnp.arange(k1)
         ref = jnp.take_along_axis(reference, jnp.minimum(pos, reference.shape[1] - 1), axis=1)
-        out = jnp.where(jnp.arange(k1)[None] < length[:, None] - 1, ref, (ref + 1) % spec.target.vocab_size)
+        out = jnp.where(jnp.arange(k1)[None] < length[:, None] - 1, ref, (ref + 1) % spec.target_config.vocab_size)
         return Proposal(jnp.where(real.tokens < 0, real.tokens, out), real.scores)

@@ -106,10 +106,10 @@ def load_models(args):
         # auto: the TARGET checkpoint's dtype (float32 on CPU), for the draft too: one compute dtype
         dtype = auto_dtype(resolve_path(target_path)) if args.dtype == "auto" else args.dtype
         if getattr(args, "mesh", None):
-            from dflash_jax import sharding
+            from dflash_jax import model_sharding, sharding
 
             sharding.maybe_initialize_distributed()
-            target, draft = sharding.load_sharded(target_path, draft_path, sharding.make_mesh(args.mesh), dtype)
+            target, draft = model_sharding.load_sharded(target_path, draft_path, sharding.make_mesh(args.mesh), dtype)
         else:
             target = dj.load_target(target_path, dtype=dtype)
             draft = dj.load_draft(draft_path, dtype=dtype) if draft_path else None
@@ -131,6 +131,11 @@ def param_dtype(model) -> str:
     return str(jax.tree_util.tree_leaves(model.params)[0].dtype)
 
 
+# The options' names in the shared checks' messages (``dflash_jax.speculative.PARAMS``).
+FLAGS = {"max_new_tokens": "--max-new-tokens", "seed": "--seed", "block_size": "--block-size",
+         "draft": "a draft (--draft)"}
+
+
 def check_before_loading(args, target_path: str, draft_path: str | None) -> None:
     """Every option that the configs alone can check, before seconds (or minutes) of weight loading."""
     import warnings
@@ -138,28 +143,27 @@ def check_before_loading(args, target_path: str, draft_path: str | None) -> None
     from dflash_jax.config import DraftConfig
     from dflash_jax.families import config_from_hf
     from dflash_jax.sampling import SamplingParams
+    from dflash_jax.speculative import check_budget_and_seed, resolve_block_size
 
     SamplingParams(args.temperature, args.top_k, args.top_p, args.acceptance)  # raises on bad values
-    if args.max_new_tokens < 1:
-        die(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not 0 <= args.seed < 2 ** 63:
-        die(f"--seed must be an integer in [0, 2**63), got {args.seed}")
+    try:
+        check_budget_and_seed(args.max_new_tokens, args.seed, FLAGS)
+    except ValueError as e:
+        die(str(e))
     tcfg = config_from_hf(resolve_path(target_path))
     vocab = tcfg.vocab_size
     bad = [i for i in stop_ids(args, tcfg) if not 0 <= i < vocab]
     if bad:
         die(f"--stop-token-ids {bad} are outside the target vocabulary [0, {vocab})")
-    if draft_path is None:
-        if args.block_size not in (None, 1):
-            die(f"--block-size {args.block_size} needs a draft (--draft); plain decoding uses a block of 1")
-        return
-    dcfg = DraftConfig.from_hf(resolve_path(draft_path))
-    with warnings.catch_warnings():  # the full check (and its warnings) runs again once the weights are in
-        warnings.simplefilter("ignore")
-        dcfg.check_fits(tcfg)
-    if args.block_size is not None and not 1 <= args.block_size <= dcfg.block_size:
-        die(f"--block-size must be in [1, {dcfg.block_size}] (the draft was trained with block_size "
-            f"{dcfg.block_size}), got {args.block_size}")
+    dcfg = None if draft_path is None else DraftConfig.from_hf(resolve_path(draft_path))
+    if dcfg is not None:
+        with warnings.catch_warnings():  # the full check (and its warnings) runs again once the weights are in
+            warnings.simplefilter("ignore")
+            dcfg.check_fits(tcfg)
+    try:
+        resolve_block_size(args.block_size, None if dcfg is None else dcfg.block_size, FLAGS)
+    except ValueError as e:
+        die(str(e))
 
 
 def stop_ids(args, target) -> list[int]:
@@ -194,4 +198,15 @@ def encode(tokenizer, records: list[dict], chat: bool = False) -> list[list[int]
         if not ids:
             die(f"prompt {r.get('prompt', r.get('prompt_ids'))!r} encodes to no tokens")
         out.append(ids)
+    return out
+
+
+def parse_ints(text: str, flag: str) -> list[int]:
+    """Positive integers from a comma-separated option value (``--batch-size 1,8``); dies naming ``flag``."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        die(f"{flag} takes positive integers separated by commas, got {text!r}")
     return out

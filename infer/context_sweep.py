@@ -3,7 +3,7 @@
 For each ``--context`` and each ``--attention`` (``attention.decode_attention``'s impl: "auto" reads only the
 slots below each row's length, "reference" attends densely over the whole bucket, the path it replaced), times
 one draft forward and one target verify forward of ``--block-size`` tokens, and a one-token target forward (a
-plain decoding step), with the caches ``--bucket`` slots long (``infer.benchmark.time_forwards``: jitted loops
+plain decoding step), with the caches ``--bucket`` slots long (``infer.timing.time_forwards``: jitted loops
 of forwards, best of several). Random weights (a synthetic preset); no prefill, so long contexts fit a CPU.
 """
 from __future__ import annotations
@@ -12,8 +12,7 @@ import argparse
 import json
 import sys
 
-from infer.common import die
-from infer.synthetic import _ints
+from infer.common import die, parse_ints
 
 
 def parse_args(argv=None):
@@ -42,9 +41,9 @@ def main(argv=None) -> int:
     from dflash_jax import synthetic as syn
     from dflash_jax.attention import DECODE_IMPLS
     from dflash_jax.machine import machine, warn_if_busy
-    from infer.benchmark import time_forwards
+    from infer.timing import time_forwards
 
-    contexts = _ints(args.context, "--context")
+    contexts = parse_ints(args.context, "--context")
     impls = [x.strip() for x in args.attention.split(",") if x.strip()]
     if not impls or any(i not in DECODE_IMPLS for i in impls):
         die(f"--attention takes impls from {', '.join(DECODE_IMPLS)}, got {args.attention!r}")

@@ -25,7 +25,8 @@ import types
 
 import numpy as np
 
-from infer.common import die
+from infer.common import die, parse_ints
+from infer.timing import fastest, first_mismatch, time_forwards
 
 TOLERANT_DTYPES = ("bfloat16", "float16")  # a near-tie may flip between block and one-token forwards
 
@@ -56,16 +57,6 @@ def check_unused(args) -> None:
         die(f"{', '.join(given)} only apply to the synthetic benchmark: add --synthetic NAME")
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        out = []
-    if not out or min(out) < 1:
-        die(f"{flag} takes positive integers separated by commas, got {text!r}")
-    return out
-
-
 def replay_distribution(args, block: int) -> tuple[np.ndarray, dict]:
     """(P(acceptance length = 1..block), its description for the report)."""
     from dflash_jax import synthetic as syn
@@ -87,7 +78,7 @@ def replay_distribution(args, block: int) -> tuple[np.ndarray, dict]:
 
 
 def _call(fn, *a, **kw):
-    """One batched call as ``_fastest`` compares runs: all rows' output ids and the call's wall time."""
+    """One batched call as ``timing.fastest`` compares runs: all rows' output ids and the call's wall time."""
     def call():
         rows = fn(*a, **kw)
         return types.SimpleNamespace(rows=rows, output_ids=[r.output_ids for r in rows], wall_time_s=rows[0].wall_time_s)
@@ -101,7 +92,6 @@ def measure(target, draft, batch: int, context: int, block: int, probs, args) ->
 
     from dflash_jax.speculative import cache_length, generate, speculative_generate
     from dflash_jax.synthetic import ReplayProposer
-    from infer.benchmark import _fastest, first_mismatch, time_forwards
 
     rng = np.random.default_rng([args.seed, batch, context])
     prompts = rng.integers(0, target.config.vocab_size, (batch, context)).tolist()
@@ -111,9 +101,9 @@ def measure(target, draft, batch: int, context: int, block: int, probs, args) ->
     replay = ReplayProposer(reference=[r.output_ids for r in plain], probs=probs)
     one = dict(kw, max_new_tokens=1)
     try:
-        base, spec = _fastest(args.repeats, _call(generate, target, prompts, **kw),
+        base, spec = fastest(args.repeats, _call(generate, target, prompts, **kw),
                               _call(speculative_generate, target, draft, prompts, block_size=block, proposer=replay, **kw))
-        pre_plain, pre_spec = _fastest(args.repeats, _call(generate, target, prompts, **one),
+        pre_plain, pre_spec = fastest(args.repeats, _call(generate, target, prompts, **one),
                                        _call(speculative_generate, target, draft, prompts, block_size=block, **one))
     except ValueError as e:
         die(str(e))
@@ -180,7 +170,7 @@ def run(args) -> int:
         preset = syn.preset(args.synthetic)
     except ValueError as e:
         die(str(e))
-    batches, contexts = _ints(args.batch_size or "1", "--batch-size"), _ints(args.context or "1024", "--context")
+    batches, contexts = parse_ints(args.batch_size or "1", "--batch-size"), parse_ints(args.context or "1024", "--context")
     block = args.block_size or preset.block_size
     if not 2 <= block <= preset.block_size:
         die(f"--block-size must be in [2, {preset.block_size}] for preset {args.synthetic}, got {block}")

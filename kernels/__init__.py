@@ -2,14 +2,15 @@
 
 ``block_attention``: the DFlash draft's training attention (see block_attention.py); ``decode_attention``:
 decode / verify attention bounded by each row's length (see decode_attention.py); ``reference``: the
-dense attention and position mask they are checked against, which the library uses as its attention.
+dense attention and position mask they are checked against, which the library uses as its attention;
+``tiling``: what both kernels share (online softmax, tile config, platform probe, cost estimate);
+``bench``: the skip statistics (``skipped_fraction``) and the benchmark CLI.
 """
 from .block_attention import (
     block_attention,
     block_attention_reference,
     block_mask,
     kernel_supported,
-    skipped_fraction,
 )
 from .decode_attention import (
     decode_attention,
@@ -19,4 +20,4 @@ from .decode_attention import (
 )
 
 __all__ = ["block_attention", "block_attention_reference", "block_mask", "decode_attention", "decode_attention_loop",
-           "decode_attention_reference", "decode_kernel_supported", "kernel_supported", "skipped_fraction"]
+           "decode_attention_reference", "decode_kernel_supported", "kernel_supported"]

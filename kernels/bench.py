@@ -28,7 +28,45 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .block_attention import block_attention, block_attention_reference, skipped_fraction
+from .block_attention import (
+    block_attention,
+    block_attention_reference,
+    context_tile_range,
+    pick_tiles,
+)
+from .tiling import round_up
+
+
+def skipped_fraction(anchors, ctx_len: int, *, block_size: int, sliding_window: int | None = None,
+                     q_tile: int = 128, k_tile: int = 128, backend: str = "tpu", ctx_start=None,
+                     block_causal: bool = False) -> dict:
+    """Score entries the compiled kernel computes vs the dense [T, S+T] reference, from the anchors alone.
+
+    ``computed``: whole tiles the kernel evaluates (context tiles in [lo, hi) + one own-block tile per
+    query tile, padding included); ``visible``: entries the mask actually keeps (the lower bound).
+    """
+    anchors = np.asarray(anchors, np.int64)
+    batch, n = anchors.shape
+    start = np.zeros_like(anchors) if ctx_start is None else np.asarray(ctx_start, np.int64)
+    bk, s, w = block_size, ctx_len, sliding_window
+    tq, tk = pick_tiles(n, bk, s, q_tile, k_tile, backend, False)
+    nbt = tq // bk
+    pad = ((0, 0), (0, round_up(n, nbt) - n))
+    anc = np.pad(anchors, pad, constant_values=-1).reshape(batch, -1, nbt)
+    st = np.pad(start, pad).reshape(batch, -1, nbt)
+    lo, hi = (np.asarray(x) for x in context_tile_range(jnp.asarray(anc, jnp.int32), jnp.asarray(st, jnp.int32),
+                                                     s, tk, w, -1))
+    computed = ((hi - lo) * tq * tk).sum() + anc.shape[1] * tq * tq * batch
+    i = np.arange(bk)
+    a = anchors[..., None]  # [B, N, 1] against row offsets i
+    ctx_lo = np.maximum(start[..., None], 0 if w is None else a + i - w + 1)
+    ctx = np.maximum(np.minimum(a, s) - ctx_lo, 0)
+    own_hi = i + 1 if block_causal else (bk if w is None else np.minimum(bk, i + w))  # own keys j in [lo, hi)
+    own = own_hi - (0 if w is None else np.maximum(0, i - w + 1))
+    visible = np.where(a >= 0, np.broadcast_to(ctx + own, (batch, n, bk)), 0).sum()
+    dense = batch * n * bk * (s + n * bk)
+    return {"dense": int(dense), "computed": int(computed), "visible": int(visible),
+            "skipped": 1.0 - computed / dense, "q_tile": tq, "k_tile": tk}
 
 
 def draw_anchors(rng, batch, n, s):

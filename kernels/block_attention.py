@@ -42,8 +42,8 @@ which visits only the query tiles that see that key tile (compacted list, scalar
 Logits, softmax and all accumulators are float32; p and ds are cast to the input dtype for the
 matmuls (as the reference casts p to v.dtype).
 
-On TPU the per-row statistics are lane-broadcast to 128 lanes ([.., rows, 128] float32), the layout
-Mosaic handles natively; on GPU they are [.., rows, 1].
+The online-softmax step, the lane layout of the per-row statistics and the platform probe are shared
+with the decode kernel (tiling.py); the skip statistics live with the benchmark (bench.py).
 """
 from __future__ import annotations
 
@@ -53,15 +53,26 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from .reference import attend, position_mask
+from .tiling import (
+    MASK,
+    NT,
+    TileConfig,
+    cost_estimate,
+    empty_carry,
+    fwd_step,
+    gpu_capable,
+    next_pow2,
+    platform,
+    resolve_backend,
+    round_up,
+    row_stats,
+)
 
-_MASK = -1e30  # finite: exp(_MASK - m) underflows to 0 without inf - inf
 _BIG = 1 << 30
-_NT = (((1,), (1,)), ((), ()))  # a @ b.T
 
 
 # ----------------------------------------------------------------------------- reference
@@ -116,8 +127,8 @@ def _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, anchors, bk, ctx_start=None):
 # ----------------------------------------------------------------------------- tiles and masks
 
 
-@dataclasses.dataclass(frozen=True)
-class _Cfg:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Cfg(TileConfig):
     bk: int            # block size
     window: int | None
     block_causal: bool  # own block keys j <= i only
@@ -125,37 +136,23 @@ class _Cfg:
     tq: int            # query rows per tile (a multiple of bk)
     tk: int            # context keys per tile
     ctx_len: int       # S (keys >= S are padding)
-    backend: str       # "tpu" | "gpu": which kernel formulation
-    interpret: bool
-
-    @property
-    def lanes(self):
-        return 128 if self.backend == "tpu" else 1
 
 
-def _next_pow2(x):
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
-def _round_up(x, m):
-    return -(-x // m) * m
-
-
-def _pick_tiles(n_blocks, bk, ctx_len, q_tile, k_tile, backend, interpret):
+def pick_tiles(n_blocks, bk, ctx_len, q_tile, k_tile, backend, interpret):
     """(tq, tk). GPU (Triton) needs powers of two >= 16; compiled TPU needs bf16-sublane multiples."""
     nbt = max(1, q_tile // bk)
     if backend == "gpu":
-        nbt = max(min(_next_pow2(nbt), _next_pow2(n_blocks)), -(-16 // bk))
-        tk = max(min(_next_pow2(k_tile), _next_pow2(max(ctx_len, 1))), 16)
+        nbt = max(min(next_pow2(nbt), next_pow2(n_blocks)), -(-16 // bk))
+        tk = max(min(next_pow2(k_tile), next_pow2(max(ctx_len, 1))), 16)
     else:
         if not interpret:
-            nbt = _round_up(nbt, 16 // math.gcd(bk, 16))
+            nbt = round_up(nbt, 16 // math.gcd(bk, 16))
         nbt = min(nbt, n_blocks)  # one tile covering every row is always a legal block
-        tk = min(k_tile, _round_up(max(ctx_len, 1), 8))
+        tk = min(k_tile, round_up(max(ctx_len, 1), 8))
     return nbt * bk, tk
 
 
-def _ctx_tile_range(a, start, ctx_len, tk, window, axis=None):
+def context_tile_range(a, start, ctx_len, tk, window, axis=None):
     """[lo, hi) of context key tiles visible to the rows with anchors ``a`` and context starts ``start``
     (reduced over ``axis``).
 
@@ -206,25 +203,7 @@ def _blk_vis(a, c: _Cfg):
     return vis
 
 
-# ----------------------------------------------------------------------------- tile math (shared)
-
-
-def _online_step(s, v, vis, carry):
-    """One online-softmax step over a key tile: logits s [.., R, K] (float32, scaled), values v [.., K, D];
-    carry (running max, denominator, accumulator). Shared with the decode kernel and its jnp loop."""
-    m, l, acc = carry
-    s = jnp.where(vis, s, _MASK)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.where(vis, jnp.exp(s - m_new), 0.0)
-    l = alpha * l + jnp.sum(p, axis=-1, keepdims=True)
-    acc = alpha * acc + jnp.matmul(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m_new, l, acc
-
-
-def _fwd_step(q, k, v, vis, carry, scale):
-    """``_online_step`` of one query tile q [R, D] against a key tile k, v [K, D]."""
-    return _online_step(lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale, v, vis, carry)
+# ----------------------------------------------------------------------------- tile math
 
 
 def _fwd_finish(carry):
@@ -236,9 +215,9 @@ def _fwd_finish(carry):
 
 def _bwd_step(q, k, v, do, lse, delta, vis, scale):
     """p [tq, tk] and ds = dL/d(q.k) [tq, tk] (the softmax scale folded in), both float32."""
-    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale
-    p = jnp.exp(jnp.where(vis, s - lse, _MASK))
-    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+    s = lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * scale
+    p = jnp.exp(jnp.where(vis, s - lse, MASK))
+    dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
     return p, p * (dp - delta) * scale
 
 
@@ -252,12 +231,6 @@ def _acc_dkv(dk, dv, p, ds, q, do):
     return dk, dv
 
 
-def _rows(ref):
-    """Per-row values ([tq, lanes] on TPU, [tq] / [tq, 1] on GPU) -> [tq, 1]."""
-    x = ref[...]
-    return x[:, None] if x.ndim == 1 else x[:, :1]
-
-
 # ----------------------------------------------------------------------------- TPU kernels
 
 
@@ -268,12 +241,12 @@ def _tpu_fwd_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_re
 
     @pl.when(j == 0)
     def _init():
-        m_sc[...] = jnp.full(m_sc.shape, _MASK, jnp.float32)
+        m_sc[...] = jnp.full(m_sc.shape, MASK, jnp.float32)
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
     def step(k_ref, v_ref, vis):
-        carry = _fwd_step(q_ref[...], k_ref[...], v_ref[...], vis,
+        carry = fwd_step(q_ref[...], k_ref[...], v_ref[...], vis,
                           (m_sc[...][:, :1], l_sc[...][:, :1], acc_sc[...]), c.scale)
         m_sc[...] = jnp.broadcast_to(carry[0], m_sc.shape)
         l_sc[...] = jnp.broadcast_to(carry[1], l_sc.shape)
@@ -282,11 +255,11 @@ def _tpu_fwd_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_re
 
     @pl.when((j >= lo_ref[t]) & (j < hi_ref[t]))
     def _ctx():
-        step(kc_ref, vc_ref, _ctx_vis(_rows(ra_ref), _rows(rs_ref), j, c, (c.tq, c.tk)))
+        step(kc_ref, vc_ref, _ctx_vis(row_stats(ra_ref), row_stats(rs_ref), j, c, (c.tq, c.tk)))
 
     @pl.when(j == nk)
     def _own_block():
-        out, lse = _fwd_finish(step(kb_ref, vb_ref, _blk_vis(_rows(ra_ref), c)))
+        out, lse = _fwd_finish(step(kb_ref, vb_ref, _blk_vis(row_stats(ra_ref), c)))
         o_ref[...] = out.astype(o_ref.dtype)
         lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
 
@@ -301,17 +274,17 @@ def _tpu_dq_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
     def grads(k_ref, v_ref, vis):
-        return _bwd_step(q_ref[...], k_ref[...], v_ref[...], do_ref[...], _rows(lse_ref),
-                         _rows(dl_ref), vis, c.scale)
+        return _bwd_step(q_ref[...], k_ref[...], v_ref[...], do_ref[...], row_stats(lse_ref),
+                         row_stats(dl_ref), vis, c.scale)
 
     @pl.when((j >= lo_ref[t]) & (j < hi_ref[t]))
     def _ctx():
-        _, ds = grads(kc_ref, vc_ref, _ctx_vis(_rows(ra_ref), _rows(rs_ref), j, c, (c.tq, c.tk)))
+        _, ds = grads(kc_ref, vc_ref, _ctx_vis(row_stats(ra_ref), row_stats(rs_ref), j, c, (c.tq, c.tk)))
         dq_sc[...] = _acc_dq(dq_sc[...], ds, kc_ref[...])
 
     @pl.when(j == nk)
     def _own_block():
-        p, ds = grads(kb_ref, vb_ref, _blk_vis(_rows(ra_ref), c))
+        p, ds = grads(kb_ref, vb_ref, _blk_vis(row_stats(ra_ref), c))
         dq_ref[...] = _acc_dq(dq_sc[...], ds, kb_ref[...]).astype(dq_ref.dtype)
         zero = jnp.zeros(dkb_ref.shape, jnp.float32)
         dk, dv = _acc_dkv(zero, zero, p, ds, q_ref[...], do_ref[...])
@@ -330,9 +303,9 @@ def _tpu_dkv_kernel(ql_ref, qn_ref, q_ref, kc_ref, vc_ref, ra_ref, rs_ref, do_re
 
     @pl.when(lax.rem(s, nq) < qn_ref[b * nk + kj])
     def _acc():
-        vis = _ctx_vis(_rows(ra_ref), _rows(rs_ref), kj, c, (c.tq, c.tk))
+        vis = _ctx_vis(row_stats(ra_ref), row_stats(rs_ref), kj, c, (c.tq, c.tk))
         q, do = q_ref[...], do_ref[...]
-        p, ds = _bwd_step(q, kc_ref[...], vc_ref[...], do, _rows(lse_ref), _rows(dl_ref), vis, c.scale)
+        p, ds = _bwd_step(q, kc_ref[...], vc_ref[...], do, row_stats(lse_ref), row_stats(dl_ref), vis, c.scale)
         dk_sc[...], dv_sc[...] = _acc_dkv(dk_sc[...], dv_sc[...], p, ds, q, do)
 
     @pl.when(s == pl.num_programs(3) - 1)
@@ -345,17 +318,15 @@ def _tpu_dkv_kernel(ql_ref, qn_ref, q_ref, kc_ref, vc_ref, ra_ref, rs_ref, do_re
 
 
 def _gpu_fwd_kernel(q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, rs_ref, o_ref, lse_ref, *, c: _Cfg):
-    q, a, st = q_ref[...], _rows(ra_ref), _rows(rs_ref)
-    lo, hi = _ctx_tile_range(a, st, c.ctx_len, c.tk, c.window)
+    q, a, st = q_ref[...], row_stats(ra_ref), row_stats(rs_ref)
+    lo, hi = context_tile_range(a, st, c.ctx_len, c.tk, c.window)
 
     def body(j, carry):
         kv = pl.ds(pl.multiple_of(j * c.tk, c.tk), c.tk)
-        return _fwd_step(q, kc_ref[kv, :], vc_ref[kv, :], _ctx_vis(a, st, j, c, (c.tq, c.tk)), carry, c.scale)
+        return fwd_step(q, kc_ref[kv, :], vc_ref[kv, :], _ctx_vis(a, st, j, c, (c.tq, c.tk)), carry, c.scale)
 
-    carry = (jnp.full((c.tq, 1), _MASK, jnp.float32), jnp.zeros((c.tq, 1), jnp.float32),
-             jnp.zeros(q.shape, jnp.float32))
-    carry = lax.fori_loop(lo, hi, body, carry)
-    out, lse = _fwd_finish(_fwd_step(q, kb_ref[...], vb_ref[...], _blk_vis(a, c), carry, c.scale))
+    carry = lax.fori_loop(lo, hi, body, empty_carry(*q.shape))
+    out, lse = _fwd_finish(fwd_step(q, kb_ref[...], vb_ref[...], _blk_vis(a, c), carry, c.scale))
     o_ref[...] = out.astype(o_ref.dtype)
     lse_ref[...] = lse
 
@@ -363,8 +334,8 @@ def _gpu_fwd_kernel(q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, rs_ref, o_ref
 def _gpu_dq_kernel(q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, rs_ref, do_ref, lse_ref, dl_ref,
                    dq_ref, dkb_ref, dvb_ref, *, c: _Cfg):
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], dl_ref[...]
-    a, st = _rows(ra_ref), _rows(rs_ref)
-    lo, hi = _ctx_tile_range(a, st, c.ctx_len, c.tk, c.window)
+    a, st = row_stats(ra_ref), row_stats(rs_ref)
+    lo, hi = context_tile_range(a, st, c.ctx_len, c.tk, c.window)
 
     def body(j, dq):
         kv = pl.ds(pl.multiple_of(j * c.tk, c.tk), c.tk)
@@ -396,7 +367,7 @@ def _gpu_dkv_kernel(q_ref, kc_ref, vc_ref, ra_ref, rs_ref, do_ref, lse_ref, dl_r
 
     def body(qi, carry):
         rows = pl.ds(pl.multiple_of(qi * c.tq, c.tq), c.tq)
-        lo, hi = _ctx_tile_range(ra_ref[rows], rs_ref[rows], c.ctx_len, c.tk, c.window)
+        lo, hi = context_tile_range(ra_ref[rows], rs_ref[rows], c.ctx_len, c.tk, c.window)
         return lax.cond((kj >= lo) & (kj < hi), visit, lambda _, cr: cr, qi, carry)
 
     zero = jnp.zeros(k.shape, jnp.float32)
@@ -412,8 +383,8 @@ def _prepare(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c: _Cfg):
     """Head-major, padded operands, the per-row anchors / context starts and the per-tile context ranges."""
     batch, t = q.shape[:2]
     nbt = c.tq // c.bk
-    n_pad = _round_up(anchors.shape[1], nbt)
-    t_pad, s_pad = n_pad * c.bk, _round_up(max(c.ctx_len, 1), c.tk)
+    n_pad = round_up(anchors.shape[1], nbt)
+    t_pad, s_pad = n_pad * c.bk, round_up(max(c.ctx_len, 1), c.tk)
 
     def heads(x, rows):
         return jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, rows - x.shape[1]), (0, 0)))
@@ -422,7 +393,7 @@ def _prepare(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c: _Cfg):
     anc = jnp.pad(anchors.astype(jnp.int32), pad, constant_values=-1)
     st = jnp.pad(ctx_start.astype(jnp.int32), pad)
     tiles = (batch, n_pad // nbt, nbt)
-    lo, hi = _ctx_tile_range(anc.reshape(tiles), st.reshape(tiles), c.ctx_len, c.tk, c.window, axis=-1)
+    lo, hi = context_tile_range(anc.reshape(tiles), st.reshape(tiles), c.ctx_len, c.tk, c.window, axis=-1)
 
     def per_row(x):  # [B, n_pad] -> [B, t_pad] (x lanes on TPU)
         x = jnp.repeat(x, c.bk, axis=1)
@@ -436,12 +407,24 @@ def _lanes(x, c):  # [B, H, rows] float32 -> the kernels' per-row layout
     return jnp.broadcast_to(x[..., None], (*x.shape, c.lanes))
 
 
-def _call(c: _Cfg, kernel, grid, in_specs, out_specs, out_shape, prefetch=(), scratch=()):
+def _cost(x, c: _Cfg, ctx_macs: int, own_macs: int, operands, outputs):
+    """The cost estimate of one kernel at its dense upper bound (skipped tiles counted: they depend on the
+    runtime anchors): ``ctx_macs`` / ``own_macs`` D-long multiply-adds per context / own-block score entry
+    (0: the kernel does not visit them), one exp per visited entry."""
+    batch, hq, t_pad, d = x["q"].shape
+    ctx, own = batch * hq * t_pad * x["kc"].shape[2], batch * hq * t_pad * c.tq
+    return cost_estimate(flops=2 * d * (ctx_macs * ctx + own_macs * own),
+                         transcendentals=ctx * (ctx_macs > 0) + own * (own_macs > 0), operands=operands,
+                         outputs=outputs)
+
+
+def _call(c: _Cfg, kernel, grid, in_specs, out_specs, out_shape, prefetch=(), scratch=(), *, cost=None):
+    # 8 parameters: the pallas_call pieces both formulations take, named at every call site.
     if c.backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 
         return functools.partial(pl.pallas_call(
-            kernel, out_shape=out_shape, interpret=c.interpret,
+            kernel, out_shape=out_shape, interpret=c.interpret, cost_estimate=cost,
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs, out_specs=out_specs,
                 scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch]),
@@ -450,13 +433,14 @@ def _call(c: _Cfg, kernel, grid, in_specs, out_specs, out_shape, prefetch=(), sc
     from jax.experimental.pallas import triton as pltr
 
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          interpret=c.interpret, compiler_params=pltr.CompilerParams(num_warps=4, num_stages=2))
+                          interpret=c.interpret, cost_estimate=cost,
+                          compiler_params=pltr.CompilerParams(num_warps=4, num_stages=2))
 
 
-def _query_tile_call(c: _Cfg, x, kernel, n_tiles, n_stats, out_shape, out_specs_kinds, scratch=()):
+def _query_tile_call(c: _Cfg, x, kernel, n_tiles, n_stats, out_shape, out_specs_kinds, scratch=(), *, cost=None):
     """pallas_call over (batch, Hq, query tiles[, context tiles + 1]) with inputs
     [q, k_ctx, v_ctx, k_blk, v_blk, row anchors, row context starts] + ``n_tiles`` q-shaped + ``n_stats``
-    per-row inputs."""
+    per-row inputs. (8 parameters: the shape of one call, each named where it is passed.)"""
     batch, hq, t_pad, d = x["q"].shape
     hkv, s_pad = x["kc"].shape[1:3]
     groups, nq, nk = hq // hkv, t_pad // c.tq, s_pad // c.tk
@@ -483,7 +467,8 @@ def _query_tile_call(c: _Cfg, x, kernel, n_tiles, n_stats, out_shape, out_specs_
                  pl.BlockSpec(tile_q, blk_map), ra_spec, ra_spec]
                 + [pl.BlockSpec(tile_q, q_map)] * n_tiles + [pl.BlockSpec(row, q_map)] * n_stats)
     out_specs = [pl.BlockSpec(tile_q if kind == "tile" else row, q_map) for kind in out_specs_kinds]
-    return _call(c, functools.partial(kernel, c=c), grid, in_specs, out_specs, out_shape, prefetch, scratch)
+    return _call(c, functools.partial(kernel, c=c), grid, in_specs, out_specs, out_shape, prefetch, scratch,
+                 cost=cost)
 
 
 def _forward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c: _Cfg):
@@ -493,8 +478,9 @@ def _forward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c: _Cfg):
     tq, d = c.tq, x["q"].shape[3]
     kernel, scratch = (_tpu_fwd_kernel, [(tq, c.lanes), (tq, c.lanes), (tq, d)]) if c.backend == "tpu" \
         else (_gpu_fwd_kernel, [])
-    o, lse = _query_tile_call(c, x, kernel, 0, 0, out_shape, ["tile", "row"], scratch)(
-        x["q"], x["kc"], x["vc"], x["kb"], x["vb"], x["ra"], x["rs"])
+    args = (x["q"], x["kc"], x["vc"], x["kb"], x["vb"], x["ra"], x["rs"])
+    cost = _cost(x, c, 2, 2, args, out_shape)  # q.k and p.v per entry
+    o, lse = _query_tile_call(c, x, kernel, 0, 0, out_shape, ["tile", "row"], scratch, cost=cost)(*args)
     return o, lse[..., 0]
 
 
@@ -511,10 +497,11 @@ def _backward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, out, lse, do, c
     # dq, and the own-block dk / dv per query head (summed over the GQA group below).
     f32 = jax.ShapeDtypeStruct(x["q"].shape, jnp.float32)
     kernel = _tpu_dq_kernel if c.backend == "tpu" else _gpu_dq_kernel
-    dq, dkb, dvb = _query_tile_call(
-        c, x, kernel, 1, 2, (jax.ShapeDtypeStruct(x["q"].shape, q.dtype), f32, f32), ["tile"] * 3,
-        [(c.tq, d)] if c.backend == "tpu" else [])(
-        x["q"], x["kc"], x["vc"], x["kb"], x["vb"], x["ra"], x["rs"], do_h, lse_l, dl_l)
+    args = (x["q"], x["kc"], x["vc"], x["kb"], x["vb"], x["ra"], x["rs"], do_h, lse_l, dl_l)
+    dq_shape = (jax.ShapeDtypeStruct(x["q"].shape, q.dtype), f32, f32)
+    cost = _cost(x, c, 3, 5, args, dq_shape)  # q.k, do.v, ds.k per entry; own block also ds.q, p.do
+    dq, dkb, dvb = _query_tile_call(c, x, kernel, 1, 2, dq_shape, ["tile"] * 3,
+                                    [(c.tq, d)] if c.backend == "tpu" else [], cost=cost)(*args)
 
     # Context dk / dv: per (batch, Hkv, context tile), over the GQA group's heads and the query tiles
     # that see the tile.
@@ -549,9 +536,10 @@ def _backward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, out, lse, do, c
         grid, prefetch, scratch = (batch, hkv, nk), (), ()
         kernel = functools.partial(_gpu_dkv_kernel, c=c, nq=nq, groups=groups)
     k_spec = pl.BlockSpec(tile_k, k_map)
+    args = (x["q"], x["kc"], x["vc"], x["ra"], x["rs"], do_h, lse_l, dl_l)
+    cost = _cost(x, c, 4, 0, args, dkv_shape)  # q.k, do.v, ds.q, p.do per context entry
     dkc, dvc = _call(c, kernel, grid, [q_spec, k_spec, k_spec, ra_spec, ra_spec, q_spec, stat_spec, stat_spec],
-                     [k_spec, k_spec], dkv_shape, prefetch, scratch)(
-        x["q"], x["kc"], x["vc"], x["ra"], x["rs"], do_h, lse_l, dl_l)
+                     [k_spec, k_spec], dkv_shape, prefetch, scratch, cost=cost)(*args)
 
     t, s = x["t"], c.ctx_len
     rows = lambda g, n: jnp.swapaxes(g[:, :, :n], 1, 2)  # [B, H, rows, D] -> [B, n, H, D]
@@ -578,11 +566,6 @@ def _block_attention_bwd(c, res, do):
 _block_attention.defvjp(_block_attention_fwd, _block_attention_bwd)
 
 
-def _platform():
-    p = jax.default_backend()
-    return "gpu" if p in ("gpu", "cuda", "rocm") else p
-
-
 @functools.partial(jax.jit, static_argnames=("block_size", "sliding_window", "scale", "interpret", "q_tile",
                                              "k_tile", "backend", "block_causal"))
 def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int, sliding_window: int | None = None,
@@ -603,58 +586,20 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int, 
     (``python -m kernels.bench``).
     """
     _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, ctx_start)
-    platform = _platform()
-    backend = backend or ("gpu" if platform == "gpu" else "tpu")
-    interpret = platform == "cpu" if interpret is None else bool(interpret)
-    tq, tk = _pick_tiles(anchors.shape[1], block_size, k_ctx.shape[1], q_tile, k_tile, backend, interpret)
+    backend, interpret = resolve_backend(backend, interpret)
+    tq, tk = pick_tiles(anchors.shape[1], block_size, k_ctx.shape[1], q_tile, k_tile, backend, interpret)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    c = _Cfg(block_size, sliding_window, bool(block_causal), scale, tq, tk, k_ctx.shape[1], backend, interpret)
+    c = _Cfg(bk=block_size, window=sliding_window, block_causal=bool(block_causal), scale=scale, tq=tq, tk=tk,
+             ctx_len=k_ctx.shape[1], backend=backend, interpret=interpret)
     ctx_start = jnp.zeros_like(anchors, jnp.int32) if ctx_start is None else ctx_start.astype(jnp.int32)
     return _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors.astype(jnp.int32), ctx_start, c)
 
 
 def kernel_supported(*, block_size: int, head_dim: int) -> bool:
     """Whether the compiled kernel is expected to run on the default backend."""
-    platform = _platform()
-    if platform == "tpu":
+    p = platform()
+    if p == "tpu":
         return True
-    if platform != "gpu":
-        return False
-    try:
-        cc = float(getattr(jax.devices()[0], "compute_capability", "0"))
-    except ValueError:  # e.g. ROCm gfx names
-        return False
     pow2 = lambda x: x & (x - 1) == 0
-    return cc >= 8.0 and pow2(block_size) and pow2(head_dim) and head_dim >= 16
+    return p == "gpu" and gpu_capable() and pow2(block_size) and pow2(head_dim) and head_dim >= 16
 
-
-def skipped_fraction(anchors, ctx_len: int, *, block_size: int, sliding_window: int | None = None,
-                     q_tile: int = 128, k_tile: int = 128, backend: str = "tpu", ctx_start=None,
-                     block_causal: bool = False) -> dict:
-    """Score entries the compiled kernel computes vs the dense [T, S+T] reference, from the anchors alone.
-
-    ``computed``: whole tiles the kernel evaluates (context tiles in [lo, hi) + one own-block tile per
-    query tile, padding included); ``visible``: entries the mask actually keeps (the lower bound).
-    """
-    anchors = np.asarray(anchors, np.int64)
-    batch, n = anchors.shape
-    start = np.zeros_like(anchors) if ctx_start is None else np.asarray(ctx_start, np.int64)
-    bk, s, w = block_size, ctx_len, sliding_window
-    tq, tk = _pick_tiles(n, bk, s, q_tile, k_tile, backend, False)
-    nbt = tq // bk
-    pad = ((0, 0), (0, _round_up(n, nbt) - n))
-    anc = np.pad(anchors, pad, constant_values=-1).reshape(batch, -1, nbt)
-    st = np.pad(start, pad).reshape(batch, -1, nbt)
-    lo, hi = (np.asarray(x) for x in _ctx_tile_range(jnp.asarray(anc, jnp.int32), jnp.asarray(st, jnp.int32),
-                                                     s, tk, w, -1))
-    computed = ((hi - lo) * tq * tk).sum() + anc.shape[1] * tq * tq * batch
-    i = np.arange(bk)
-    a = anchors[..., None]  # [B, N, 1] against row offsets i
-    ctx_lo = np.maximum(start[..., None], 0 if w is None else a + i - w + 1)
-    ctx = np.maximum(np.minimum(a, s) - ctx_lo, 0)
-    own_hi = i + 1 if block_causal else (bk if w is None else np.minimum(bk, i + w))  # own keys j in [lo, hi)
-    own = own_hi - (0 if w is None else np.maximum(0, i - w + 1))
-    visible = np.where(a >= 0, np.broadcast_to(ctx + own, (batch, n, bk)), 0).sum()
-    dense = batch * n * bk * (s + n * bk)
-    return {"dense": int(dense), "computed": int(computed), "visible": int(visible),
-            "skipped": 1.0 - computed / dense, "q_tile": tq, "k_tile": tk}

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .block_attention import _MASK, _fwd_step, _online_step, _platform, _rows
+from . import tiling
 from .reference import attend, position_mask
 
 # New tokens per row the decode path takes: a verify block (the released drafts' 16). More is a prefill
@@ -147,10 +147,10 @@ def decode_attention_loop(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sl
         p = start + jnp.arange(tk, dtype=jnp.int32)
         vis = (p >= jnp.maximum(lo, j * tk)) & (p < hi)
         logits = jnp.einsum("BTKGD,BSKD->BKGTS", qg, kt, preferred_element_type=jnp.float32) * scale
-        return _online_step(logits, jnp.swapaxes(vt, 1, 2)[:, :, None], vis, carry)
+        return tiling.online_step(logits, jnp.swapaxes(vt, 1, 2)[:, :, None], vis, carry)
 
     shape = (b, hkv, hq // hkv, t)
-    carry = (jnp.full(shape + (1,), _MASK, jnp.float32), jnp.zeros(shape + (1,), jnp.float32),
+    carry = (jnp.full(shape + (1,), tiling.MASK, jnp.float32), jnp.zeros(shape + (1,), jnp.float32),
              jnp.zeros(shape + (d,), jnp.float32))
     carry = lax.fori_loop(first, end, body, carry)
     if k_new is not None:
@@ -158,7 +158,7 @@ def decode_attention_loop(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sl
         mask = None if new_mask is None else new_mask.astype(bool)[:, None, None]  # [B, 1, 1, T, T]
         vis = _new_vis(q_pos[:, None, None, :, None], q_pos[:, None, None, None, :], sliding_window, new_causal,
                        mask)
-        carry = _online_step(logits, jnp.swapaxes(v_new, 1, 2)[:, :, None], vis, carry)
+        carry = tiling.online_step(logits, jnp.swapaxes(v_new, 1, 2)[:, :, None], vis, carry)
     sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1)
     out = _finish(carry, sink)  # [B, K, G, T, D]
     return jnp.einsum("BKGTD->BTKGD", out).reshape(b, t, hq, d).astype(q.dtype)
@@ -167,8 +167,8 @@ def decode_attention_loop(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sl
 # ----------------------------------------------------------------------------- Pallas kernels
 
 
-@dataclasses.dataclass(frozen=True)
-class _Cfg:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Cfg(tiling.TileConfig):
     window: int | None
     scale: float
     tk: int            # keys per tile
@@ -177,12 +177,6 @@ class _Cfg:
     new_causal: bool
     has_mask: bool     # new_mask given (an int32 [rows, T] block per row)
     has_sinks: bool
-    backend: str       # "tpu" | "gpu"
-    interpret: bool
-
-    @property
-    def lanes(self):
-        return 128 if self.backend == "tpu" else 1
 
 
 def _tile_step(q, k, v, lo, hi, j, c: _Cfg, carry):
@@ -190,14 +184,14 @@ def _tile_step(q, k, v, lo, hi, j, c: _Cfg, carry):
     start = jnp.minimum(j * c.tk, c.ctx_len - c.tk)
     p = start + lax.broadcasted_iota(jnp.int32, (q.shape[0], c.tk), 1)
     vis = (p >= jnp.maximum(lo, j * c.tk)) & (p < hi)
-    return _fwd_step(q, k, v, vis, carry, c.scale)
+    return tiling.fwd_step(q, k, v, vis, carry, c.scale)
 
 
 def _new_step(q, kn_ref, vn_ref, qp, kp_ref, nm_ref, c: _Cfg, carry):
     if not c.has_new:
         return carry
     vis = _new_vis(qp, kp_ref[...].reshape(1, -1), c.window, c.new_causal, nm_ref[...] != 0 if c.has_mask else None)
-    return _fwd_step(q, kn_ref[...], vn_ref[...], vis, carry, c.scale)
+    return tiling.fwd_step(q, kn_ref[...], vn_ref[...], vis, carry, c.scale)
 
 
 def _tpu_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_ref, nm_ref,
@@ -206,7 +200,7 @@ def _tpu_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref,
 
     @pl.when(j == 0)
     def _init():
-        m_sc[...] = jnp.full(m_sc.shape, _MASK, jnp.float32)
+        m_sc[...] = jnp.full(m_sc.shape, tiling.MASK, jnp.float32)
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
@@ -220,27 +214,27 @@ def _tpu_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref,
 
     @pl.when((j >= first_ref[b]) & (j < end_ref[b]))
     def _tile():
-        store(_tile_step(q_ref[...], k_ref[...], v_ref[...], _rows(lo_ref), _rows(hi_ref), j, c, carry()))
+        lo, hi = tiling.row_stats(lo_ref), tiling.row_stats(hi_ref)
+        store(_tile_step(q_ref[...], k_ref[...], v_ref[...], lo, hi, j, c, carry()))
 
     @pl.when(j == nk)
     def _last():
-        cr = _new_step(q_ref[...], kn_ref, vn_ref, _rows(qp_ref), kp_ref, nm_ref, c, carry())
-        o_ref[...] = _finish(cr, _rows(sink_ref) if c.has_sinks else None).astype(o_ref.dtype)
+        cr = _new_step(q_ref[...], kn_ref, vn_ref, tiling.row_stats(qp_ref), kp_ref, nm_ref, c, carry())
+        o_ref[...] = _finish(cr, tiling.row_stats(sink_ref) if c.has_sinks else None).astype(o_ref.dtype)
 
 
 def _gpu_kernel(q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_ref, nm_ref, sink_ref, o_ref, *,
                 c: _Cfg):
-    q, lo, hi = q_ref[...], _rows(lo_ref), _rows(hi_ref)
+    q, lo, hi = q_ref[...], tiling.row_stats(lo_ref), tiling.row_stats(hi_ref)
     first, end = _tile_range(lo, hi, c.tk, axis=None)
 
     def body(j, cr):
         kv = pl.ds(jnp.minimum(j * c.tk, c.ctx_len - c.tk), c.tk)
         return _tile_step(q, k_ref[kv, :], v_ref[kv, :], lo, hi, j, c, cr)
 
-    cr = (jnp.full((q.shape[0], 1), _MASK, jnp.float32), jnp.zeros((q.shape[0], 1), jnp.float32),
-          jnp.zeros(q.shape, jnp.float32))
-    cr = _new_step(q, kn_ref, vn_ref, _rows(qp_ref), kp_ref, nm_ref, c, lax.fori_loop(first, end, body, cr))
-    o_ref[...] = _finish(cr, _rows(sink_ref) if c.has_sinks else None).astype(o_ref.dtype)
+    cr = lax.fori_loop(first, end, body, tiling.empty_carry(*q.shape))
+    cr = _new_step(q, kn_ref, vn_ref, tiling.row_stats(qp_ref), kp_ref, nm_ref, c, cr)
+    o_ref[...] = _finish(cr, tiling.row_stats(sink_ref) if c.has_sinks else None).astype(o_ref.dtype)
 
 
 def _pick_tile(ctx_len: int, k_tile: int, backend: str) -> int:
@@ -253,11 +247,12 @@ def _pick_tile(ctx_len: int, k_tile: int, backend: str) -> int:
 
 def _rows_pad(r: int, backend: str, interpret: bool) -> int:
     if backend == "gpu":
-        return max(16, 1 << (r - 1).bit_length())
-    return r if interpret else -(-r // 16) * 16
+        return max(16, tiling.next_pow2(r))
+    return r if interpret else tiling.round_up(r, 16)
 
 
 def _pallas(q, k, v, q_pos, lengths, k_new, v_new, new_mask, sinks, c: _Cfg):
+    # 10 parameters: decode_attention's operands, passed through once from the jitted wrapper.
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -279,7 +274,7 @@ def _pallas(q, k, v, q_pos, lengths, k_new, v_new, new_mask, sinks, c: _Cfg):
         sink_r = jnp.broadcast_to(sink_r[..., None], (*sink_r.shape, c.lanes))
     if k_new is None:  # a placeholder the kernel never reads
         k_new = v_new = jnp.zeros((b, 1, hkv, d), k.dtype)
-    tn = k_new.shape[1] if c.backend == "tpu" else max(16, 1 << (k_new.shape[1] - 1).bit_length())
+    tn = k_new.shape[1] if c.backend == "tpu" else max(16, tiling.next_pow2(k_new.shape[1]))
     pad_new = lambda x: jnp.pad(x, ((0, 0), (0, tn - x.shape[1]), (0, 0), (0, 0)))
     k_new, v_new = pad_new(k_new), pad_new(v_new)
     kp = jnp.pad(qp, ((0, 0), (0, max(tn - t, 0))), constant_values=-1)[:, None, :tn]
@@ -291,50 +286,67 @@ def _pallas(q, k, v, q_pos, lengths, k_new, v_new, new_mask, sinks, c: _Cfg):
     flat = lambda x: x.reshape(*x.shape[:2], -1)  # [B, S, K, D] -> [B, S, K*D]: free
     args = (qh, flat(k), flat(v), flat(k_new), flat(v_new), lo_r, hi_r, qp_r, kp, nm, sink_r)
     out_shape = jax.ShapeDtypeStruct((b, hkv, r, d), q.dtype)
-    row = (None, r, c.lanes) if c.lanes > 1 else (None, r)
+    entries = b * hkv * r * (c.ctx_len + (tn if c.has_new else 0))  # dense bound: every cache slot visited
+    cost = tiling.cost_estimate(flops=4 * d * entries, transcendentals=entries, operands=args,
+                                outputs=(out_shape,))
     if c.backend == "tpu":
-        from jax.experimental.pallas import tpu as pltpu
-
-        nk = c.ctx_len // c.tk
-        first, end = _tile_range(lo, hi, c.tk)
-
-        def kv_map(i, h, j, first, end):  # steps outside [first, end) stay on a tile already in VMEM
-            return i, jnp.minimum(jnp.maximum(j, first[i]), jnp.maximum(end[i] - 1, first[i])), h
-
-        head = lambda i, h, j, first, end: (i, h, 0, 0)
-        per_row = lambda i, h, j, first, end: (i, 0, 0)
-        new = lambda i, h, j, first, end: (i, 0, h)
-        in_specs = [pl.BlockSpec((None, None, r, d), head), pl.BlockSpec((None, c.tk, d), kv_map),
-                    pl.BlockSpec((None, c.tk, d), kv_map), pl.BlockSpec((None, tn, d), new),
-                    pl.BlockSpec((None, tn, d), new)] + [pl.BlockSpec(row, per_row)] * 3 + [
-                    pl.BlockSpec((None, 1, tn), per_row), pl.BlockSpec((None, *nm.shape[1:]), per_row),
-                    pl.BlockSpec((None, r, c.lanes), lambda i, h, j, first, end: (h, 0, 0))]
-        call = pl.pallas_call(
-            functools.partial(_tpu_kernel, c=c, nk=nk), out_shape=out_shape, interpret=c.interpret,
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=2, grid=(b, hkv, nk + 1), in_specs=in_specs,
-                out_specs=pl.BlockSpec((None, None, r, d), head),
-                scratch_shapes=[pltpu.VMEM((r, c.lanes), jnp.float32), pltpu.VMEM((r, c.lanes), jnp.float32),
-                                pltpu.VMEM((r, d), jnp.float32)]),
-            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")))
-        o = call(first, end, *args)
+        o = _tpu_call(c, args, out_shape, cost)(*_tile_range(lo, hi, c.tk), *args)
     else:
-        from jax.experimental.pallas import triton as pltr
-
-        head = lambda i, h: (i, h, 0, 0)
-        per_row, per_row_2d = (lambda i, h: (i, 0)), (lambda i, h: (i, 0, 0))
-        whole = lambda i, h: (i, 0, h)
-        in_specs = [pl.BlockSpec((None, None, r, d), head), pl.BlockSpec((None, c.ctx_len, d), whole),
-                    pl.BlockSpec((None, c.ctx_len, d), whole), pl.BlockSpec((None, tn, d), whole),
-                    pl.BlockSpec((None, tn, d), whole)] + [pl.BlockSpec(row, per_row)] * 3 + [
-                    pl.BlockSpec((None, 1, tn), per_row_2d), pl.BlockSpec((None, *nm.shape[1:]), per_row_2d),
-                    pl.BlockSpec((None, r), lambda i, h: (h, 0))]
-        o = pl.pallas_call(functools.partial(_gpu_kernel, c=c), grid=(b, hkv), in_specs=in_specs,
-                           out_specs=pl.BlockSpec((None, None, r, d), head), out_shape=out_shape,
-                           interpret=c.interpret,
-                           compiler_params=pltr.CompilerParams(num_warps=4, num_stages=2))(*args)
+        o = _gpu_call(c, args, out_shape, cost)(*args)
     o = o[:, :, :t * g].reshape(b, hkv, t, g, d)
     return jnp.einsum("BKTGD->BTKGD", o).reshape(b, t, hq, d)
+
+
+def _tpu_call(c: _Cfg, args, out_shape, cost):
+    """The Mosaic pallas_call over (B, Hkv, key tiles + 1); it takes (first, end, *args)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    qh, nm = args[0], args[9]
+    b, hkv, r, d = qh.shape
+    tn, nk = args[8].shape[-1], c.ctx_len // c.tk
+    row = (None, r, c.lanes)
+
+    def kv_map(i, h, j, first, end):  # steps outside [first, end) stay on a tile already in VMEM
+        return i, jnp.minimum(jnp.maximum(j, first[i]), jnp.maximum(end[i] - 1, first[i])), h
+
+    head = lambda i, h, j, first, end: (i, h, 0, 0)
+    per_row = lambda i, h, j, first, end: (i, 0, 0)
+    new = lambda i, h, j, first, end: (i, 0, h)
+    in_specs = [pl.BlockSpec((None, None, r, d), head), pl.BlockSpec((None, c.tk, d), kv_map),
+                pl.BlockSpec((None, c.tk, d), kv_map), pl.BlockSpec((None, tn, d), new),
+                pl.BlockSpec((None, tn, d), new)] + [pl.BlockSpec(row, per_row)] * 3 + [
+                pl.BlockSpec((None, 1, tn), per_row), pl.BlockSpec((None, *nm.shape[1:]), per_row),
+                pl.BlockSpec((None, r, c.lanes), lambda i, h, j, first, end: (h, 0, 0))]
+    return pl.pallas_call(
+        functools.partial(_tpu_kernel, c=c, nk=nk), out_shape=out_shape, interpret=c.interpret,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(b, hkv, nk + 1), in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, None, r, d), head),
+            scratch_shapes=[pltpu.VMEM((r, c.lanes), jnp.float32), pltpu.VMEM((r, c.lanes), jnp.float32),
+                            pltpu.VMEM((r, d), jnp.float32)]),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        cost_estimate=cost)
+
+
+def _gpu_call(c: _Cfg, args, out_shape, cost):
+    """The Triton pallas_call over (B, Hkv); each program loads from its whole cache row."""
+    from jax.experimental.pallas import triton as pltr
+
+    qh, nm = args[0], args[9]
+    b, hkv, r, d = qh.shape
+    tn = args[8].shape[-1]
+    head = lambda i, h: (i, h, 0, 0)
+    per_row, per_row_2d = (lambda i, h: (i, 0)), (lambda i, h: (i, 0, 0))
+    whole = lambda i, h: (i, 0, h)
+    in_specs = [pl.BlockSpec((None, None, r, d), head), pl.BlockSpec((None, c.ctx_len, d), whole),
+                pl.BlockSpec((None, c.ctx_len, d), whole), pl.BlockSpec((None, tn, d), whole),
+                pl.BlockSpec((None, tn, d), whole)] + [pl.BlockSpec((None, r), per_row)] * 3 + [
+                pl.BlockSpec((None, 1, tn), per_row_2d), pl.BlockSpec((None, *nm.shape[1:]), per_row_2d),
+                pl.BlockSpec((None, r), lambda i, h: (h, 0))]
+    return pl.pallas_call(functools.partial(_gpu_kernel, c=c), grid=(b, hkv), in_specs=in_specs,
+                          out_specs=pl.BlockSpec((None, None, r, d), head), out_shape=out_shape,
+                          interpret=c.interpret, cost_estimate=cost,
+                          compiler_params=pltr.CompilerParams(num_warps=4, num_stages=2))
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "interpret", "k_tile", "backend",
@@ -348,25 +360,19 @@ def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding
     CPU. ``interpret``: default True on CPU. ``k_tile``: keys per tile (adjusted to what the backend needs).
     """
     _check_new(k_new, new_mask)
-    platform = _platform()
-    backend = backend or ("gpu" if platform == "gpu" else "tpu")
-    interpret = platform == "cpu" if interpret is None else bool(interpret)
+    backend, interpret = tiling.resolve_backend(backend, interpret)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    c = _Cfg(sliding_window, scale, _pick_tile(k.shape[1], k_tile, backend), k.shape[1], k_new is not None,
-             bool(new_causal), new_mask is not None, sinks is not None, backend, interpret)
+    c = _Cfg(window=sliding_window, scale=scale, tk=_pick_tile(k.shape[1], k_tile, backend), ctx_len=k.shape[1],
+             has_new=k_new is not None, new_causal=bool(new_causal), has_mask=new_mask is not None,
+             has_sinks=sinks is not None, backend=backend, interpret=interpret)
     return _pallas(q, k, v, q_pos.astype(jnp.int32), lengths.astype(jnp.int32), k_new, v_new, new_mask, sinks, c)
 
 
 def decode_kernel_supported(*, head_dim: int, kv_heads: int, ctx_len: int) -> bool:
     """Whether the compiled decode kernel is expected to run on the default backend (unsharded operands:
     sharded caches would need a shard_map around it)."""
-    platform = _platform()
-    if platform == "tpu":  # one head's lanes of the [B, S, K*D] view, whole tiles of 8 sublanes
+    p = tiling.platform()
+    if p == "tpu":  # one head's lanes of the [B, S, K*D] view, whole tiles of 8 sublanes
         return (head_dim % 128 == 0 or kv_heads == 1) and ctx_len % 8 == 0
-    if platform != "gpu":
-        return False
-    try:
-        cc = float(getattr(jax.devices()[0], "compute_capability", "0"))
-    except ValueError:
-        return False
-    return cc >= 8.0 and head_dim & (head_dim - 1) == 0 and head_dim >= 16 and ctx_len >= 16
+    pow2 = head_dim & (head_dim - 1) == 0
+    return p == "gpu" and tiling.gpu_capable() and pow2 and head_dim >= 16 and ctx_len >= 16

@@ -1,5 +1,5 @@
 """An independent NumPy statement of the DFlash draft forward (v1 under the newest rules, and DFlash2),
-written from the published layout and REFERENCE.md's formulas, over the exported checkpoint tensors."""
+written from the published layout and formulas (README, "Draft formats"), over the exported checkpoint tensors."""
 from __future__ import annotations
 
 import numpy as np

@@ -164,6 +164,7 @@ def test_speculative_equals_plain_equals_transformers_greedy(gptoss):
 @pytest.mark.parametrize("spec", ["data=2,expert=4", "expert=2,tensor=2,data=2"])
 def test_expert_parallel_mesh_equals_one_device(gptoss, spec):
     """Experts split over the mesh's expert axis (sinks, biases and all): the same tokens as one device."""
+    from dflash_jax import model_sharding as ms
     from dflash_jax import sharding as sh
 
     _, _, target = gptoss
@@ -171,7 +172,7 @@ def test_expert_parallel_mesh_equals_one_device(gptoss, spec):
     prompts = [[5, 17, 3, 44, 9, 60], [7, 7, 81, 2, 30, 11, 52, 19, 64]]
     want = S.speculative_generate(target, draft, prompts, max_new_tokens=12, stop_token_ids=[])
     mesh = sh.make_mesh(spec)
-    ts, ds = sh.shard_target(target, mesh), sh.shard_draft(draft, mesh)
+    ts, ds = ms.shard_target(target, mesh), ms.shard_draft(draft, mesh)
     experts = ts.params["layers_0"]["mlp"]["experts"]["gate_up_proj"]
     assert experts.addressable_shards[0].data.shape[0] == experts.shape[0] // mesh.shape["expert"]
     got = S.speculative_generate(ts, ds, prompts, max_new_tokens=12, stop_token_ids=[])

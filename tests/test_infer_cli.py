@@ -157,18 +157,18 @@ def test_benchmark_json_summary(pair_dirs, capsys, tmp_path):
 
 def test_benchmark_fastest_of_repeats():
     """An untimed warm-up run, then each method's fastest run counts; runs that disagree are an error."""
-    from infer import benchmark as b
+    from infer import timing
 
     def results(*walls, ids=(1, 2)):
         it = iter(walls)
         return lambda: types.SimpleNamespace(wall_time_s=next(it), output_ids=list(ids))
 
-    plain, spec = b._fastest(3, results(0.1, 3.0, 1.0, 2.0), results(0.1, 0.5, 0.7, 0.2))  # first: warm-up
+    plain, spec = timing.fastest(3, results(0.1, 3.0, 1.0, 2.0), results(0.1, 0.5, 0.7, 0.2))  # first: warm-up
     assert (plain.wall_time_s, spec.wall_time_s) == (1.0, 0.2)
     flips = iter([[1, 2], [1, 2], [1, 3]])
     odd = lambda: types.SimpleNamespace(wall_time_s=1.0, output_ids=next(flips))  # noqa: E731
     with pytest.raises(ValueError, match="DFlash decoding gave different outputs"):
-        b._fastest(2, results(1.0, 1.0, 1.0), odd)
+        timing.fastest(2, results(1.0, 1.0, 1.0), odd)
 
 
 def test_benchmark_rejects_zero_repeats(capsys):

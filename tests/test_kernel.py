@@ -13,7 +13,8 @@ import pytest
 from hypothesis import Phase, given, settings, strategies as st
 
 from dflash_jax import attention
-from dflash_jax.kernels import block_attention, block_attention_reference, block_mask, skipped_fraction
+from dflash_jax.kernels import block_attention, block_attention_reference, block_mask
+from dflash_jax.kernels.bench import skipped_fraction
 from dflash_jax.kernels.check import anchor_pattern, value_and_grads
 
 # Interpret-mode kernels are large XLA programs; optimisation level 0 halves their compile time.

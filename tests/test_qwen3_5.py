@@ -188,6 +188,7 @@ def test_vision_language_checkpoint_loads(qwen, tmp_path, capfd):
 @pytest.mark.parametrize("spec", ["data=2,tensor=2", "data=4"])
 def test_sharded_speculative_equals_one_device(qwen, spec):
     """Rows, KV caches and recurrent states over data, attention weights over tensor: the same tokens."""
+    from dflash_jax import model_sharding as ms
     from dflash_jax import sharding as sh
     from dflash_jax import speculative as S
     from pairs import random_draft
@@ -197,7 +198,7 @@ def test_sharded_speculative_equals_one_device(qwen, spec):
     prompts = [[3, 5, 7, 2, 9], [4, 4, 1], [8, 2, 6, 1, 3, 5, 7], [2]]
     want = S.speculative_generate(target, draft, prompts, max_new_tokens=10, stop_token_ids=[])
     mesh = sh.make_mesh(spec, devices=jax.devices()[:4])
-    got = S.speculative_generate(sh.shard_target(target, mesh), sh.shard_draft(draft, mesh), prompts,
+    got = S.speculative_generate(ms.shard_target(target, mesh), ms.shard_draft(draft, mesh), prompts,
                                  max_new_tokens=10, stop_token_ids=[])
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
 

@@ -17,6 +17,7 @@ from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
 import dflash_jax as dj
+from dflash_jax import model_sharding as ms
 from dflash_jax import sharding as sh
 from dflash_jax import speculative as S
 from dflash_jax.checkpoints import iter_safetensors, save_safetensors
@@ -203,9 +204,9 @@ def test_speculative_equals_plain_and_transformers_generate(pair, single):
 def test_expert_parallel_equals_one_device(pair, single, spec):
     _, target, draft = pair
     mesh = sh.make_mesh(spec)
-    rules = sh.model_rules(mesh, target, draft)
-    starget = sh.shard_target(target, mesh, rules)
-    sdraft = sh.shard_draft(draft, mesh, rules)
+    rules = ms.model_rules(mesh, target, draft)
+    starget = ms.shard_target(target, mesh, rules)
+    sdraft = ms.shard_draft(draft, mesh, rules)
     w = starget.params["layers_0"]["mlp"]["experts"]["gate_up_proj"]
     assert w.sharding.spec == (P("expert", None, "tensor") if mesh.shape["tensor"] > 1 else P("expert"))
     assert w.addressable_shards[0].data.shape[0] == E // mesh.shape["expert"]
@@ -218,8 +219,8 @@ def test_expert_rule_is_the_moe_familys_own(pair):
     """Dense families and drafts see no expert rule; a mesh without expert parallelism replicates experts."""
     _, target, draft = pair
     mesh = sh.make_mesh("data=2,tensor=4")
-    assert "expert" not in dict(sh.model_rules(mesh, draft))
-    s = traverse_util.flatten_dict(sh.param_shardings(target, mesh))
+    assert "expert" not in dict(ms.model_rules(mesh, draft))
+    s = traverse_util.flatten_dict(ms.param_shardings(target, mesh))
     assert s[("layers_0", "mlp", "experts", "down_proj")].spec == P(None, "tensor")
     assert s[("layers_0", "mlp", "gate", "kernel")].spec == P()
 

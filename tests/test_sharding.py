@@ -8,6 +8,7 @@ another and training continues.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 
 import jax
@@ -17,6 +18,7 @@ from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dflash_jax as dj
+from dflash_jax import model_sharding as ms
 from dflash_jax import sharding as sh
 from dflash_jax import speculative as S
 from dflash_jax.target import save_target
@@ -100,7 +102,7 @@ def test_bad_mesh_spec_says_what_to_change(spec, needles):
 def test_heads_not_divisible_says_what_to_change():
     cfg = tiny_target_config(64, layers=2, num_attention_heads=6, num_key_value_heads=2)
     with pytest.raises(ValueError) as e:
-        sh.param_shardings(cfg, sh.make_mesh("tensor=8"))
+        ms.param_shardings(cfg, sh.make_mesh("tensor=8"))
     msg = str(e.value)
     assert "tensor=8" in msg and "num_attention_heads=6" in msg and "--mesh data=4,tensor=2" in msg, msg
 
@@ -110,7 +112,7 @@ def test_kv_heads_fallback_replicates(pair):
     mesh = sh.make_mesh("tensor=8")  # 4 KV heads on 8 tensor shards: replicated
     rules = dict(sh.rules_for(mesh, target, draft))
     assert rules["kv_heads"] is None and rules["heads"] == "tensor"
-    s = traverse_util.flatten_dict(sh.param_shardings(target, mesh))
+    s = traverse_util.flatten_dict(ms.param_shardings(target, mesh))
     assert s[("layers_0", "self_attn", "k_proj", "kernel")].spec == P()
     assert s[("layers_0", "self_attn", "q_proj", "kernel")].spec == P(None, "tensor")
     assert sh.cache_spec(mesh, 4) == P(None, None, None, None)
@@ -120,16 +122,26 @@ def test_kv_heads_fallback_replicates(pair):
 def test_param_shardings_follow_the_rules(pair):
     target, draft = pair
     mesh = sh.make_mesh("data=2,fsdp=2,tensor=2")
-    t = traverse_util.flatten_dict(sh.param_shardings(target, mesh))
+    t = traverse_util.flatten_dict(ms.param_shardings(target, mesh))
     assert t[("embed_tokens", "embedding")].spec == P("tensor", "fsdp")
     assert t[("lm_head", "kernel")].spec == P("fsdp", "tensor")
     assert t[("layers_1", "self_attn", "o_proj", "kernel")].spec == P("tensor", "fsdp")
     assert t[("layers_1", "mlp", "gate_proj", "kernel")].spec == P("fsdp", "tensor")
     assert t[("layers_1", "input_layernorm", "weight")].spec == P("fsdp")
     assert t[("layers_1", "self_attn", "q_norm", "weight")].spec == P()
-    d = traverse_util.flatten_dict(sh.param_shardings(draft, mesh))
+    d = traverse_util.flatten_dict(ms.param_shardings(draft, mesh))
     assert d[("fc", "kernel")].spec == P(None, "fsdp")
     assert set(d) == set(traverse_util.flatten_dict(draft.params))
+
+
+@contextlib.contextmanager
+def mesh_context(mesh, rules=sh.LOGICAL_RULES):
+    """``with mesh_context(mesh):`` = ``jax.set_mesh(mesh)`` + Flax logical-axis rules, so bare
+    PartitionSpecs and ``nn.with_logical_constraint`` inside traced code resolve against this mesh."""
+    import flax.linen as nn
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield mesh
 
 
 def test_mesh_context_resolves_logical_constraints():
@@ -137,7 +149,7 @@ def test_mesh_context_resolves_logical_constraints():
 
     mesh = sh.make_mesh("data=2,fsdp=2,tensor=2")
     f = jax.jit(lambda x: nn.with_logical_constraint(x * 2, ("batch", "length", "heads")))
-    with sh.mesh_context(mesh):
+    with mesh_context(mesh):
         y = f(np.ones((8, 4, 16), np.float32))
     assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")), 3)
     assert f(np.ones((8, 4, 16), np.float32)).sharding.is_fully_replicated  # no rules outside: no-op
@@ -150,7 +162,7 @@ def test_mesh_context_resolves_logical_constraints():
 def test_speculative_sharded_equals_single_device(pair, prompts, single, spec):
     target, draft = pair
     mesh = sh.make_mesh(spec)
-    ts, ds = sh.shard_target(target, mesh), sh.shard_draft(draft, mesh)
+    ts, ds = ms.shard_target(target, mesh), ms.shard_draft(draft, mesh)
     q = ts.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
     assert q.sharding.mesh == mesh and len(q.addressable_shards) == 8
     assert q.addressable_shards[0].data.shape == (32, 64 // mesh.shape["tensor"])
@@ -188,15 +200,15 @@ def test_dflash2_sharded_equals_single_device(pair, prompts):
     draft = make_draft(target.config, layers=1, block=8, ids=(0, 1), **DFLASH2)
     want = S.speculative_generate(target, draft, prompts, max_new_tokens=MAX_NEW, stop_token_ids=[])
     mesh = sh.make_mesh(MESHES[1])
-    ds = sh.shard_draft(draft, mesh)
+    ds = ms.shard_draft(draft, mesh)
     assert ds.params["candidate_selector"]["successor_codebook"].sharding.mesh == mesh
-    _same(S.speculative_generate(sh.shard_target(target, mesh), ds, prompts, max_new_tokens=MAX_NEW,
+    _same(S.speculative_generate(ms.shard_target(target, mesh), ds, prompts, max_new_tokens=MAX_NEW,
                                  stop_token_ids=[]), want)
 
 
 def test_mixed_placement_is_an_error(pair, prompts):
     target, draft = pair
-    ts = sh.shard_target(target, sh.make_mesh("data=8"))
+    ts = ms.shard_target(target, sh.make_mesh("data=8"))
     with pytest.raises(ValueError, match="shard both target and draft"):
         S.speculative_generate(ts, draft, prompts, max_new_tokens=4)
 
@@ -214,11 +226,11 @@ def test_load_places_each_tensor_on_its_shards(pair, saved_pair):
     tdir, ddir = saved_pair
     mesh = sh.make_mesh("data=2,tensor=4")
     seen = []
-    place = sh.placer(dj.TargetConfig.from_hf(tdir), mesh)
+    place = ms.placer(dj.TargetConfig.from_hf(tdir), mesh)
     target = dj.load_target(tdir, place=lambda path, a: seen.append(path) or place(path, a))
     assert len(seen) == len(jax.tree_util.tree_leaves(target.params))
-    draft = dj.load_draft(ddir, place=sh.placer(dj.DraftConfig.from_hf(ddir), mesh))
-    expect = sh.param_shardings(target, mesh)
+    draft = dj.load_draft(ddir, place=ms.placer(dj.DraftConfig.from_hf(ddir), mesh))
+    expect = ms.param_shardings(target, mesh)
     for got, want, ref in zip(jax.tree_util.tree_leaves(target.params), jax.tree_util.tree_leaves(expect),
                               jax.tree_util.tree_leaves(pair[0].params)):
         assert isinstance(got.sharding, NamedSharding) and got.sharding.spec == want.spec
@@ -337,9 +349,9 @@ def trainer(pair):
 
 def _mesh_state(tr, mesh, params, opt_state):
     target, draft = tr["pair"]
-    ps = sh.param_shardings(draft, mesh)
+    ps = ms.param_shardings(draft, mesh)
     os_ = sh.opt_state_shardings(opt_state, ps, mesh, params)
-    tparams = sh.shard_params(target.params, sh.param_shardings(target, mesh))
+    tparams = sh.shard_params(target.params, ms.param_shardings(target, mesh))
     return ps, os_, tparams
 
 
@@ -368,7 +380,7 @@ def test_checkpoint_restores_onto_another_mesh_and_training_continues(trainer, t
     (p0, o0), (p1, o1), (p2, o2) = trainer["states"]
     # saved from a mesh with one layout (fsdp=8: every hidden dim split 8 ways) ...
     save_mesh = sh.make_mesh("fsdp=8")
-    ps8 = sh.param_shardings(trainer["pair"][1], save_mesh)
+    ps8 = ms.param_shardings(trainer["pair"][1], save_mesh)
     ckpt = Checkpointer(str(tmp_path / "ckpt"))
     ckpt.save(1, sh.shard_params(p1, ps8), sh.shard_params(o1, sh.opt_state_shardings(o1, ps8, save_mesh)),
               {"step": 1})

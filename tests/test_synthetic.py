@@ -61,11 +61,11 @@ def test_realised_tau_is_the_requested_one(pair):
 
 def test_replay_on_a_mesh(pair):
     """Rows over data (3 prompts padded to 4 rows), weights over tensor: the reference rows travel with them."""
-    from dflash_jax import sharding
+    from dflash_jax import model_sharding, sharding
 
     target, draft = pair
     mesh = sharding.make_mesh("data=-1,tensor=2")
-    sharded = (sharding.shard_target(target, mesh), sharding.shard_draft(draft, mesh))
+    sharded = (model_sharding.shard_target(target, mesh), model_sharding.shard_draft(draft, mesh))
     plain, spec = _replayed(sharded, np.eye(8)[3], max_new_tokens=20)
     assert [s.output_ids for s in spec] == [p.output_ids for p in plain]
     assert all(set(s.acceptance_lengths[:-1]) == {4} for s in spec)
@@ -132,11 +132,11 @@ def test_synthetic_pair_on_a_mesh():
     """Weights drawn on the devices in the requested dtype, each leaf on its tensor-parallel sharding."""
     import jax
 
-    from dflash_jax import sharding
+    from dflash_jax import model_sharding, sharding
 
     mesh = sharding.make_mesh("data=-1,tensor=2")
     target, draft = syn.synthetic_pair("tiny", "bfloat16", mesh)
-    want = sharding.param_shardings(target, mesh)
+    want = model_sharding.param_shardings(target, mesh)
     for leaf, sh in zip(jax.tree_util.tree_leaves(target.params), jax.tree_util.tree_leaves(want)):
         assert leaf.dtype == jax.numpy.bfloat16 and leaf.sharding.is_equivalent_to(sh, leaf.ndim)
     q = target.params["layers_0"]["self_attn"]["q_proj"]["kernel"]

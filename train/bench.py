@@ -150,7 +150,7 @@ def model_flops(tcfg, dcfg, *, seq_len: int, anchors) -> dict:
 
 
 class _SyntheticData:
-    """What ``train.loop._device_batch`` reads from a ``TrainData``: ``batch(idx) -> (ids, mask, doc_start)``
+    """What ``train.loop.device_batch`` reads from a ``TrainData``: ``batch(idx) -> (ids, mask, doc_start)``
     (unpacked: no doc_start)."""
 
     def __init__(self, ids, mask):
@@ -169,7 +169,7 @@ def setup(args):
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax import sharding
+    from dflash_jax import model_sharding, sharding
     from dflash_jax.checkpoints import load_tokenizer, resolve_dtype
     from dflash_jax.config import TargetConfig
     from dflash_jax.draft import draft_param_shapes
@@ -177,7 +177,7 @@ def setup(args):
     from dflash_jax.target import Target, load_target, param_shapes
     from train import objective
     from train.config import TrainConfig
-    from train.loop import _device_batch, build_draft_config, cached_train_step
+    from train.loop import build_draft_config, cached_train_step, device_batch
 
     hf, shape = PRESETS[args.preset]
     shape = {k: getattr(args, k) if getattr(args, k) is not None else shape[k] for k in SHAPE_FLAGS
@@ -200,13 +200,13 @@ def setup(args):
             raise BenchError(f"--target {args.target}: not a directory (a Hugging Face checkpoint directory)")
         try:
             target = (load_target(args.target, dtype=cfg.dtype) if mesh is None
-                      else sharding.load_sharded(args.target, None, mesh, cfg.dtype)[0])
+                      else model_sharding.load_sharded(args.target, None, mesh, cfg.dtype)[0])
         except (OSError, ValueError, KeyError) as e:
             raise BenchError(f"--target {args.target}: {_one_line(e)}") from None
         tokenizer = load_tokenizer(target.path)
     else:
         tcfg = TargetConfig.from_hf(hf)
-        shard = None if mesh is None else sharding.param_shardings(tcfg, mesh)
+        shard = None if mesh is None else model_sharding.param_shardings(tcfg, mesh)
         target = Target(tcfg, device_random_params(param_shapes(tcfg), args.seed + 1, dtype, shard))
         tokenizer = None
     tcfg = target.config
@@ -223,7 +223,7 @@ def setup(args):
     p_shard = o_shard = None
     optimizer, _ = cached_train_step(cfg, tcfg, dcfg, offline=True)
     if mesh is not None:  # as train(): draft params and optimizer state over fsdp / tensor
-        p_shard = sharding.param_shardings(dcfg, mesh, sharding.model_rules(mesh, tcfg, dcfg), shapes)
+        p_shard = model_sharding.param_shardings(dcfg, mesh, model_sharding.model_rules(mesh, tcfg, dcfg), shapes)
         o_shard = sharding.opt_state_shardings(jax.eval_shape(optimizer.init, shapes), p_shard, mesh, shapes)
     params = device_random_params(shapes, args.seed, param_dtype, p_shard)
     opt_state = jax.jit(optimizer.init, out_shardings=o_shard)(params)
@@ -234,7 +234,7 @@ def setup(args):
     mask = np.zeros((a * b, s), np.int32)
     mask[:, s // 8:] = 1  # a prompt, then the supervised response
     idx = np.arange(a * b).reshape(a, b)
-    ids_d, mask_d, idx_d, _, _ = _device_batch(_SyntheticData(ids, mask), None, idx, mesh, cfg.dtype)
+    ids_d, mask_d, idx_d, _, _ = device_batch(_SyntheticData(ids, mask), None, idx, mesh, cfg.dtype)
     anchors = np.concatenate([np.asarray(objective.sample_batch_anchors(cfg.seed, 0, jnp.asarray(idx[i]),
                                                                         jnp.asarray(mask[idx[i]]), cfg.num_anchors))
                               for i in range(a)])

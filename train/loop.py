@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dflash_jax import sharding
+from dflash_jax import model_sharding, sharding
 from dflash_jax.checkpoints import load_tokenizer, resolve_dtype
 from dflash_jax.config import MASK_TOKEN, DraftConfig, choose_target_layer_ids
 from dflash_jax.draft import Draft, check_fits, draft_param_shapes, init_draft_params, load_draft
@@ -320,7 +320,7 @@ class CollapseDetector:
                       f"recover. The learning rate is probably too high: start over with a lower --lr (now "
                       f"{self.lr:g}; default 6e-4) and a new --out")
 
-def _device_batch(data: TrainData, store, idx, mesh, dtype):
+def device_batch(data: TrainData, store, idx, mesh, dtype):
     """(ids, mask, idx, feats or None, doc starts or None) of the global step ``idx`` [A, B] on the device(s).
     On a mesh each process reads only its ``process_slice`` of the B rows and the rows are split over
     data*fsdp. Cached features travel in their storage dtype and are cast on the device (one compiled step
@@ -366,11 +366,11 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
         if mesh is None:
             target = load_target(cfg.target, dtype=cfg.dtype)
         else:  # each tensor straight onto its shards
-            target, _ = sharding.load_sharded(cfg.target, None, mesh, cfg.dtype)
+            target, _ = model_sharding.load_sharded(cfg.target, None, mesh, cfg.dtype)
     else:
         target = Target(target.config, objective.cast_tree(target.params, resolve_dtype(cfg.dtype)), target.path)
         if mesh is not None:
-            target = sharding.shard_target(target, mesh)
+            target = model_sharding.shard_target(target, mesh)
     tokenizer = load_tokenizer(target.path)
     data = TrainData.load(cfg.data, seq_len=cfg.seq_len, block_size=cfg.block_size,
                           vocab_size=target.config.vocab_size, allow_partial=cfg.allow_partial_data, pack=cfg.pack)
@@ -453,7 +453,8 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
     like = params_like if latest is not None else params
     opt_like = jax.eval_shape(optimizer.init, like)
     if mesh is not None:  # draft params and optimizer state over fsdp / tensor (any checkpoint restores onto it)
-        p_shard = sharding.param_shardings(dcfg, mesh, sharding.model_rules(mesh, target.config, dcfg), like)
+        rules = model_sharding.model_rules(mesh, target.config, dcfg)
+        p_shard = model_sharding.param_shardings(dcfg, mesh, rules, like)
         o_shard = sharding.opt_state_shardings(opt_like, p_shard, mesh, like)
     if latest is not None:
         if mesh is not None:
@@ -563,7 +564,7 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
             epoch, idx = data.step_indices(step, seed=cfg.seed, grad_accum=cfg.grad_accum, batch_size=cfg.batch_size)
             lr = lr_at(cfg, step, total)
             t0 = time.perf_counter()
-            ids, mask, idx_d, feats, starts = _device_batch(data, store, idx, mesh, cfg.dtype)
+            ids, mask, idx_d, feats, starts = device_batch(data, store, idx, mesh, cfg.dtype)
             params, opt_state, sums, ok, gnorm = step_fn(params, opt_state, target.params, ids, mask, idx_d,
                                                          jnp.int32(epoch), feats, jnp.float32(lr), starts)
             sums, ok, gnorm = jax.device_get((sums, ok, gnorm))

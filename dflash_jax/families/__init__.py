@@ -10,8 +10,11 @@ Adding a target family
    reading a Hugging Face ``config.json`` dict, ``to_hf``; the fields the rest of the library reads are
    ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
    ``num_key_value_heads``, ``max_position_embeddings``, ``tie_word_embeddings``, ``eos_token_id``,
-   ``bos_token_id``, ``pad_token_id``), a Flax decoder with ``__call__(input_ids, positions, cache,
-   feature_layer_ids, logits_index) -> (logits, features, cache)``, ``embed(ids)`` and ``head(h)``
+   ``bos_token_id``, ``pad_token_id``), a Flax decoder built as ``Decoder(config, attention_impl)``
+   (``attention_impl``: the decode attention's impl, ``attention.decode_attention``) with
+   ``__call__(input_ids, positions, cache=None, feature_layer_ids=(), logits_index=None, segment_ids=None,
+   new_mask=None) -> (logits, features, cache)`` (``segment_ids``: packed documents without a cache;
+   ``new_mask``: tree verification with a cache; see ``dense.Decoder``), ``embed(ids)`` and ``head(h)``
    (features are Hugging Face ``hidden_states[id + 1]``), and ``FAMILY = Family(...)``.
 2. Add one line to ``_REGISTRY`` below per ``model_type`` it serves (and import the module).
 3. Test it against transformers' own PyTorch class (see tests/test_target.py).

@@ -11,7 +11,9 @@ from dflash_jax.checkpoints import NameTable
 class Family:
     name: str
     config: type  # frozen dataclass: from_hf(dict) -> config, to_hf() -> dict
-    decoder: type  # Flax module class, built as decoder(config)
+    # Flax module class, built as decoder(config, attention_impl); called as (input_ids, positions, cache=None,
+    # feature_layer_ids=(), logits_index=None, segment_ids=None, new_mask=None) -> (logits, features, cache)
+    decoder: type
     checkpoint: Callable[[Any], NameTable]  # config -> its HF tensor-name table
     state_specs: Callable[[Any], tuple]  # config -> one decode-state spec per layer (dflash_jax.state)
     logical_rules: tuple[tuple[str, Any], ...] = ()  # extra logical-axis rules (added to the sharding table)

@@ -47,7 +47,7 @@ import numpy as np
 from dflash_jax.config import TargetConfig, read_config_json
 from dflash_jax.families import dense
 from dflash_jax.families.family import Family
-from dflash_jax.layers import INIT_STD, Linear, RMSNorm
+from dflash_jax.layers import Linear, RMSNorm, initializer
 from dflash_jax.state import KVSpec, RecurrentSpec
 
 CHUNK = 64  # chunk length of the chunked delta rule (transformers' and FLA's default)
@@ -74,14 +74,15 @@ class Qwen35Config(TargetConfig):
     linear_num_value_heads: int = 32
     vision_language: bool = False
 
-    def __post_init__(self):
-        types = self.layer_types
-        object.__setattr__(self, "layer_types", ())  # the dense checks know only attention layer types
-        super().__post_init__()
-        object.__setattr__(self, "layer_types", tuple(types) or self.layer_types)
+    def _check_layer_types(self) -> None:
+        """Linear (Gated DeltaNet) and full attention layers, one per layer (no sliding window layers)."""
         bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if bad or len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types must be {self.num_hidden_layers} of {LAYER_TYPES}, got {list(self.layer_types)}")
+
+    def __post_init__(self):
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))  # hashable (a static jit argument)
+        super().__post_init__()
         for k in _LINEAR:
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
@@ -278,7 +279,7 @@ class DepthwiseConv(nn.Module):
 
     def setup(self):
         self.conv_weight = self.param("conv_weight", nn.with_logical_partitioning(
-            nn.initializers.normal(INIT_STD), (None, None, None)), (self.channels, 1, self.kernel))
+            initializer("conv_weight"), (None, None, None)), (self.channels, 1, self.kernel))
 
 
 class GatedDeltaNet(nn.Module):
@@ -295,8 +296,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = Linear(hv, False, ("embed", None))
         self.in_proj_a = Linear(hv, False, ("embed", None))
         self.conv1d = DepthwiseConv(c.conv_dim, c.linear_conv_kernel_dim)
-        self.A_log = self.param("A_log", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (hv,))
-        self.dt_bias = self.param("dt_bias", nn.with_logical_partitioning(nn.initializers.ones, (None,)), (hv,))
+        self.A_log = self.param("A_log", nn.with_logical_partitioning(initializer("A_log"), (None,)), (hv,))
+        self.dt_bias = self.param("dt_bias", nn.with_logical_partitioning(initializer("dt_bias"), (None,)), (hv,))
         self.norm = RMSNorm(c.rms_norm_eps, axis_name="head_dim")
         self.out_proj = Linear(c.hidden_size, False, (None, "embed"))
 

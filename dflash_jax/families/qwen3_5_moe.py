@@ -53,17 +53,17 @@ class Qwen35MoeConfig(Qwen35Config, Qwen3MoeConfig):
     @classmethod
     def _text_config(cls, d: dict) -> dict:
         text = super()._text_config(d)
-        missing = [k for k in (*qwen3_moe._MOE_FIELDS, "shared_expert_intermediate_size") if text.get(k) is None]
+        missing = [k for k in (*qwen3_moe.MOE_FIELDS, "shared_expert_intermediate_size") if text.get(k) is None]
         if missing:
             raise ValueError(f"{d.get('model_type')} config.json is missing {missing}")
         return {**text, "intermediate_size": text.get("intermediate_size") or text["moe_intermediate_size"]}
 
     @classmethod
     def _extra_fields(cls, text: dict) -> dict:
-        return {k: int(text[k]) for k in (*qwen3_moe._MOE_FIELDS, "shared_expert_intermediate_size")}
+        return {k: int(text[k]) for k in (*qwen3_moe.MOE_FIELDS, "shared_expert_intermediate_size")}
 
     def _extra_hf(self) -> dict:  # (intermediate_size is written too: transformers keeps it as an extra key)
-        return {k: getattr(self, k) for k in (*qwen3_moe._MOE_FIELDS, "shared_expert_intermediate_size")}
+        return {k: getattr(self, k) for k in (*qwen3_moe.MOE_FIELDS, "shared_expert_intermediate_size")}
 
 
 class SparseMoeBlock(qwen3_moe.SparseMoeBlock):

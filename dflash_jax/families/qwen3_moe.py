@@ -28,7 +28,7 @@ from dflash_jax.families.family import Family
 from dflash_jax.layers import MLP, Linear
 from dflash_jax.moe import Experts
 
-_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Qwen3MoeConfig(TargetConfig):
         if d.get("model_type") != "qwen3_moe":
             raise ValueError(f"expected model_type 'qwen3_moe', got {d.get('model_type')!r}")
         d.setdefault("num_experts", d.get("num_local_experts"))  # transformers 5.x writes num_local_experts
-        missing = [k for k in _MOE_FIELDS if d.get(k) is None]
+        missing = [k for k in MOE_FIELDS if d.get(k) is None]
         if missing:
             raise ValueError(f"qwen3_moe config.json is missing {missing}")
         # transformers' Qwen3-MoE slides every layer when use_sliding_window (it has no max_window_layers);

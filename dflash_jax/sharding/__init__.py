@@ -1,7 +1,7 @@
 """Sharding: one device mesh, one table of logical-axis rules, placement of params / batches / decode
-state, and sharded loading. Sections: ``mesh`` (axes, specs, multi-host), ``rules`` (logical axes ->
-mesh axes), ``placement`` (arrays onto a mesh and back), ``loading`` (model-aware: param shardings,
-shard a Target / Draft, load straight onto a mesh).
+state. Sections: ``mesh`` (axes, specs, multi-host), ``rules`` (logical axes -> mesh axes), ``placement``
+(arrays onto a mesh and back). What needs a model (param shardings of a Target / Draft, sharding one,
+loading straight onto a mesh) is ``dflash_jax.model_sharding``, beside target.py and draft.py.
 
 The mesh always has the axes ``('data', 'fsdp', 'expert', 'tensor')`` (sizes may be 1). Every parameter carries
 logical axis names (``dflash_jax.layers``: ``nn.with_logical_partitioning``); the rules map them to mesh
@@ -14,20 +14,18 @@ Multi-host (TPU pod slice, multi-node GPU): call ``maybe_initialize_distributed(
 mesh then spans every process's devices, params are placed shard by shard (``placer``) and each
 process loads only ``process_slice(n)`` of the training data (``shard_local_batch``).
 """
-from dflash_jax.sharding.loading import (load_sharded, model_rules, param_logical_axes, param_shardings, placer,
-                                         shard_draft, shard_target)
 from dflash_jax.sharding.mesh import (AXES, BATCH_AXES, batch_multiple, make_mesh, maybe_initialize_distributed,
                                       mesh_str, parse_mesh_spec, process_slice)
 from dflash_jax.sharding.placement import (abstract_like, batch_sharding, batch_spec, cache_sharding, cache_spec,
                                            check_batch_rows, constrain_batch, constrain_cache, mesh_of,
                                            opt_state_shardings, pad_rows, shard_batch, shard_local_batch,
                                            shard_params, to_host)
-from dflash_jax.sharding.rules import (LOGICAL_RULES, check_divisible, logical_fit, logical_to_mesh, mesh_context,
+from dflash_jax.sharding.rules import (LOGICAL_RULES, check_divisible, logical_fit, logical_to_mesh,
                                        rules_for)
 
 __all__ = ["AXES", "BATCH_AXES", "LOGICAL_RULES", "abstract_like", "batch_multiple", "batch_sharding", "batch_spec",
            "cache_sharding", "cache_spec", "check_batch_rows", "check_divisible", "constrain_batch",
-           "constrain_cache", "load_sharded", "logical_fit", "logical_to_mesh", "make_mesh",
-           "maybe_initialize_distributed", "mesh_context", "mesh_of", "mesh_str", "model_rules", "opt_state_shardings",
-           "pad_rows", "param_logical_axes", "param_shardings", "parse_mesh_spec", "placer", "process_slice",
-           "rules_for", "shard_batch", "shard_draft", "shard_local_batch", "shard_params", "shard_target", "to_host"]
+           "constrain_cache", "logical_fit", "logical_to_mesh", "make_mesh",
+           "maybe_initialize_distributed", "mesh_of", "mesh_str", "opt_state_shardings",
+           "pad_rows", "parse_mesh_spec", "process_slice",
+           "rules_for", "shard_batch", "shard_local_batch", "shard_params", "to_host"]

@@ -22,13 +22,10 @@ Models are passed as configs (or objects with a ``config``); a draft's heads are
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from typing import Any, Sequence
 
-import flax.linen as nn
-import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 log = logging.getLogger(__name__)
@@ -44,14 +41,6 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("head_dim", None),
     ("features", None),
 )
-
-
-@contextlib.contextmanager
-def mesh_context(mesh: Mesh, rules=LOGICAL_RULES):
-    """``with mesh_context(mesh):`` = ``jax.set_mesh(mesh)`` + Flax logical-axis rules, so bare
-    PartitionSpecs and ``nn.with_logical_constraint`` inside traced code resolve against this mesh."""
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        yield mesh
 
 
 def _layer_configs(*models):

@@ -1,5 +1,6 @@
-"""Model-aware sharding: parameter shardings from a target's or a draft's logical axes, sharding a loaded
-model, and loading a checkpoint straight onto a mesh (each device receives only its slice)."""
+"""Model-aware sharding, beside the target and the draft it reads: parameter shardings from a target's or a
+draft's logical axes, sharding a loaded model, and loading a checkpoint straight onto a mesh (each device
+receives only its slice). ``dflash_jax.sharding`` itself knows only meshes, rules and placement."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +10,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 from flax import traverse_util
+from flax.core import unfreeze
 from jax.sharding import Mesh, NamedSharding
 
 from dflash_jax import draft as draft_lib
@@ -16,7 +18,7 @@ from dflash_jax import target as target_lib
 from dflash_jax.checkpoints import resolve_path
 from dflash_jax.config import DraftConfig
 from dflash_jax.families import config_from_hf, family_of
-from dflash_jax.sharding.placement import _as_dict, shard_params
+from dflash_jax.sharding.placement import shard_params
 from dflash_jax.sharding.rules import LOGICAL_RULES, logical_to_mesh, rules_for
 
 
@@ -50,8 +52,8 @@ def param_shardings(model, mesh: Mesh, rules=None, params=None):
     if params is None:
         params = getattr(model, "params", None)
     shapes = nn.meta.unbox(_lib(cfg).abstract_variables(cfg)) if params is None else params
-    flat_l = traverse_util.flatten_dict(_as_dict(logical))
-    flat_s = traverse_util.flatten_dict(_as_dict(shapes))
+    flat_l = traverse_util.flatten_dict(unfreeze(logical))
+    flat_s = traverse_util.flatten_dict(unfreeze(shapes))
     if set(flat_l) != set(flat_s):
         raise ValueError(f"params do not match the model's structure: missing {sorted(set(flat_l) - set(flat_s))[:3]}"
                          f", unexpected {sorted(set(flat_s) - set(flat_l))[:3]}")
@@ -78,7 +80,7 @@ def placer(model_config, mesh: Mesh, rules=None) -> Callable[[tuple, np.ndarray]
         cfg = config_from_hf(path)
         target = load_target(path, place=placer(cfg, mesh))
     """
-    flat = traverse_util.flatten_dict(_as_dict(param_shardings(model_config, mesh, rules)))
+    flat = traverse_util.flatten_dict(unfreeze(param_shardings(model_config, mesh, rules)))
 
     def place(path, array):
         path = tuple(path)
