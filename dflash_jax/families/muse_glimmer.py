@@ -87,7 +87,7 @@ class MuseGlimmerConfig(TargetConfig):
         return bool(self.layer_rope_theta[i])
 
     @classmethod
-    def from_hf(cls, path_or_dict) -> "MuseGlimmerConfig":
+    def from_hf(cls, path_or_dict) -> MuseGlimmerConfig:
         d = read_config_json(path_or_dict)
         model_type = d.get("model_type")
         if model_type == MODEL_TYPES[0]:
