@@ -122,17 +122,18 @@ def test_each_muse_feature_matters(muse):
     one of them; the window of 4 cuts rows of 14)."""
     _, _, target = muse
     c = target.config
-    ids = np.random.RandomState(1).randint(0, V, (1, 14)).astype(np.int32)
-    base = np.asarray(forward(c, target.params, ids, positions_for(ids))[0])
+    ids = np.random.RandomState(1).randint(0, V, (2, 14)).astype(np.int32)
+    run = lambda cfg: forward(cfg, target.params, ids, positions_for(ids), feature_layer_ids=ALL)[0]  # noqa: E731
+    base = np.asarray(run(c))  # (the parity test's program)
     assert 1.5 < np.abs(base).max() < c.final_logit_softcapping
     for change in (dict(layer_rope_theta=(1e4,) * L), dict(qk_scale_factor=1.0)):
-        assert max_diff(forward(dataclasses.replace(c, **change), target.params, ids, positions_for(ids))[0],
-                        base) > 1e-3, change
+        assert max_diff(run(dataclasses.replace(c, **change)), base) > 1e-3, change
 
 
 def test_incremental_decoding_equals_one_shot(muse):
-    """A ragged prefill (5 and 2 tokens), then 3 tokens per forward through the cache: the sliding layers'
-    rings (window 4 + 3 slots) wrap, the NoPE layer keeps a full cache; logits and features equal one shot."""
+    """A ragged prefill (3 and 2 tokens), then 3 tokens per forward through the cache (one program): the
+    sliding layers' rings (window 4 + 3 slots) wrap, the NoPE layer keeps a full cache; logits and features
+    equal one shot."""
     _, _, target = muse
     c, params = target.config, target.params
     seq = 16
@@ -140,7 +141,7 @@ def test_incremental_decoding_equals_one_shot(muse):
     full, full_feats, _ = forward(c, params, ids, positions_for(ids), feature_layer_ids=ALL)
     cache = target.new_cache(2, 32, max_block=3)
     assert [type(s).__name__ for s in cache.layers] == ["SlidingKV"] * 3 + ["FullKV"]
-    got, got_feats, cache = decode_in_chunks(target, ids, cache, [5, 2], lambda n: 3, ALL)
+    got, got_feats, cache = decode_in_chunks(target, ids, cache, [3, 2], lambda n: 3, ALL)
     np.testing.assert_array_equal(cache.lengths, [seq, seq])
     assert max_diff(got, full) <= 1e-5 and max_diff(got_feats, full_feats) <= 3e-5  # features reach ~5
 
