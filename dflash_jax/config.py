@@ -306,6 +306,22 @@ def _first(*values):
 
 
 DRAFT_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
+# transformers' MuseGlimmerAssistantConfig: a DFlash draft with a flat config (no dflash_config), non-causal, its
+# layers sliding by default; its defaults (vocab_size, absent there, only sizes a DFlash2 selector: Muse-Glimmer's)
+ASSISTANT_MODEL_TYPE = "muse_glimmer_assistant"
+_ASSISTANT_DEFAULTS = {"vocab_size": 202048, "hidden_size": 6656, "intermediate_size": 19968, "num_hidden_layers": 5,
+                       "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
+                       "max_position_embeddings": 131072, "sliding_window": 2048, "rope_theta": 500000.0,
+                       "bos_token_id": 200000, "eos_token_id": 200001, "pad_token_id": 200018, "block_size": 16,
+                       "mask_token_id": 201818, "target_layer_ids": [1, 13, 25, 37, 49]}
+
+
+def _assistant_as_dflash(d: Mapping) -> dict:
+    """A ``muse_glimmer_assistant`` config.json as the DFlash layout it is (``MuseGlimmerAssistantModel``)."""
+    d = {**_ASSISTANT_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
+    d.setdefault("layer_types", ["sliding_attention"] * int(d["num_hidden_layers"]))
+    return {**d, "model_type": "qwen3", "architectures": ["DFlashDraftModel"], "is_causal": False,
+            "dflash_config": {k: d[k] for k in ("mask_token_id", "target_layer_ids", "block_size")}}
 # DFlash2 keys of ``dflash_config`` -> their defaults (README, "Draft formats")
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
@@ -384,6 +400,8 @@ class DraftConfig:
 
     @classmethod
     def _read(cls, d: Mapping) -> "DraftConfig":
+        if d.get("model_type") == ASSISTANT_MODEL_TYPE:
+            d = _assistant_as_dflash(d)
         dflash = d.get("dflash_config") or {}
         if not isinstance(dflash, Mapping):
             raise ValueError(f"dflash_config must be a JSON object, got {type(dflash).__name__}")

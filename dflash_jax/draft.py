@@ -31,18 +31,22 @@ from dflash_jax.state import DecodeCache, KVSpec
 from dflash_jax.target import Target, check_token_ids
 
 _CODEBOOKS = ("predecessor_codebook", "successor_codebook")
+# muse_glimmer_assistant drafts (MuseGlimmerAssistantModel) name fc / hidden_norm after their context encoder
+_ALIASES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
 
 
-def _codebook_names(stream):
-    """DFlash2 codebooks are stored without a ``.weight`` suffix; accept checkpoints written with one."""
+def _draft_names(stream):
+    """The released names: ``_ALIASES`` renamed; DFlash2 codebooks are stored without a ``.weight`` suffix
+    (checkpoints written with one are accepted)."""
     for name, array in stream:
+        name = _ALIASES.get(name, name)
         stem = name[:-len(".weight")] if name.endswith(".weight") else name
         yield (stem if stem.split(".")[-1] in _CODEBOOKS else name), array
 
 
 # released drafts: layer names without a prefix; DFlash2's own leaves keep their names
 CHECKPOINT = NameTable(leaves=(("base_kernel", "base_kernel", False),) + tuple((c, c, False) for c in _CODEBOOKS),
-                       rewrite=_codebook_names)
+                       rewrite=_draft_names)
 
 
 class DynamicConv(nn.Module):

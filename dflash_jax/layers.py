@@ -112,18 +112,22 @@ class Embed(nn.Module):
 
 class RMSNorm(nn.Module):
     """weight * x / rms(x), statistics in float32 (as Qwen3RMSNorm / LlamaRMSNorm); ``zero_centred``:
-    (1 + weight) * x / rms(x), the product in float32 (Qwen3_5RMSNorm / Qwen3NextRMSNorm)."""
+    (1 + weight) * x / rms(x), the product in float32 (Qwen3_5RMSNorm / Qwen3NextRMSNorm); ``with_scale``
+    False: x / rms(x), no parameter (MuseGlimmerRMSNorm(with_scale=False))."""
 
     eps: float = 1e-6
     axis_name: str = "embed"
     zero_centred: bool = False
+    with_scale: bool = True
 
     @nn.compact
     def __call__(self, x):
-        weight = self.param("weight", nn.with_logical_partitioning(initializer("weight"), (self.axis_name,)),
-                            (x.shape[-1],))
         x32 = x.astype(jnp.float32)
         x_hat = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if not self.with_scale:
+            return x_hat.astype(x.dtype)
+        weight = self.param("weight", nn.with_logical_partitioning(initializer("weight"), (self.axis_name,)),
+                            (x.shape[-1],))
         if self.zero_centred:
             return (x_hat * (1.0 + jnp.asarray(weight, jnp.float32))).astype(x.dtype)
         return jnp.asarray(weight, x.dtype) * x_hat.astype(x.dtype)

@@ -113,13 +113,22 @@ class Decoder(nn.Module):
             self.lm_head = Linear(c.vocab_size, False, ("embed", "vocab"))
 
     def embed(self, ids):
+        """The raw embedding lookup (the draft embeds its blocks with it)."""
         return self.embed_tokens(ids)
 
     def head(self, h):
-        """Logits (float32) of already-normalised hidden states; the draft reuses it."""
+        """Logits (float32) of already-normalised hidden states: the plain lm_head, which the draft reuses."""
         if self.cfg.tie_word_embeddings:
             return self.embed_tokens.attend(h)
         return self.lm_head(h).astype(jnp.float32)
+
+    def embed_inputs(self, input_ids):
+        """The first layer's input (``hidden_states[0]``): ``embed``, unless a family transforms it."""
+        return self.embed(input_ids)
+
+    def logits(self, h):
+        """The target's own logits of final-normed states: ``head``, unless a family transforms them."""
+        return self.head(h)
 
     def __call__(self, input_ids, positions, cache: DecodeCache | None = None, feature_layer_ids: tuple = (),
                  logits_index=None, segment_ids=None, new_mask=None):
@@ -133,7 +142,7 @@ class Decoder(nn.Module):
         with several documents (positions restarting at 0 in each) gives each its unpacked features.
         ``new_mask`` [B, T, T] bool (with a cache): tree verification (``DecoderLayer.tree_attention``).
         """
-        x = self.embed(input_ids)
+        x = self.embed_inputs(input_ids)
         hidden, states = [], []
         for i, layer in enumerate(self.layers):
             x, s = layer(x, positions, None if cache is None else cache.layers[i], segment_ids, new_mask)
@@ -147,7 +156,7 @@ class Decoder(nn.Module):
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
         if cache is not None:
             cache = cache.replace(layers=tuple(states))
-        return self.head(self.norm(x)), features, cache
+        return self.logits(self.norm(x)), features, cache
 
 
 def checkpoint(cfg: TargetConfig) -> NameTable:
