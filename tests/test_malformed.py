@@ -222,7 +222,7 @@ TRANSPOSED = {
     "gpt_oss": (GPT_OSS, ["model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.experts.gate_up_proj"]),
     "qwen3_5": (QWEN3_5, ["model.layers.1.mlp.down_proj.weight", "model.layers.3.self_attn.o_proj.weight"]),
     "qwen3_5_moe": (QWEN3_5_MOE, ["model.layers.1.mlp.shared_expert.down_proj.weight",
-                                  "model.layers.1.mlp.experts.down_proj"]),
+                                  "model.layers.1.mlp.experts.down_proj", "model.layers.2.mlp.experts.5.up_proj.weight"]),
     "qwen3_next": (QWEN3_NEXT, ["model.layers.1.mlp.down_proj.weight", "model.layers.2.mlp.experts.down_proj",
                                 "model.layers.0.linear_attn.in_proj_qkvz.weight"]),
 }
