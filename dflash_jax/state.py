@@ -35,6 +35,16 @@ def _rows(positions):
     return jnp.arange(positions.shape[0])[:, None]
 
 
+def ring_slots(positions, keep, r: int):
+    """The slot of each position one write stores in a ring of R = ``r`` slots: ``position % r`` for the kept
+    (``keep`` [B, T]) positions among the newest R of their row (last - R < position <= last), ``r`` (out of
+    range: dropped by the scatter's ``mode="drop"``) for the rest. Positions within a row of one write are
+    distinct, so no two kept ones share a slot: a write longer than the ring keeps its newest R positions,
+    each once (duplicate scatter indices have no guaranteed order on TPU / GPU)."""
+    last = jnp.max(jnp.where(keep, positions, -1), axis=1, keepdims=True)
+    return jnp.where(keep & (positions > last - r), positions % r, r)
+
+
 @flax.struct.dataclass
 class FullKV:
     """Keys / values [B, S, K, H] of every position so far; slot s holds position s."""
@@ -89,7 +99,6 @@ class SlidingKV:
     pos: jax.Array
 
     def update(self, k_new, v_new, positions):
-        r = self.k.shape[1]
         valid = positions >= 0
         start = jnp.min(jnp.where(valid, positions, _FAR), axis=1, keepdims=True)
         old = (self.pos >= 0) & (self.pos < start)  # rolled-back slots hold positions >= start
@@ -97,13 +106,7 @@ class SlidingKV:
         values = jnp.concatenate([self.v, v_new.astype(self.v.dtype)], axis=1)
         key_pos = jnp.concatenate([self.pos, positions], axis=1)
         exists = jnp.concatenate([old, valid], axis=1)
-        last = jnp.max(jnp.where(valid, positions, -1), axis=1, keepdims=True)
-        slots = jnp.where(valid & (positions > last - r), positions % r, r)  # newest R: distinct slots
-        rows = _rows(positions)
-        new = SlidingKV(self.k.at[rows, slots].set(k_new.astype(self.k.dtype), mode="drop"),
-                        self.v.at[rows, slots].set(v_new.astype(self.v.dtype), mode="drop"),
-                        self.pos.at[rows, slots].set(positions, mode="drop"))
-        return new, keys, values, key_pos, exists
+        return self._put(k_new, v_new, positions, valid), keys, values, key_pos, exists
 
     def commit(self, kept) -> "SlidingKV":
         return self
@@ -122,8 +125,9 @@ class SlidingKV:
         return self._put(self.k[rows, s], self.v[rows, s], dst, keep)
 
     def _put(self, k, v, positions, keep) -> "SlidingKV":
-        r, rows = self.k.shape[1], _rows(positions)
-        slots = jnp.where(keep, positions % r, r)
+        """Every write into the ring: the kept positions' K/V at ``ring_slots`` (the newest R of the write)."""
+        rows = _rows(positions)
+        slots = ring_slots(positions, keep, self.k.shape[1])
         return SlidingKV(self.k.at[rows, slots].set(k.astype(self.k.dtype), mode="drop"),
                          self.v.at[rows, slots].set(v.astype(self.v.dtype), mode="drop"),
                          self.pos.at[rows, slots].set(positions, mode="drop"))

@@ -165,6 +165,53 @@ def test_stale_slots_past_the_length_are_never_seen():
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, err_msg=impl)
 
 
+# row b: (length, first query position); T = 4 queries each at first .. first + 3. Rows 0 / 4: queries far below
+# the length (stale slots above them: the causal bound binds); rows 1-3: queries above it (the length binds, row 1
+# at a tile edge, row 3 sees nothing); row 5: mixed (its first query's causal bound, then the length).
+BOUND_ROWS = [(40, 3), (16, 30), (5, 20), (0, 8), (33, 12), (18, 16)]
+
+
+def _numpy_decode_attention(q, k, v, q_pos, lengths, window):
+    """The oracle: per query, a float64 softmax over exactly the slots s < length, s <= q_pos (q_pos - s < window)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    out = np.zeros(q.shape)
+    for b, t in np.ndindex(*q_pos.shape):
+        p = int(q_pos[b, t])
+        s = np.arange(k.shape[1])
+        seen = (s < lengths[b]) & (s <= p) & ((p - s < window) if window else True)
+        if p < 0 or not seen.any():
+            continue
+        for h in range(q.shape[2]):
+            logits = k[b, seen, h // g] @ q[b, t, h] / np.sqrt(q.shape[-1])
+            w = np.exp(logits - logits.max())
+            out[b, t, h] = w @ v[b, seen, h // g] / w.sum()
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_length_bound_when_it_is_not_the_causal_one(window):
+    """Queries far below the row length (stale slots above them) and above it (``lengths`` smaller than the
+    causal bound), against a numpy oracle, for the loop, both Pallas formulations (interpret) and the dense
+    reference. Slots some query must not see hold large values, so one slot too many or too few shows.
+    Catches ``lengths + 1`` (or ``q_pos + 2``) in ``_row_bounds``, the loop, the kernel or the reference."""
+    b, t, hq, hkv, d, s, k_tile = len(BOUND_ROWS), 4, 4, 2, 16, 48, 16
+    q, k, v, _, _, _ = _inputs(7, b, t, hq, hkv, d, s, jnp.float32)
+    lengths = np.array([n for n, _ in BOUND_ROWS], np.int32)
+    q_pos = np.array([first + np.arange(t) for _, first in BOUND_ROWS], np.int32)
+    assert (lengths > q_pos[:, -1] + 1).sum() == 2 and (lengths < q_pos[:, 0] + 1).sum() == 3
+    slot = np.arange(s)[None, :]
+    unseen = (slot >= lengths[:, None]) | (slot > q_pos[:, :1])  # invisible to at least the row's first query
+    v = v + 20.0 * jnp.asarray(unseen, jnp.float32)[:, :, None, None]
+    want = _numpy_decode_attention(q, k, v, q_pos, lengths, window)
+    assert np.abs(want).max() > 1.0 and np.all(want[3] == 0)
+    args = (q, k, v, jnp.asarray(q_pos), jnp.asarray(lengths))
+    outs = {impl: _run(impl, k_tile, window, False, False, jnp.float32)(*args, None, None, None) for impl in IMPLS}
+    outs["reference"] = decode_attention_reference(*args, sliding_window=window)
+    for impl, out in outs.items():
+        np.testing.assert_allclose(np.asarray(out), want, atol=1e-4, err_msg=impl)
+
+
 def test_dispatch_equals_the_masked_full_cache_path():
     """``attention.decode_attention`` on a FullKV after a write == the path it replaces (state.update +
     position_mask + attend over the whole cache), with a window and sinks."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import struct
 
@@ -16,6 +17,11 @@ from dflash_jax.checkpoints import iter_safetensors, save_safetensors
 from dflash_jax.config import DraftConfig
 from dflash_jax.families import config_from_hf
 from pairs import pair_dirs as make_pair_dirs
+from test_gpt_oss import CFG as GPT_OSS
+from test_qwen3_5 import CFG as QWEN3_5
+from test_qwen3_5_moe import CFG as QWEN3_5_MOE
+from test_qwen3_moe import MOE as QWEN3_MOE
+from test_qwen3_next import CFG as QWEN3_NEXT
 
 
 def _write(path, header, body: bytes):
@@ -203,3 +209,77 @@ def test_cli_options_are_checked_before_any_weight_is_read(pair_dirs, capsys, mo
         g.main(["--target", pair_dirs[0], "--draft", pair_dirs[1], "--prompt-ids", "5,6", *argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: ") and match in err
+
+
+# family -> (config overrides, tensors to save transposed one at a time: a dense weight, and for MoE families a
+# stacked expert tensor in transformers' fused layout -- a name absent from save_pretrained's files is taken from
+# the model's state_dict -- and per-expert / fused-projection tensors the family's rewrite reads). All non-square.
+TRANSPOSED = {
+    "qwen3": ({}, ["model.layers.1.mlp.down_proj.weight"]),
+    "llama": ({}, ["model.layers.1.mlp.down_proj.weight"]),
+    "qwen3_moe": (QWEN3_MOE, ["model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.experts.down_proj",
+                              "model.layers.1.mlp.experts.2.down_proj.weight"]),
+    "gpt_oss": (GPT_OSS, ["model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.experts.gate_up_proj"]),
+    "qwen3_5": (QWEN3_5, ["model.layers.1.mlp.down_proj.weight", "model.layers.3.self_attn.o_proj.weight"]),
+    "qwen3_5_moe": (QWEN3_5_MOE, ["model.layers.1.mlp.shared_expert.down_proj.weight",
+                                  "model.layers.1.mlp.experts.down_proj", "model.layers.2.mlp.experts.5.up_proj.weight"]),
+    "qwen3_next": (QWEN3_NEXT, ["model.layers.1.mlp.down_proj.weight", "model.layers.2.mlp.experts.down_proj",
+                                "model.layers.0.linear_attn.in_proj_qkvz.weight"]),
+}
+
+
+def _refused_transposed(directory, tensors, name, load):
+    """Save ``tensors`` into ``directory`` with ``name`` transposed (last two axes); ``load(directory)`` must raise
+    the loader's shape error naming it, with both shapes."""
+    shape = list(tensors[name].shape)
+    assert shape[-1] != shape[-2], name  # a square weight's transpose is undetectable by shape
+    bad = {**tensors, name: np.swapaxes(tensors[name], -1, -2)}
+    save_safetensors(os.path.join(directory, "model.safetensors"), bad)
+    flipped = shape[:-2] + shape[:-3:-1]
+    with pytest.raises(ValueError, match=rf"tensor {re.escape(name)} has shape {re.escape(str(flipped))} but the "
+                                         rf"config implies {re.escape(str(shape))}"):
+        load(directory)
+
+
+@pytest.mark.parametrize("family", sorted(TRANSPOSED))
+def test_transposed_weights_are_refused(family, tiny_hf, tmp_path):
+    """A non-square weight saved transposed ([in, out]) is a shape error naming it, never swapped back silently:
+    a dense weight and a stacked expert tensor on every family's loader path (catches a loader taught to "fix"
+    a shape by swapping the last two axes)."""
+    overrides, names = TRANSPOSED[family]
+    path, model = tiny_hf(family, family, **overrides)  # the family modules' own checkpoints (same configs)
+    saved = {n: np.array(a) for n, a in iter_safetensors(os.path.join(path, "model.safetensors"))}
+    fused = {k: v.numpy() for k, v in model.state_dict().items()}
+    shutil.copy(os.path.join(path, "config.json"), tmp_path)
+    for name in names:
+        _refused_transposed(str(tmp_path), saved if name in saved else fused, name, dj.load_target)
+    save_safetensors(str(tmp_path / "model.safetensors"), saved)
+    dj.load_target(str(tmp_path))  # the untouched tensors load: the refusals were the transposes'
+
+
+@pytest.mark.parametrize("name", ["fc.weight", "layers.1.mlp.down_proj.weight"])
+def test_transposed_draft_weight_is_refused(pair_dirs, tmp_path, name):
+    """The DFlash draft's loader refuses a transposed fc / layer weight the same way."""
+    shutil.copy(os.path.join(pair_dirs[1], "config.json"), tmp_path)
+    tensors = {n: np.array(a) for n, a in iter_safetensors(os.path.join(pair_dirs[1], "model.safetensors"))}
+    _refused_transposed(str(tmp_path), tensors, name, dj.load_draft)
+
+
+@pytest.mark.parametrize("family,overrides,drop", [
+    ("qwen3", {"attention_bias": True}, "model.layers.1.self_attn.o_proj.bias"),
+    ("llama", {"attention_bias": True, "mlp_bias": True}, "model.layers.2.self_attn.k_proj.bias"),
+    ("llama", {"attention_bias": True, "mlp_bias": True}, "model.layers.0.mlp.down_proj.bias"),
+], ids=["qwen3_attention", "llama_attention", "llama_mlp"])
+def test_a_missing_bias_is_an_error_naming_it(family, overrides, drop, tiny_hf, tmp_path):
+    """attention_bias / mlp_bias checkpoints load with their biases; one bias deleted is an error naming it,
+    never a zero-filled bias."""
+    path, _ = tiny_hf(f"{family}_" + "_".join(sorted(overrides)), family, **overrides)
+    tensors = {n: np.array(a) for n, a in iter_safetensors(os.path.join(path, "model.safetensors"))}
+    assert drop in tensors
+    params = dj.load_target(path).params
+    layer, module, proj = drop.split(".")[2:5]
+    assert params[f"layers_{layer}"][module][proj]["bias"].shape == tensors[drop].shape
+    shutil.copy(os.path.join(path, "config.json"), tmp_path)
+    save_safetensors(str(tmp_path / "model.safetensors"), {n: a for n, a in tensors.items() if n != drop})
+    with pytest.raises(ValueError, match=rf"lacks 1 tensors the config needs, e\.g\. \['{re.escape(drop)}'\]"):
+        dj.load_target(str(tmp_path))

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.state import DecodeCache, KVSpec, Recurrent, RecurrentSpec, SlidingKV
+from dflash_jax.state import DecodeCache, KVSpec, Recurrent, RecurrentSpec, SlidingKV, ring_slots
 
 D = 3  # width of the toy recurrent state
 MAX_BLOCK = 4
@@ -86,3 +86,62 @@ def test_sliding_ring_rollback_keeps_the_window(window, max_block):
         kept = rng.randint(1, t + 1)
         committed.update({n + i: float(vals[0, i, 0, 0]) for i in range(kept)})
         cache = cache.replace(layers=(state,)).commit(jnp.asarray([kept]))
+
+
+def _assert_distinct_slots(slots, r):
+    """No row of one write targets a ring slot twice (``r``: dropped)."""
+    for row in np.asarray(slots):
+        kept = row[row < r]
+        assert len(set(kept.tolist())) == len(kept), row
+
+
+def test_ring_slots_keep_the_newest_r_positions_each_once():
+    """Random writes (shuffled positions, gaps, rows longer and shorter than the ring): the kept slots are
+    distinct and are exactly the row's kept positions within the newest R (last - R < p <= last), at p % R."""
+    rng = np.random.RandomState(2)
+    r, t = 5, 13
+    for _ in range(20):
+        pos = np.stack([rng.permutation(t) + rng.randint(0, 30) for _ in range(4)]).astype(np.int32)
+        keep = rng.rand(4, t) < rng.choice([0.3, 1.0], (4, 1))
+        slots = np.asarray(ring_slots(jnp.asarray(pos), jnp.asarray(keep), r))
+        _assert_distinct_slots(slots, r)
+        for p, k, sl in zip(pos, keep, slots):
+            last = p[k].max(initial=-1)
+            assert sorted(p[sl < r].tolist()) == sorted(p[k & (p > last - r)].tolist())
+            np.testing.assert_array_equal(sl[sl < r], p[sl < r] % r)
+
+
+@pytest.mark.parametrize("how", ["update", "tree_write", "compact"])
+def test_ring_write_longer_than_the_ring_holds_the_newest_positions_once(how, monkeypatch):
+    """A write of more positions than the ring (``update``, its positions shuffled; ``tree_write``; ``compact``,
+    reading a full ring) goes through ``ring_slots`` once, targets no slot twice, and leaves the ring holding
+    exactly the write's newest R positions once each, with their values."""
+    import dflash_jax.state as state_lib
+
+    calls = []
+    real = state_lib.ring_slots
+    monkeypatch.setattr(state_lib, "ring_slots", lambda *a: calls.append(real(*a)) or calls[-1])
+    ring = KVSpec(kv_heads=1, head_dim=1, window=3).init(2, 64, jnp.float32, max_block=2)
+    r, t, n = ring.k.shape[1], 12, np.array([0, 7], np.int32)
+    assert t > r
+    value = lambda p: jnp.asarray(p, jnp.float32)[..., None, None] * 10.0 + 1.0  # noqa: E731
+    pos = n[:, None] + np.arange(t, dtype=np.int32)
+    src = np.broadcast_to(20 + np.arange(t, dtype=np.int32) % r, (2, t))  # compact: reads of a full ring
+    if how == "update":
+        pos = np.stack([np.random.RandomState(3).permutation(row) for row in pos])
+        ring = ring.update(value(pos), value(pos), jnp.asarray(pos))[0]
+    elif how == "tree_write":
+        ring = ring.tree_write(value(pos), value(pos), jnp.asarray(n))
+    else:
+        held = np.broadcast_to(20 + np.arange(r, dtype=np.int32), (2, r))
+        ring = ring.tree_write(value(held), value(held), jnp.full(2, 20, jnp.int32))
+        calls.clear()
+        ring = ring.compact(jnp.asarray(src), jnp.asarray(pos))
+    assert len(calls) == 1
+    _assert_distinct_slots(calls[0], r)
+    for b in range(2):
+        held, keys = np.asarray(ring.pos[b]), np.asarray(ring.k[b, :, 0, 0])
+        assert sorted(held.tolist()) == sorted(pos[b].tolist())[-r:]
+        want = dict(zip(pos[b].tolist(), np.asarray(value(src if how == "compact" else pos))[b, :, 0, 0]))
+        for slot, p in enumerate(held.tolist()):
+            assert p % r == slot and keys[slot] == want[p]

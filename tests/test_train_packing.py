@@ -15,8 +15,11 @@ from train import objective as O
 from train.data import TrainData, pack_sequences, padding_fraction
 
 BK, N, SEQ_LEN, LAYERS = 4, 4, 24, (1, 2, 3)
-LENS = [(3, 11), (2, 7), (4, 10), (1, 5)]  # (prompt, response) tokens of each sequence
-ROWS = [[0, 3], [2, 1]]  # 16 + 6 and 14 + 9 tokens
+# (prompt, response) tokens of each sequence. Packed, sequences 3 and 1 follow others and start with a response
+# token: what follows a document end is then supervised (unpacked: unsupervised padding), so a label not cut at
+# the document end, or an anchor whose block starts in the next document, changes the loss.
+LENS = [(3, 11), (0, 9), (4, 10), (0, 6)]
+ROWS = [[0, 3], [2, 1]]  # 14 + 6 and 14 + 9 tokens
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +70,9 @@ def _offsets(data, seqs):
         at += len(data.ids[j])
 
 
-def _packed_anchors(unpacked, data):
-    """Each sequence's anchors moved to where the packed rows hold it (2N per row: room for all)."""
-    out = np.full((data.num_rows, 2 * N), -1, np.int32)
+def _packed_anchors(unpacked, data, width):
+    """Each sequence's anchors moved to where the packed rows hold it (``width`` per row: room for all)."""
+    out = np.full((data.num_rows, width), -1, np.int32)
     for r, seqs in enumerate(data.rows):
         a = [x + at for at, j in _offsets(data, seqs) for x in unpacked[j] if x >= 0]
         out[r, :len(a)] = a
@@ -77,14 +80,20 @@ def _packed_anchors(unpacked, data):
 
 
 def test_packed_loss_and_gradients_equal_unpacked(step):
-    """Same sequences, same anchors: features, loss sums and gradients equal packed and unpacked."""
+    """Same sequences, every valid anchor (so blocks end at, and would cross, every document end): the anchors
+    sampled on the packed rows are the unpacked ones moved, and features, loss sums and gradients are equal.
+    Catches anchors crossing into the next document and labels not cut at a document end (train/objective.py)."""
     flat, packed = _data(None), _data(ROWS)
     ids_u, mask_u, starts_u = flat.batch(np.arange(4))
     assert starts_u is None
-    anchors_u = np.asarray(O.sample_batch_anchors(0, 0, jnp.arange(4), jnp.asarray(mask_u), N))
+    anchors_u = np.asarray(O.sample_batch_anchors(0, 0, jnp.arange(4), jnp.asarray(mask_u), SEQ_LEN))
+    assert (anchors_u >= 0).sum() == sum(r - 1 for _, r in LENS)  # all of them
     ids_p, mask_p, starts_p = packed.batch(np.arange(2))
-    anchors_p = _packed_anchors(anchors_u, packed)
-    assert (anchors_p >= 0).sum() == (anchors_u >= 0).sum() > 8
+    anchors_p = np.asarray(O.sample_batch_anchors(0, 0, jnp.arange(2), jnp.asarray(mask_p), SEQ_LEN,
+                                                  jnp.asarray(starts_p)))
+    np.testing.assert_array_equal(anchors_p, _packed_anchors(anchors_u, packed, SEQ_LEN))
+    for r, seqs in enumerate(ROWS):  # what follows each row's first document is supervised
+        assert mask_p[r, len(packed.ids[seqs[0]])] == 1 and starts_p[r, len(packed.ids[seqs[0]])] > 0
     fu, su, gu, _ = step(ids_u, mask_u, anchors_u, None)
     fp, sp, gp, _ = step(ids_p, mask_p, anchors_p, starts_p)
     for r, seqs in enumerate(ROWS):
