@@ -13,6 +13,7 @@ import json
 import os
 import re
 import struct
+import sys
 import warnings
 from typing import Callable, Iterator
 
@@ -62,6 +63,24 @@ class NameTable:
 
     def is_ignored(self, name: str) -> bool:
         return any(re.search(p, name) for p in self.ignored)
+
+
+def skip_tensors(skipped: tuple[tuple[str, str], ...], who: str):
+    """A ``NameTable.rewrite`` that drops the tensors matching ``skipped``'s (regex, what) pairs (a VL
+    checkpoint's vision / audio towers, multi-token prediction) and says on stderr how many of each it dropped."""
+    def rewrite(stream):
+        counts = {what: 0 for _, what in skipped}
+        for name, array in stream:
+            what = next((w for p, w in skipped if re.search(p, name)), None)
+            if what is None:
+                yield name, array
+            else:
+                counts[what] += 1
+        dropped = ", ".join(f"{n} {what} tensors" for what, n in counts.items() if n)
+        if dropped:
+            print(f"{who}: loaded the language model only; skipped {dropped}", file=sys.stderr)
+
+    return rewrite
 
 
 def _swap(a, transposed: bool):

@@ -36,7 +36,6 @@ Checkpoints: the released ones are vision-language (``Qwen3_5ForConditionalGener
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import ClassVar
 
 import flax.linen as nn
@@ -44,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.checkpoints import skip_tensors
 from dflash_jax.config import TargetConfig, read_config_json
 from dflash_jax.families import dense
 from dflash_jax.families.family import Family
@@ -361,26 +361,10 @@ class Decoder(dense.Decoder):
     layer_class = DecoderLayer
 
 
-def _skip_unused(stream):
-    """Drop the vision tower and the multi-token-prediction weights, and say how many were skipped."""
-    import re
-
-    counts = {what: 0 for _, what in SKIPPED}
-    for name, array in stream:
-        what = next((w for p, w in SKIPPED if re.search(p, name)), None)
-        if what is None:
-            yield name, array
-        else:
-            counts[what] += 1
-    skipped = ", ".join(f"{n} {what} tensors" for what, n in counts.items() if n)
-    if skipped:
-        print(f"qwen3_5: loaded the language model only; skipped {skipped}", file=sys.stderr)
-
-
 def checkpoint(cfg: Qwen35Config):
     """The dense table under the language-model prefix, plus the linear-attention leaves."""
     return dataclasses.replace(dense.checkpoint(cfg), prefix=VL_PREFIX if cfg.vision_language else TEXT_PREFIX,
-                               leaves=_LEAVES, rewrite=_skip_unused)
+                               leaves=_LEAVES, rewrite=skip_tensors(SKIPPED, "qwen3_5"))
 
 
 def state_specs(cfg: Qwen35Config) -> tuple:
