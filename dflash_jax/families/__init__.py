@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_jax.config import architectures, read_config_json
-from dflash_jax.families import dense, gpt_oss, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next
+from dflash_jax.families import dense, gemma4, gpt_oss, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next
 from dflash_jax.families.family import Family
 
 _REGISTRY: dict[str, Family] = {
@@ -32,6 +32,7 @@ _REGISTRY: dict[str, Family] = {
     "qwen3_5": qwen3_5.FAMILY, "qwen3_5_text": qwen3_5.FAMILY,  # VL checkpoint / text-only
     "qwen3_5_moe": qwen3_5_moe.FAMILY, "qwen3_5_moe_text": qwen3_5_moe.FAMILY,  # VL checkpoint / text-only
     "qwen3_next": qwen3_next.FAMILY,
+    "gemma4": gemma4.FAMILY, "gemma4_text": gemma4.FAMILY,  # VL checkpoint / text-only
 }
 
 
