@@ -22,13 +22,14 @@ import torch
 import transformers
 
 import dflash_jax as dj
+from dflash_jax import speculative as S
 from dflash_jax import target as target_lib
 from dflash_jax.checkpoints import iter_safetensors, save_safetensors
 from dflash_jax.families.gemma4 import Gemma4Config
 from dflash_jax.layers import rope_frequencies
 from dflash_jax.target import forward
-from hf_models import max_diff, positions_for, ragged_parity, torch_forward
-from pairs import decode_in_chunks, lossless_greedy_with_partial_acceptance
+from hf_models import max_diff, positions_for, ragged_parity, torch_forward, torch_greedy
+from pairs import decode_in_chunks, lossless_greedy_with_partial_acceptance, random_draft
 
 V, L, D = 16, 5, 32
 ALL = tuple(range(L))
@@ -281,3 +282,14 @@ def test_missing_or_misshaped_tensor_is_named(gemma, tmp_path):
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         Gemma4Config.from_hf({**config, "use_bidirectional_attention": "all"})
     jax.clear_caches()
+
+
+@pytest.mark.slow  # ~30 s on 2 CPU cores
+def test_tree_verification_equals_transformers_greedy(gemma):
+    """Tree verification (8 nodes): kv-shared layers attend to their source layer's cache and the tree's own
+    keys as it does; the output is transformers' greedy one."""
+    _, model, target = gemma
+    draft = random_draft(target.config, block_size=4, target_layer_ids=(0, 2, 3))
+    prompts = [[5, 7, 3, 4, 9, 6], [7, 7, 1, 2, 3, 11, 12, 9, 14], [2, 8, 13]]
+    out = S.speculative_generate(target, draft, prompts, max_new_tokens=12, stop_token_ids=[], tree_budget=8)
+    assert [r.output_ids for r in out] == [torch_greedy(model, p, 12) for p in prompts]
