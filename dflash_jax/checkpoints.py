@@ -65,9 +65,9 @@ class NameTable:
         return any(re.search(p, name) for p in self.ignored)
 
 
-def skip_reported(family: str, skipped: tuple[tuple[str, str], ...]):
-    """A ``NameTable.rewrite`` that drops the tensors matching ``skipped`` ((regex, what) pairs: a
-    vision-language checkpoint's towers) and says on stderr how many of each it dropped."""
+def skip_tensors(skipped: tuple[tuple[str, str], ...], who: str):
+    """A ``NameTable.rewrite`` that drops the tensors matching ``skipped``'s (regex, what) pairs (a VL
+    checkpoint's vision / audio towers, multi-token prediction) and says on stderr how many of each it dropped."""
     def rewrite(stream):
         counts = {what: 0 for _, what in skipped}
         for name, array in stream:
@@ -78,7 +78,7 @@ def skip_reported(family: str, skipped: tuple[tuple[str, str], ...]):
                 counts[what] += 1
         dropped = ", ".join(f"{n} {what} tensors" for what, n in counts.items() if n)
         if dropped:
-            print(f"{family}: loaded the language model only; skipped {dropped}", file=sys.stderr)
+            print(f"{who}: loaded the language model only; skipped {dropped}", file=sys.stderr)
 
     return rewrite
 

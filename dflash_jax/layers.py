@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -113,7 +114,7 @@ class Embed(nn.Module):
 class RMSNorm(nn.Module):
     """weight * x / rms(x), statistics in float32 (as Qwen3RMSNorm / LlamaRMSNorm); ``zero_centred``:
     (1 + weight) * x / rms(x), the product in float32 (Qwen3_5RMSNorm / Qwen3NextRMSNorm); ``with_scale``
-    False: x / rms(x), no parameter (MuseGlimmerRMSNorm(with_scale=False))."""
+    False: x / rms(x), no weight (Gemma 4's value norm and router norm, MuseGlimmerRMSNorm(with_scale=False))."""
 
     eps: float = 1e-6
     axis_name: str = "embed"
@@ -178,6 +179,10 @@ def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float
         extrapolation = 1 - ramp
         inv = (inv / factor * (1 - extrapolation) + inv * extrapolation).astype(np.float32)
         scale = float(attention_factor)
+    elif rope.rope_type == "proportional":  # Gemma 4's full layers: the first `angles` frequencies of the full
+        angles = int(rope.get("partial_rotary_factor", 1.0) * head_dim // 2)  # head, the rest 0 (not rotated)
+        inv = (np.where(np.arange(head_dim // 2) < angles, inv, 0) / np.float32(rope.get("factor", 1.0)))
+        inv = inv.astype(np.float32)
     return inv, scale
 
 
@@ -198,10 +203,12 @@ def apply_rope(x, positions, rope: RopeConfig):
 
 
 class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), ``intermediate_size`` wide (default: the config's)."""
+    """down(act(gate(x)) * up(x)), ``intermediate_size`` wide (default: the config's); act silu, or another
+    ``activation`` (Gemma 4: ``gelu_tanh``)."""
 
     cfg: TargetConfig
     intermediate_size: int | None = None  # another width (a MoE family's shared expert)
+    activation: Callable = nn.silu
 
     @nn.compact
     def __call__(self, x):
@@ -209,7 +216,12 @@ class MLP(nn.Module):
         width = self.intermediate_size or c.intermediate_size
         gate = Linear(width, c.mlp_bias, ("embed", "mlp"), name="gate_proj")(x)
         up = Linear(width, c.mlp_bias, ("embed", "mlp"), name="up_proj")(x)
-        return Linear(c.hidden_size, c.mlp_bias, ("mlp", "embed"), name="down_proj")(nn.silu(gate) * up)
+        return Linear(c.hidden_size, c.mlp_bias, ("mlp", "embed"), name="down_proj")(self.activation(gate) * up)
+
+
+def gelu_tanh(x):
+    """transformers' ``gelu_pytorch_tanh``: the tanh approximation of GELU."""
+    return jax.nn.gelu(x, approximate=True)
 
 
 class AttentionProjections(nn.Module):
@@ -238,6 +250,10 @@ class AttentionProjections(nn.Module):
     def sink_logits(self):
         """[N] sink logits for ``attend``, or None without sinks."""
         return self.sinks if self.cfg.attention_sinks else None
+
+    def attention_scale(self) -> float | None:
+        """The softmax scale of q . k (None: head_dim ** -0.5; a family with another scale overrides it)."""
+        return None
 
     def queries(self, x, positions):
         """[B, T, D] -> rotated queries [B, T, N, H]."""

@@ -14,6 +14,8 @@ Dispatch, chosen statically from the shapes:
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,11 +24,6 @@ from dflash_jax.layers import initializer
 
 # The families with experts declare this rule: the experts' weights split over the mesh's ``expert`` axis.
 LOGICAL_RULES = (("expert", "expert"),)
-
-
-def silu_glu(gate, up):
-    """SwiGLU as Qwen3 / LLaMA: silu(gate) * up."""
-    return nn.silu(gate) * up
 
 
 def clamped_swiglu(gate, up, alpha: float, limit: float):
@@ -46,6 +43,7 @@ class Experts(nn.Module):
     gate_up_layout: str = "concat"  # "concat" | "interleave"
     swiglu_alpha: float | None = None  # set (with swiglu_limit): gpt-oss's clamped SwiGLU, else silu(gate) * up
     swiglu_limit: float | None = None
+    activation: Callable = nn.silu  # act(gate) * up otherwise (Gemma 4: ``layers.gelu_tanh``)
 
     def setup(self):
         e, d, i = self.num_experts, self.hidden_size, self.intermediate_size
@@ -67,7 +65,7 @@ class Experts(nn.Module):
             gate, up = jnp.split(h, 2, axis=-1)
         if self.swiglu_alpha is not None:
             return clamped_swiglu(gate, up, self.swiglu_alpha, self.swiglu_limit)
-        return silu_glu(gate, up)
+        return self.activation(gate) * up
 
     def __call__(self, x, index, weight):
         t, k = index.shape

@@ -48,7 +48,7 @@ from dflash_jax.config import DraftConfig
 from dflash_jax.families import family_of
 from dflash_jax.proposers import Proposer, StepView
 from dflash_jax.sampling import SamplingParams, accepted_length, choose, filtered_scores, rejection_sample
-from dflash_jax.state import DecodeCache, KVSpec
+from dflash_jax.state import DecodeCache, KVSpec, SharedKVSpec
 from dflash_jax.target import Target, check_token_ids
 
 FINISH_REASONS = ("running", "length", "stop")
@@ -497,6 +497,8 @@ def _check_tree_target(cfg, block_size: int) -> None:
     """Tree verification needs attention layers (full, or sliding with a window >= the block: the tree's own
     keys get no window): a ValueError names what is not (recurrent Gated DeltaNet layers, narrow windows)."""
     for i, s in enumerate(family_of(cfg).state_specs(cfg)):
+        if isinstance(s, SharedKVSpec):  # attends to an earlier attention layer's keys
+            continue
         if not isinstance(s, KVSpec):
             raise ValueError(f"tree_budget > 0 is not supported for {cfg.model_type} targets: layer {i} is "
                              "recurrent (Gated DeltaNet); use the chain (tree_budget=0)")

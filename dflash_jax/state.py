@@ -12,6 +12,7 @@ bonus; 0 for a finished row), and every state rolls back in its own way:
   the ring is large enough that they never overwrite a key still inside the window.
 * ``Recurrent`` (linear attention, conv windows): the state after each new token of the last forward
   (when it had at most ``max_block`` tokens); ``commit`` keeps the one after the last kept token.
+* ``SharedKV`` (a layer reading an earlier layer's keys / values): nothing to keep or undo.
 
 Tree verification (``speculative``, ``tree_budget``) writes its N + 1 tree tokens as positions n..n+N (slot
 order, not their repeating tree positions: ``tree_write``), then ``DecodeCache.compact`` moves the accepted
@@ -172,6 +173,29 @@ class Recurrent:
                             count=jnp.where(whole, self.count, kept))
 
 
+@flax.struct.dataclass
+class SharedKV:
+    """A layer that attends to an earlier layer's keys / values (Gemma 4's kv-shared layers): no state of its
+    own; every protocol step leaves it as it is."""
+
+    def commit(self, kept) -> SharedKV:
+        return self
+
+    def tree_write(self, k_new, v_new, start) -> SharedKV:
+        return self
+
+    def compact(self, src, dst) -> SharedKV:
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedKVSpec:
+    """A kv-shared layer's state: none (``SharedKV``)."""
+
+    def init(self, batch: int, max_len: int, dtype, max_block: int):
+        return SharedKV()
+
+
 @dataclasses.dataclass(frozen=True)
 class KVSpec:
     """An attention layer's state: full, or sliding ``window`` (a ring when it saves memory)."""
@@ -224,7 +248,7 @@ class DecodeCache:
 
     def compact(self, src, dst) -> "DecodeCache":
         """``compact`` in every layer (tree verification supports attention caches only)."""
-        bad = {type(s).__name__ for s in self.layers if not isinstance(s, (FullKV, SlidingKV))}
+        bad = {type(s).__name__ for s in self.layers if not isinstance(s, (FullKV, SlidingKV, SharedKV))}
         if bad:
             raise ValueError(f"tree verification needs attention caches; this cache has {', '.join(sorted(bad))}")
         return self.replace(layers=tuple(s.compact(src, dst) for s in self.layers))

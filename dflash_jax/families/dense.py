@@ -48,15 +48,21 @@ class DecoderLayer(nn.Module):
         ``new_mask`` [B, T, T]: a tree verify (``tree_attention``)."""
         q, gate = self.self_attn.gated_queries(h, positions)
         k, v = self.self_attn.keys_values(h, positions)
+        o, state = self.attend(q, k, v, positions, state, segment_ids, new_mask)
+        return self.self_attn.output(o, gate), state
+
+    def attend(self, q, k, v, positions, state, segment_ids=None, new_mask=None):
+        """Queries q [B, T, N, H] against the new keys / values k, v [B, T, K, H] and the layer's state (this
+        layer's window, sinks and scale) -> (o [B, T, N, H], the state with k, v written)."""
         window, sinks = self.cfg.layer_window(self.index), self.self_attn.sink_logits()
+        scale = self.self_attn.attention_scale()
         if new_mask is not None:
-            o, state = self.tree_attention(q, k, v, positions, state, new_mask, window, sinks)
-            return self.self_attn.output(o, gate), state
+            return self.tree_attention(q, k, v, positions, state, new_mask, window, sinks, scale)
         if isinstance(state, FullKV) and positions.shape[1] <= MAX_QUERIES:  # decode / verify: length-bounded
             state = state.write(k, v, positions)
             o = decode_attention(q, state.k, state.v, positions, jnp.max(positions, axis=1) + 1,
-                                 sliding_window=window, sinks=sinks, impl=self.attention_impl)
-            return self.self_attn.output(o, gate), state
+                                 sliding_window=window, sinks=sinks, impl=self.attention_impl, scale=scale)
+            return o, state
         if state is None:
             k_pos, exists = positions, positions >= 0
             if segment_ids is not None:
@@ -64,9 +70,9 @@ class DecoderLayer(nn.Module):
         else:
             state, k, v, k_pos, exists = state.update(k, v, positions)
         mask = position_mask(positions, k_pos, causal=True, sliding_window=window, k_valid=exists)
-        return self.self_attn.output(attend(q, k, v, mask, sinks=sinks), gate), state
+        return attend(q, k, v, mask, sinks=sinks, scale=scale), state
 
-    def tree_attention(self, q, k, v, positions, state, new_mask, window, sinks):
+    def tree_attention(self, q, k, v, positions, state, new_mask, window, sinks, scale=None):
         """Tree verify: tokens [root, nodes] at positions n + depth (the root's, positions[:, 0], is the
         committed length n); each query sees the cache below n (within the window) and the new tokens
         ``new_mask`` allows. Their K/V are stored in slot order (``tree_write``), for ``DecodeCache.compact``."""
@@ -78,7 +84,7 @@ class DecoderLayer(nn.Module):
             own = new_mask & valid[:, :, None] & valid[:, None, :]
             o = attend(q, jnp.concatenate([state.k, k.astype(state.k.dtype)], axis=1),
                        jnp.concatenate([state.v, v.astype(state.v.dtype)], axis=1),
-                       jnp.concatenate([ctx, own], axis=-1), sinks=sinks)
+                       jnp.concatenate([ctx, own], axis=-1), sinks=sinks, scale=scale)
             return o, state.tree_write(k, v, n)
         if not isinstance(state, FullKV):
             raise ValueError(f"tree verification needs an attention cache, not {type(state).__name__}")
@@ -86,7 +92,7 @@ class DecoderLayer(nn.Module):
         if positions.shape[1] > MAX_QUERIES and impl in ("auto", "kernel", "interpret"):
             impl = "loop"  # the kernel holds at most MAX_QUERIES queries per row; the tiled jnp loop any number
         o = decode_attention(q, state.k, state.v, positions, n, k, v, sliding_window=window, sinks=sinks,
-                             impl=impl, new_mask=new_mask)
+                             impl=impl, new_mask=new_mask, scale=scale)
         return o, state.tree_write(k, v, n)
 
     def __call__(self, x, positions, state, segment_ids=None, new_mask=None):
@@ -148,6 +154,11 @@ class Decoder(nn.Module):
             x, s = layer(x, positions, None if cache is None else cache.layers[i], segment_ids, new_mask)
             hidden.append(x)
             states.append(s)
+        return self.outputs(hidden, states, cache, feature_layer_ids, logits_index)
+
+    def outputs(self, hidden, states, cache, feature_layer_ids, logits_index):
+        """Every layer's output and new state -> ``__call__``'s (logits, features, cache)."""
+        x = hidden[-1]
         last = self.cfg.num_hidden_layers - 1
         if last in feature_layer_ids:
             hidden[last] = self.norm(x)

@@ -31,7 +31,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from dflash_jax.checkpoints import skip_reported
+from dflash_jax.checkpoints import skip_tensors
 from dflash_jax.config import TargetConfig, read_config_json
 from dflash_jax.families import dense
 from dflash_jax.families.family import Family
@@ -195,7 +195,7 @@ class Decoder(dense.Decoder):
 def checkpoint(cfg: MuseGlimmerConfig):
     """The dense table under the language-model prefix; the vision parts skipped and reported."""
     return dataclasses.replace(dense.checkpoint(cfg), prefix=VL_PREFIX if cfg.vision_language else TEXT_PREFIX,
-                               rewrite=skip_reported("muse_glimmer", SKIPPED))
+                               rewrite=skip_tensors(SKIPPED, "muse_glimmer"))
 
 
 FAMILY = Family(name="muse_glimmer", config=MuseGlimmerConfig, decoder=Decoder, checkpoint=checkpoint,

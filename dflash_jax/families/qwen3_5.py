@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.checkpoints import skip_reported
+from dflash_jax.checkpoints import skip_tensors
 from dflash_jax.config import TargetConfig, read_config_json
 from dflash_jax.families import dense
 from dflash_jax.families.family import Family
@@ -365,7 +365,7 @@ class Decoder(dense.Decoder):
 def checkpoint(cfg: Qwen35Config):
     """The dense table under the language-model prefix, plus the linear-attention leaves."""
     return dataclasses.replace(dense.checkpoint(cfg), prefix=VL_PREFIX if cfg.vision_language else TEXT_PREFIX,
-                               leaves=_LEAVES, rewrite=skip_reported("qwen3_5", SKIPPED))
+                               leaves=_LEAVES, rewrite=skip_tensors(SKIPPED, "qwen3_5"))
 
 
 def state_specs(cfg: Qwen35Config) -> tuple:
