@@ -35,7 +35,7 @@ from dflash_jax.progress import progress_bar
 from infer import synthetic
 from infer.timing import fastest, first_mismatch, time_forwards
 from infer.common import (DEMO_TARGET, adaptive_kwargs, add_model_args, decoding_kwargs, die, encode, load_models,
-                          param_dtype, read_prompts_file, tree_kwargs)
+                          param_dtype, read_prompts_file, resolve_block, tree_kwargs)
 
 
 def parse_args(argv=None):
@@ -141,7 +141,8 @@ def main(argv=None) -> int:
         die("the benchmark compares plain and DFlash decoding: pass --draft")
     prompts = encode(tokenizer, records)
     kw = decoding_kwargs(args, target)
-    block = args.block_size or draft.config.block_size
+    block, choice = resolve_block(args, target, draft, prompts[:1], kw)  # probed at batch 1, as the runs below
+    block = block or draft.config.block_size
     methods = [lambda p: generate(target, [p], **kw)[0],
                lambda p: speculative_generate(target, draft, [p], block_size=block, **kw, **adaptive, **tree)[0]]
     if adaptive or tree:  # the fixed block (the chain) side by side
@@ -190,6 +191,7 @@ def main(argv=None) -> int:
     plain_tps, spec_tps = plain_tokens / plain_time, spec_tokens / spec_time
     tau = float(acc.mean())
     summary = {"summary": True, "target": target.path, "draft": draft.path, "block_size": block,
+               "block_choice": choice.to_json() if choice is not None else None,
                "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                "tau": tau, "acceptance_histogram": hist.tolist(), "acceptance_rate_per_position": per_position,
                "plain_tokens_per_s": plain_tps, "dflash_tokens_per_s": spec_tps, "speedup": spec_tps / plain_tps,

@@ -29,7 +29,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
     d.add_argument("--max-length", type=int, default=None,
                    help="cap on prompt + generated tokens per row (default: target max_position_embeddings)")
-    d.add_argument("--block-size", type=int, default=None, help="draft block size (default: the draft's trained one)")
+    d.add_argument("--block-size", type=block_size_arg, default=None,
+                   help="draft block (tokens verified per step): an integer in [1, the draft's trained block] "
+                        "(default: the trained block), or auto: the block of the most expected tokens per second "
+                        "on this device, from short probe runs of the same prompts at each of 4, 8, ..., the "
+                        "trained block (step costs and acceptance), before the timed run (README); with "
+                        "--tree-budget / --verify-lengths, the trained block")
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     d.add_argument("--top-k", type=int, default=0, help="0 = off")
     d.add_argument("--acceptance", default="rejection", choices=["match", "rejection"],
@@ -58,6 +63,39 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="decode attention: auto (default; reads only each row's length: the Pallas kernel on one "
                         "TPU / GPU, a tiled loop elsewhere), kernel, interpret, loop, or reference (dense over the "
                         "whole cache, the unbounded path, for comparison)")
+
+
+def block_size_arg(text: str):
+    """``--block-size``: "auto" or an integer."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
+
+
+def fixed_block_size(args) -> int | None:
+    """The ``--block-size`` integer, or None for auto (or the option's absence: the draft's trained block)."""
+    b = getattr(args, "block_size", None)
+    return None if b == "auto" else b
+
+
+def resolve_block(args, target, draft, prompts, kw: dict):
+    """(block to decode with, ``auto_block.Choice`` or None): ``--block-size`` as given, else auto's choice on
+    ``prompts`` (said on stderr); None = the draft's trained block (no draft, tree or adaptive verify)."""
+    if args.block_size != "auto":
+        return args.block_size, None
+    if draft is None or args.tree_budget or args.verify_lengths is not None:
+        return None, None
+    from infer.auto_block import choose_block_size
+
+    try:
+        choice = choose_block_size(target, draft, prompts, kw)
+    except ValueError as e:
+        die(str(e))
+    print(choice.describe(), file=sys.stderr)
+    return choice.block_size, choice
 
 
 def decoding_kwargs(args, target) -> dict:
@@ -161,7 +199,7 @@ def check_before_loading(args, target_path: str, draft_path: str | None) -> None
             warnings.simplefilter("ignore")
             dcfg.check_fits(tcfg)
     try:
-        resolve_block_size(args.block_size, None if dcfg is None else dcfg.block_size, FLAGS)
+        resolve_block_size(fixed_block_size(args), None if dcfg is None else dcfg.block_size, FLAGS)
     except ValueError as e:
         die(str(e))
 

@@ -11,7 +11,7 @@ import json
 import sys
 
 from infer.common import (adaptive_kwargs, add_model_args, decoding_kwargs, die, encode, load_models, param_dtype,
-                          read_prompts_file, tree_kwargs)
+                          read_prompts_file, resolve_block, tree_kwargs)
 
 DEMO_PROMPT = 'import os\n\n\ndef read_lines(path):\n    """Return the lines of the text file at path."""\n'
 
@@ -77,7 +77,8 @@ def main(argv=None) -> int:
         args.baseline = args.target is None
     args.baseline = args.baseline and draft is not None
     kw = decoding_kwargs(args, target)
-    spec_kw = dict(kw, block_size=args.block_size, **extra)
+    block, _ = resolve_block(args, target, draft, prompts, kw)
+    spec_kw = dict(kw, block_size=block, **extra)
     try:
         if args.stream:
             results = []

@@ -25,7 +25,7 @@ import types
 
 import numpy as np
 
-from infer.common import die, parse_ints
+from infer.common import die, fixed_block_size, parse_ints
 from infer.timing import fastest, first_mismatch, time_forwards
 
 TOLERANT_DTYPES = ("bfloat16", "float16")  # a near-tie may flip between block and one-token forwards
@@ -171,7 +171,7 @@ def run(args) -> int:
     except ValueError as e:
         die(str(e))
     batches, contexts = parse_ints(args.batch_size or "1", "--batch-size"), parse_ints(args.context or "1024", "--context")
-    block = args.block_size or preset.block_size
+    block = fixed_block_size(args) or preset.block_size  # auto: the preset's block (acceptance is replayed)
     if not 2 <= block <= preset.block_size:
         die(f"--block-size must be in [2, {preset.block_size}] for preset {args.synthetic}, got {block}")
     probs, desc = replay_distribution(args, block)

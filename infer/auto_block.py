@@ -1,0 +1,101 @@
+"""``--block-size auto``: the block a run verifies, chosen for tokens per SECOND on the
+device it runs on, not tokens per step.
+
+Where a verify over 16 tokens costs about one plain step (an accelerator) the whole trained block wins; on a
+CPU, where a forward's cost grows with its length, a shorter block can be faster. The rule: measure one step's
+cost at each candidate block (the engine's own step, from short probe runs of the same prompts, once per
+shape), estimate the draft's per-position acceptance from short probe runs (the same prompts and options),
+and take the block of the largest expected tau / step cost. The block is fixed before the run samples
+anything, so the run is as lossless as at any fixed block (greedy: plain decoding's tokens).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+PROBE_TOKENS = 32  # tokens per row of the probe run that measures acceptance
+PRIOR, PRIOR_WEIGHT = 0.5, 1.0  # a Beta-style prior on each position's acceptance: PRIOR, worth PRIOR_WEIGHT steps
+
+
+def candidates(trained: int) -> tuple[int, ...]:
+    """4, 8, 16, ... below the trained block, and that block (``--block-size 1`` is plain decoding: asked for
+    by name, never chosen for a run given a draft)."""
+    return tuple(sorted({trained} | {k for k in (4, 8, 16, 32) if k < trained}))
+
+
+def position_acceptance(runs, block: int) -> list[float]:
+    """P(draft token k is accepted | tokens 1..k-1 were), k = 1..block-1, from ``runs``: (acceptance lengths,
+    each counting the bonus token, of steps verifying K tokens; K) pairs. A step of length a accepted tokens
+    1..a-1 and, when a < K, rejected token a (at a = K the rest is unseen)."""
+    reached, accepted = np.zeros(block), np.zeros(block)
+    for lengths, k in runs:
+        a = np.asarray(lengths, np.int64)
+        for j in range(1, min(k, block)):
+            reached[j] += np.sum(a >= j)  # steps where token j was judged (all before it accepted)
+            accepted[j] += np.sum(a >= j + 1)
+    return [float((accepted[j] + PRIOR * PRIOR_WEIGHT) / (reached[j] + PRIOR_WEIGHT)) for j in range(1, block)]
+
+
+def expected_tau(p, block: int) -> float:
+    """Expected acceptance length (bonus included) of a step verifying ``block`` tokens: 1 + sum over k < block
+    of P(tokens 1..k all accepted)."""
+    return 1.0 + float(np.sum(np.cumprod(np.asarray(p[:block - 1], np.float64)))) if block > 1 else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What ``--block-size auto`` measured and chose (printed, and in ``infer.benchmark --json``)."""
+
+    block_size: int
+    step_s: dict  # block -> seconds of one engine step (draft, verify, acceptance, cache updates)
+    expected_tau: dict  # block -> expected acceptance length
+    position_acceptance: list  # per block position, from the probe
+    probe_steps: int
+
+    @property
+    def expected_tokens_per_s(self) -> dict:
+        return {k: self.expected_tau[k] / self.step_s[k] for k in self.step_s}
+
+    def to_json(self) -> dict:
+        return {"chosen": self.block_size, "step_s": self.step_s, "expected_tau": self.expected_tau,
+                "expected_tokens_per_s": self.expected_tokens_per_s,
+                "position_acceptance": self.position_acceptance, "probe_steps": self.probe_steps}
+
+    def describe(self) -> str:
+        rates = ", ".join(f"{k}: {v:.0f}" for k, v in self.expected_tokens_per_s.items())
+        return (f"--block-size auto chose {self.block_size} (expected tokens/s per block {rates}; step costs measured "
+                f"here, acceptance from a {self.probe_steps}-step probe; setup, not timed)")
+
+
+def choose(step_s: dict, p) -> int:
+    """The block of the largest expected tau per second (ties: the shorter block)."""
+    return max(sorted(step_s), key=lambda k: expected_tau(p, k) / step_s[k])
+
+
+def choose_block_size(target, draft, prompts, decoding_kw: dict) -> Choice:
+    """Probe ``prompts`` with ``decoding_kw`` (``speculative_generate``'s options) at each candidate block: the
+    run's own compiled program (one per block, as the real run needs), timed at a prefill-only budget and at
+    ``PROBE_TOKENS``, so a step's cost is the engine's whole step (draft, verify, acceptance, cache updates);
+    the acceptance lengths of all probes estimate each position's acceptance. Then choose."""
+    from dflash_jax.speculative import cache_length, speculative_generate
+
+    trained = draft.config.block_size
+    budget = decoding_kw["max_new_tokens"]
+    lens = [len(p) for p in prompts]
+    blocks = candidates(trained)
+    # every probe shares the real run's cache bucket, so the real run reuses the chosen block's program
+    cache = cache_length(lens, [budget] * len(prompts), trained, decoding_kw.get("cache_len"))
+    step_s, runs = {}, []
+    for k in blocks:
+        run = functools.partial(speculative_generate, target, draft, prompts, block_size=k,
+                                **dict(decoding_kw, cache_len=cache))
+        prefill = min(r.wall_time_s for r in (run(max_new_tokens=1)[0], run(max_new_tokens=1)[0]))
+        probe = run(max_new_tokens=min(PROBE_TOKENS, budget))
+        steps = max(max(len(r.acceptance_lengths) for r in probe), 1)
+        step_s[k] = max(probe[0].wall_time_s - prefill, 1e-9) / steps
+        runs += [(r.acceptance_lengths, k) for r in probe]
+    p = position_acceptance(runs, trained)
+    return Choice(block_size=choose(step_s, p), step_s=step_s, expected_tau={k: expected_tau(p, k) for k in blocks},
+                  position_acceptance=p, probe_steps=sum(len(a) for a, _ in runs))

@@ -1,0 +1,71 @@
+"""``--block-size auto``: the per-position acceptance estimate, the expected tau, the choice by tokens per second,
+and a CLI run that probes, says what it chose, and stays lossless."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from infer import auto_block as ab
+from pairs import pair_dirs as make_pair_dirs
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    return make_pair_dirs(str(tmp_path_factory.mktemp("pair")))
+
+
+def test_position_acceptance_counts_censored_steps():
+    """Block 4: a length-2 step accepts token 1 and rejects token 2; a length-4 step (the whole block) accepts
+    1..3; a block-2 run says nothing past token 1."""
+    p = ab.position_acceptance([([2, 4], 4), ([2, 2], 2)], 4)
+    prior = ab.PRIOR * ab.PRIOR_WEIGHT
+    assert p[0] == pytest.approx((4 + prior) / (4 + ab.PRIOR_WEIGHT))  # all 4 steps accepted token 1
+    assert p[1] == pytest.approx((1 + prior) / (2 + ab.PRIOR_WEIGHT))  # 2 judged (block-4 run), 1 accepted
+    assert p[2] == pytest.approx((1 + prior) / (1 + ab.PRIOR_WEIGHT))  # judged once, accepted
+    assert ab.position_acceptance([], 3) == [ab.PRIOR, ab.PRIOR]  # no data: the prior
+
+
+def test_expected_tau_and_choice():
+    p = [0.9] * 15
+    assert ab.expected_tau(p, 1) == 1.0
+    assert ab.expected_tau(p, 4) == pytest.approx(1 + 0.9 + 0.81 + 0.729)
+    # a verify that costs the same at every block: the whole block; one whose cost grows with it: a short one
+    assert ab.choose({4: 1.0, 8: 1.0, 16: 1.0}, p) == 16
+    assert ab.choose({4: 1.0, 8: 2.0, 16: 4.0}, p) == 4
+    assert ab.choose({4: 1.0, 8: 1.0, 16: 1.0}, [0.0] * 15) == 4  # ties: the shorter block
+    assert ab.candidates(16) == (4, 8, 16) and ab.candidates(10) == (4, 8, 10) and ab.candidates(3) == (3,)
+
+
+def test_generate_block_size_auto_probes_and_stays_lossless(pair_dirs, capsys):
+    from infer import generate as g
+
+    tdir, ddir, _ = pair_dirs
+    code = g.main(["--target", tdir, "--draft", ddir, "--prompt-ids", "5,17,3", "--max-new-tokens", "12",
+                   "--ignore-eos", "--block-size", "auto", "--baseline", "--json"])
+    out = capsys.readouterr()
+    row = json.loads(out.out)
+    assert code == 0 and row["identical_to_baseline"]
+    line = next(x for x in out.err.splitlines() if x.startswith("--block-size auto chose"))
+    chosen = int(line.split()[3])
+    assert chosen in ab.candidates(8) and max(row["verify_lengths"]) <= chosen  # the pair's draft: block 8
+    with pytest.raises(SystemExit):
+        g.parse_args(["--block-size", "big"])
+    assert "expected an integer or auto" in capsys.readouterr().err
+
+
+def test_benchmark_json_reports_the_choice(pair_dirs, capsys, tmp_path):
+    from infer import benchmark as b
+
+    tdir, ddir, _ = pair_dirs
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": [5, 17, 3]}) + "\n")
+    code = b.main(["--target", tdir, "--draft", ddir, "--prompts-file", str(prompts), "--max-new-tokens", "10",
+                   "--json", "--ignore-eos", "--no-timing-split", "--repeats", "1", "--block-size", "auto"])
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    choice = summary["block_choice"]
+    assert code == 0 and summary["identical"] and summary["block_size"] == choice["chosen"]
+    rates = {int(k): v for k, v in choice["expected_tokens_per_s"].items()}
+    assert choice["chosen"] == max(sorted(rates), key=rates.get)
+    assert np.all(np.asarray(choice["position_acceptance"]) <= 1.0)
