@@ -131,8 +131,11 @@ def die(msg: str) -> None:
 def load_models(args):
     """(target, draft or None, tokenizer or None) from the parsed options."""
     import dflash_jax as dj
+    from dflash_jax import sharding
     from dflash_jax.checkpoints import load_tokenizer
 
+    # one process of a multi-host launch: before anything touches the backend (auto_dtype asks for it)
+    sharding.maybe_initialize_distributed()
     target_path = args.target or DEMO_TARGET
     draft_path = args.draft
     if args.target is None:
@@ -144,9 +147,8 @@ def load_models(args):
         # auto: the TARGET checkpoint's dtype (float32 on CPU), for the draft too: one compute dtype
         dtype = auto_dtype(resolve_path(target_path)) if args.dtype == "auto" else args.dtype
         if getattr(args, "mesh", None):
-            from dflash_jax import model_sharding, sharding
+            from dflash_jax import model_sharding
 
-            sharding.maybe_initialize_distributed()
             target, draft = model_sharding.load_sharded(target_path, draft_path, sharding.make_mesh(args.mesh), dtype)
         else:
             target = dj.load_target(target_path, dtype=dtype)
