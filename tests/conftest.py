@@ -47,6 +47,14 @@ def tiny_hf(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """``pairs.trained_pair`` at its defaults, trained once per session (its callers only read it)."""
+    from pairs import trained_pair
+
+    return trained_pair(str(tmp_path_factory.mktemp("trained")))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_programs():
     """After each test module, drop the compiled programs it left in this process (jax's caches and the

@@ -7,20 +7,20 @@ import pytest
 
 from dflash_jax import speculative as S
 from dflash_jax.sampling import choose
-from pairs import adaptive_lossless, random_pair, trained_pair
+from pairs import adaptive_lossless, random_pair
 
 MAX_NEW = 40
 
 
 @pytest.fixture(scope="module", params=["random", "trained"])
-def case(request, tmp_path_factory):
+def case(request):
     """(target, draft, ragged prompts): a random pair with a tiny vocabulary (a random draft is right now
     and then), and a pair whose draft was trained for a few steps on the target's own outputs."""
     if request.param == "random":
         rng = np.random.RandomState(0)
         target, draft = random_pair(vocab=8, block_size=16)
         return "random", target, draft, [rng.randint(2, 7, n).tolist() for n in (3, 9, 1, 17)]
-    target, draft, prompts = trained_pair(str(tmp_path_factory.mktemp("trained")))
+    target, draft, prompts = request.getfixturevalue("trained")
     return "trained", target, draft, [prompts[0], prompts[1][:1], prompts[2], prompts[3] + prompts[4]]
 
 

@@ -19,7 +19,7 @@ from dflash_jax.families.gpt_oss import GptOssConfig
 from dflash_jax.families.qwen3_5 import Qwen35Config
 from dflash_jax.families.qwen3_moe import Qwen3MoeConfig
 from dflash_jax.target import Target, init_params, target_logits
-from pairs import random_draft, random_pair, tiny_target_config, trained_pair
+from pairs import random_draft, random_pair, tiny_target_config
 from test_draft import make_draft
 from test_draft_formats import DFLASH2
 
@@ -154,8 +154,8 @@ def test_other_attention_families(prompts, family, window):
           want, 8, block=8)
 
 
-def test_tree_tau_at_least_chain_with_a_trained_draft(tmp_path_factory):
-    target, draft, prompts = trained_pair(str(tmp_path_factory.mktemp("trained")))
+def test_tree_tau_at_least_chain_with_a_trained_draft(trained):
+    target, draft, prompts = trained
     rows = prompts[:8]
     plain = S.generate(target, rows, max_new_tokens=MAX_NEW, stop_token_ids=[])
     chain = S.speculative_generate(target, draft, rows, max_new_tokens=MAX_NEW, stop_token_ids=[])
