@@ -15,8 +15,10 @@ import functools
 
 import numpy as np
 
-PROBE_TOKENS = 32  # tokens per row of the probe run that measures acceptance
-PRIOR, PRIOR_WEIGHT = 0.5, 1.0  # a Beta-style prior on each position's acceptance: PRIOR, worth PRIOR_WEIGHT steps
+PROBE_TOKENS = 96  # tokens per row of each probe run (fewer steps: costs and acceptance too noisy to choose by)
+# A weak prior on each position's acceptance (PRIOR, worth PRIOR_WEIGHT steps): a strong one compounds over a
+# long block's positions, each seen in few steps, and biases the choice toward short blocks.
+PRIOR, PRIOR_WEIGHT = 0.5, 0.1
 
 
 def candidates(trained: int) -> tuple[int, ...]:
@@ -91,8 +93,8 @@ def choose_block_size(target, draft, prompts, decoding_kw: dict) -> Choice:
     for k in blocks:
         run = functools.partial(speculative_generate, target, draft, prompts, block_size=k,
                                 **dict(decoding_kw, cache_len=cache))
-        prefill = min(r.wall_time_s for r in (run(max_new_tokens=1)[0], run(max_new_tokens=1)[0]))
-        probe = run(max_new_tokens=min(PROBE_TOKENS, budget))
+        prefill = min(run(max_new_tokens=1)[0].wall_time_s for _ in range(3))
+        probe = min((run(max_new_tokens=min(PROBE_TOKENS, budget)) for _ in range(2)), key=lambda r: r[0].wall_time_s)
         steps = max(max(len(r.acceptance_lengths) for r in probe), 1)
         step_s[k] = max(probe[0].wall_time_s - prefill, 1e-9) / steps
         runs += [(r.acceptance_lengths, k) for r in probe]
