@@ -2,11 +2,11 @@
 device it runs on, not tokens per step.
 
 Where a verify over 16 tokens costs about one plain step (an accelerator) the whole trained block wins; on a
-CPU, where a forward's cost grows with its length, a shorter block can be faster. The rule: measure one step's
-cost at each candidate block (the engine's own step, from short probe runs of the same prompts, once per
-shape), estimate the draft's per-position acceptance from short probe runs (the same prompts and options),
-and take the block of the largest expected tau / step cost. The block is fixed before the run samples
-anything, so the run is as lossless as at any fixed block (greedy: plain decoding's tokens).
+CPU, where a forward's cost grows with its length, a shorter block can be faster. The rule: probe the run's
+own prompts and options at each candidate block, which gives both one engine step's cost there and the
+draft's per-position acceptance, and take the block of the largest expected tau / step cost. Probing is
+done on every call (nothing is cached across calls). The block is fixed before the run samples anything, so
+the run is as lossless as at any fixed block (greedy: plain decoding's tokens).
 """
 from __future__ import annotations
 
