@@ -122,6 +122,33 @@ def vision_language_loads(path: str, text_model, capfd):
     return target
 
 
+def broken_tensors_are_named(src: str, root, cases) -> None:
+    """For each (tensor name, edit) of ``cases``: the checkpoint in ``src`` without that tensor (edit None) or with
+    ``edit(tensor)`` in its place, written under ``root``, fails to load with a ValueError naming the tensor (and
+    its shape and the config's, for an edit)."""
+    import os
+    import shutil
+
+    import pytest
+
+    import dflash_jax as dj
+    from dflash_jax.checkpoints import iter_safetensors, save_safetensors
+
+    tensors = dict(iter_safetensors(os.path.join(src, "model.safetensors")))
+    for name, edit in cases:
+        broken = {k: np.asarray(v) for k, v in tensors.items() if k != name or edit}
+        if edit:
+            broken[name] = edit(broken[name])
+        d = os.path.join(root, name)
+        os.makedirs(d)
+        save_safetensors(os.path.join(d, "model.safetensors"), broken)
+        shutil.copy(os.path.join(src, "config.json"), d)
+        shape = ", ".join(map(str, broken[name].shape)) if edit else ""
+        match = rf"lacks 1 tensors.*{name}" if edit is None else rf"{name} has shape \[{shape}\] but the config implies"
+        with pytest.raises(ValueError, match=match):
+            dj.load_target(d)
+
+
 def positions_for(ids, lengths=None):
     """Positions 0..T-1 per row; past ``lengths`` (ragged rows): -1, padding."""
     pos = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
