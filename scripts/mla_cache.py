@@ -50,14 +50,18 @@ def main():
     a = ap.parse_args()
     c = DeepseekV3Config.from_hf(KIMI)
     latent = bytes_per_token(state_specs(c))
-    expanded = bytes_per_token((KVSpec(c.num_attention_heads, c.head_dim, v_head_dim=c.v_head_dim),) * c.num_hidden_layers)
+    full = KVSpec(c.num_attention_heads, c.head_dim, v_head_dim=c.v_head_dim)  # every head's k_nope | k_rot and v
+    expanded = bytes_per_token((full,) * c.num_hidden_layers)
     print(f"Kimi-K2.5 bf16 cache per token: latent {latent:,} B, expanded K/V {expanded:,} B "
           f"({expanded / latent:.1f}x)")
 
-    n, r, rope, nope, dv, s, t = a.heads, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim, \
-        a.context, a.queries
+    n, s, t = a.heads, a.context, a.queries
+    r, rope, nope, dv = c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
     rng = np.random.default_rng(0)
-    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32) * 0.1)
+
+    def arr(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.1)
+
     q, w = arr(1, t, n, nope + rope), arr(r, n, nope + dv)
     keys, q_pos = arr(1, s, 1, r + rope), jnp.arange(s - t, s, dtype=jnp.int32)[None]
     lengths, scale = jnp.array([s], jnp.int32), (nope + rope) ** -0.5

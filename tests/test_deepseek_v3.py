@@ -28,7 +28,8 @@ from dflash_jax.checkpoints import iter_safetensors, save_safetensors
 from dflash_jax.families.deepseek_v3 import DeepseekV3Config
 from dflash_jax.layers import rope_frequencies
 from dflash_jax.target import forward
-from hf_models import broken_tensors_are_named, max_diff, positions_for, ragged_parity, torch_forward, torch_greedy
+from hf_models import (broken_tensors_are_named, max_diff, packed_features_match, positions_for, ragged_parity,
+                       torch_forward, torch_greedy)
 from pairs import decode_in_chunks, lossless_greedy_with_partial_acceptance, random_draft
 
 V, L, D, E = 16, 4, 32, 8
@@ -226,6 +227,23 @@ def test_expert_parallel_speculative_equals_one_device(deepseek):
     out = S.speculative_generate(starget, sdraft, prompts, max_new_tokens=12, stop_token_ids=[])
     assert [r.output_ids for r in out] == [r.output_ids for r in single]
     assert [r.acceptance_lengths for r in out] == [r.acceptance_lengths for r in single]
+
+
+def test_packed_documents_keep_their_features(deepseek):
+    """Two documents packed in one row (latent attention, routed experts): each one's features equal its own
+    unpacked forward's (the trainer's target features)."""
+    packed_features_match(deepseek[2], ALL)
+
+
+@pytest.mark.slow  # ~40 s on 2 CPU cores
+def test_training_a_draft_runs_and_the_loss_falls(deepseek, tmp_path):
+    from pairs import train_briefly
+
+    path, _, target = deepseek
+    draft, losses = train_briefly(path, target, str(tmp_path))
+    assert draft.config.layers.hidden_size == D and draft.config.layers.head_dim == target.config.head_dim
+    assert len(losses) == 30 and np.all(np.isfinite(losses))
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -81,6 +81,32 @@ def _quantisation(d: dict) -> str | None:
                      if s)
 
 
+def _text_config(d: dict) -> dict:
+    """A deepseek_v3 config.json, or a kimi_k25 one's text_config with the top-level tie flag (Kimi_K25Config's
+    default True when absent: transformers ties by it whatever the text config says) and stop tokens; a quantised
+    checkpoint is a ValueError naming its format."""
+    model_type = d.get("model_type")
+    quantised = _quantisation(d)
+    if quantised:
+        raise ValueError(f"this {model_type} checkpoint is quantised ({quantised}); only unquantised (bf16 / fp16 "
+                         "/ fp32) weights are supported: dequantise it first")
+    if model_type == "kimi_k25":
+        text = d.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("a kimi_k25 config.json needs a text_config (the language model's settings)")
+        if text.get("model_type", "deepseek_v3") not in ("deepseek_v3", "kimi_k2"):
+            raise ValueError(f"kimi_k25 text_config model_type {text.get('model_type')!r} is not supported "
+                             "(deepseek_v3 / kimi_k2)")
+        text = {**text, "tie_word_embeddings": d.get("tie_word_embeddings", True)}  # Kimi_K25Config's default
+        if d.get("eos_token_id") is not None:
+            text["eos_token_id"] = d["eos_token_id"]
+    elif model_type == "deepseek_v3":
+        text = d
+    else:
+        raise ValueError(f"not a DeepSeek-V3 config: model_type {model_type!r} (expected deepseek_v3 or kimi_k25)")
+    return text
+
+
 @dataclasses.dataclass(frozen=True)
 class DeepseekV3Config(TargetConfig):
     """A DeepSeek-V3 decoder: ``head_dim`` is the query / key head dim (qk_nope_head_dim + qk_rope_head_dim),
@@ -136,24 +162,7 @@ class DeepseekV3Config(TargetConfig):
     def from_hf(cls, path_or_dict) -> DeepseekV3Config:
         d = read_config_json(path_or_dict)
         model_type = d.get("model_type")
-        quantised = _quantisation(d)
-        if quantised:
-            raise ValueError(f"this {model_type} checkpoint is quantised ({quantised}); only unquantised (bf16 / fp16 "
-                             "/ fp32) weights are supported: dequantise it first")
-        if model_type == "kimi_k25":
-            text = d.get("text_config")
-            if not isinstance(text, dict):
-                raise ValueError("a kimi_k25 config.json needs a text_config (the language model's settings)")
-            if text.get("model_type", "deepseek_v3") not in ("deepseek_v3", "kimi_k2"):
-                raise ValueError(f"kimi_k25 text_config model_type {text.get('model_type')!r} is not supported "
-                                 "(deepseek_v3 / kimi_k2)")
-            text = {**text, "tie_word_embeddings": d.get("tie_word_embeddings", True)}  # Kimi_K25Config's default
-            if d.get("eos_token_id") is not None:
-                text["eos_token_id"] = d["eos_token_id"]
-        elif model_type == "deepseek_v3":
-            text = d
-        else:
-            raise ValueError(f"not a DeepSeek-V3 config: model_type {model_type!r} (expected deepseek_v3 or kimi_k25)")
+        text = _text_config(d)
         q_lora = text.get("q_lora_rank", _DEFAULTS["q_lora_rank"])  # an explicit null: a plain q_proj
         text = {**_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
         if text["hidden_act"] != "silu":
@@ -164,10 +173,10 @@ class DeepseekV3Config(TargetConfig):
                                     "deepseek_v3")  # the shared fields; ours are checked together below
         shared = {f.name: getattr(c, f.name) for f in dataclasses.fields(TargetConfig)}
         return cls(
-            **{**shared, "model_type": model_type, "qk_norm": False}, q_lora_rank=None if q_lora is None else int(q_lora),
-            rope_interleave=bool(text["rope_interleave"]), routed_scaling_factor=float(text["routed_scaling_factor"]),
-            norm_topk_prob=bool(text["norm_topk_prob"]), vision_language=model_type == "kimi_k25",
-            **{k: int(text[k]) for k in _INTS})
+            **{**shared, "model_type": model_type, "qk_norm": False},
+            q_lora_rank=None if q_lora is None else int(q_lora), rope_interleave=bool(text["rope_interleave"]),
+            routed_scaling_factor=float(text["routed_scaling_factor"]), norm_topk_prob=bool(text["norm_topk_prob"]),
+            vision_language=model_type == "kimi_k25", **{k: int(text[k]) for k in _INTS})
 
     def to_hf(self) -> dict:
         text = TargetConfig.to_hf(self)
@@ -322,7 +331,9 @@ def checkpoint(cfg: DeepseekV3Config) -> NameTable:
 
 
 def state_specs(cfg: DeepseekV3Config) -> tuple[KVSpec, ...]:
-    """Every layer: the latent cache, one head of keys [c | k_rot] (r + rope) and values c (r)."""
+    """Every layer: the latent cache, one head of keys [c | k_rot] (r + rope) and values c (r): c is held twice, so
+    that the one decode attention (reference, loop, kernel) serves it; still (2r + rope) / (N (nope + rope + v))
+    of the expanded K/V (Kimi-K2.5: 1088 of 20480 values per token and layer)."""
     spec = KVSpec(1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, v_head_dim=cfg.kv_lora_rank)
     return (spec,) * cfg.num_hidden_layers
 
