@@ -178,13 +178,13 @@ def test_speculative_equals_plain_equals_transformers_greedy(deepseek):
     lossless_greedy_with_partial_acceptance(model, target, blocks=(4,), new=16)
 
 
-@pytest.mark.slow  # ~60 s on 2 CPU cores
+@pytest.mark.slow  # ~100 s on 2 CPU cores
 def test_speculative_blocks_4_and_8_equal_transformers_greedy(deepseek):
     _, model, target = deepseek
     lossless_greedy_with_partial_acceptance(model, target, blocks=(4, 8))
 
 
-@pytest.mark.slow  # ~30 s on 2 CPU cores
+@pytest.mark.slow  # ~40 s on 2 CPU cores
 def test_tree_verification_equals_transformers_greedy(deepseek):
     """Tree verification (8 nodes) through the latent cache: the output is transformers' greedy one."""
     _, model, target = deepseek
@@ -216,7 +216,7 @@ def test_expert_parallel_forward_equals_one_device(deepseek):
     assert max_diff(got[0], want[0]) <= 1e-5 and max_diff(got[1], want[1]) <= 1e-5
 
 
-@pytest.mark.slow  # ~70 s on 2 CPU cores (the sharded engine's compiles)
+@pytest.mark.slow  # ~60 s on 2 CPU cores (the sharded engine's compiles)
 def test_expert_parallel_speculative_equals_one_device(deepseek):
     """Greedy speculative output and acceptance on the expert=2 mesh equal the single-device run's."""
     _, _, target = deepseek
@@ -235,7 +235,7 @@ def test_packed_documents_keep_their_features(deepseek):
     packed_features_match(deepseek[2], ALL)
 
 
-@pytest.mark.slow  # ~40 s on 2 CPU cores
+@pytest.mark.slow  # ~70 s on 2 CPU cores
 def test_training_a_draft_runs_and_the_loss_falls(deepseek, tmp_path):
     from pairs import train_briefly
 
