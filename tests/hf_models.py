@@ -14,7 +14,8 @@ CLASSES = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
            "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
            "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
            "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
-           "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM)}
+           "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+           "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)}
 
 
 def hf_config(model_type: str = "qwen3", **overrides):
