@@ -14,7 +14,8 @@ CLASSES = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
            "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
            "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
            "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
-           "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM)}
+           "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+           "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)}
 
 
 def hf_config(model_type: str = "qwen3", **overrides):
@@ -120,6 +121,33 @@ def vision_language_loads(path: str, text_model, capfd):
     assert again.config == target.config
     assert max_diff(dj.target_logits(again, ids), want) <= 1e-4
     return target
+
+
+def broken_tensors_are_named(src: str, root, cases) -> None:
+    """For each (tensor name, edit) of ``cases``: the checkpoint in ``src`` without that tensor (edit None) or with
+    ``edit(tensor)`` in its place, written under ``root``, fails to load with a ValueError naming the tensor (and
+    its shape and the config's, for an edit)."""
+    import os
+    import shutil
+
+    import pytest
+
+    import dflash_jax as dj
+    from dflash_jax.checkpoints import iter_safetensors, save_safetensors
+
+    tensors = dict(iter_safetensors(os.path.join(src, "model.safetensors")))
+    for name, edit in cases:
+        broken = {k: np.asarray(v) for k, v in tensors.items() if k != name or edit}
+        if edit:
+            broken[name] = edit(broken[name])
+        d = os.path.join(root, name)
+        os.makedirs(d)
+        save_safetensors(os.path.join(d, "model.safetensors"), broken)
+        shutil.copy(os.path.join(src, "config.json"), d)
+        shape = ", ".join(map(str, broken[name].shape)) if edit else ""
+        match = rf"lacks 1 tensors.*{name}" if edit is None else rf"{name} has shape \[{shape}\] but the config implies"
+        with pytest.raises(ValueError, match=match):
+            dj.load_target(d)
 
 
 def positions_for(ids, lengths=None):
