@@ -36,6 +36,22 @@ def save_tiny(path, model_type: str = "qwen3", seed: int = 0, dtype=torch.float3
     return model.float()
 
 
+def perturb(model, params: dict[str, float], buffers: dict[str, tuple[float, float]] | None = None):
+    """In place: add scale * N(0, 1) to each parameter whose name contains a key of ``params`` (its scale), and draw
+    each buffer whose name ends with a key of ``buffers`` uniformly in its (low, high): norms start at 1, sinks
+    and biases at 0, so that a mis-mapped one would not show. Returns the model."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = next((v for k, v in params.items() if k in name), None)
+            if scale is not None:
+                p.add_(scale * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            span = next((v for k, v in (buffers or {}).items() if name.endswith(k)), None)
+            if span is not None:
+                b.uniform_(*span)
+    return model
+
+
 def torch_forward(model, ids, layer_ids=()):
     """(logits [B,T,V], concatenated hidden_states[id+1]) as numpy, fp32."""
     with torch.no_grad():
@@ -120,6 +136,25 @@ def vision_language_loads(path: str, text_model, capfd):
     assert again.config == target.config
     assert max_diff(dj.target_logits(again, ids), want) <= 1e-4
     return target
+
+
+def broken_checkpoint(src: str, dest, name: str, edit=None, extra=None) -> str:
+    """A copy of the checkpoint in ``src`` (config.json + one model.safetensors) at ``dest`` with tensor ``name``
+    dropped (``edit`` None) or replaced by ``edit(array)``, plus the ``extra`` tensors; returns ``dest``."""
+    import os
+    import shutil
+
+    from dflash_jax.checkpoints import iter_safetensors, save_safetensors
+
+    tensors = {k: np.asarray(v) for k, v in iter_safetensors(os.path.join(src, "model.safetensors"))}
+    if edit is None:
+        tensors.pop(name)
+    else:
+        tensors[name] = edit(tensors[name])
+    os.makedirs(dest)
+    save_safetensors(os.path.join(dest, "model.safetensors"), {**tensors, **(extra or {})})
+    shutil.copy(os.path.join(src, "config.json"), dest)
+    return str(dest)
 
 
 def positions_for(ids, lengths=None):
