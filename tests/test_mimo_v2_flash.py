@@ -18,10 +18,11 @@ import torch
 import transformers
 
 import dflash_jax as dj
+from dflash_jax import speculative as S
 from dflash_jax.families.mimo_v2_flash import MiMoV2FlashConfig
 from dflash_jax.target import forward
-from hf_models import broken_checkpoint, max_diff, perturb, positions_for, ragged_parity
-from pairs import decode_in_chunks, lossless_greedy_with_partial_acceptance
+from hf_models import broken_checkpoint, max_diff, perturb, positions_for, ragged_parity, torch_greedy
+from pairs import decode_in_chunks, lossless_greedy_with_partial_acceptance, random_draft
 
 V, L = 16, 4
 ALL = tuple(range(L))
@@ -145,3 +146,14 @@ def test_checkpoint_names_mtp_and_bad_tensors(mimo, tmp_path, capfd):
     with open(os.path.join(src, "config.json")) as f:
         assert json.load(f)["sliding_window_size"] == 3
     jax.clear_caches()
+
+
+@pytest.mark.slow  # ~40 s on 2 CPU cores
+def test_tree_verification_equals_transformers_greedy(mimo):
+    """Tree verification (4 nodes, within the window of 4): the sliding rings and the full caches with values
+    narrower than keys take the tree's own keys; the output is transformers' greedy one."""
+    _, model, target = mimo
+    draft = random_draft(target.config, block_size=4, target_layer_ids=(0, 2, 3))
+    prompts = [[5, 7, 3, 4, 9, 6], [7, 7, 1, 2, 3, 11, 12, 9, 14], [2, 8, 13]]
+    out = S.speculative_generate(target, draft, prompts, max_new_tokens=12, stop_token_ids=[], tree_budget=3)
+    assert [r.output_ids for r in out] == [torch_greedy(model, p, 12) for p in prompts]
