@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -19,9 +22,10 @@ import transformers
 
 import dflash_jax as dj
 from dflash_jax import speculative as S
+from dflash_jax.checkpoints import iter_safetensors, save_safetensors
 from dflash_jax.families.mimo_v2_flash import MiMoV2FlashConfig
 from dflash_jax.target import forward
-from hf_models import broken_checkpoint, max_diff, perturb, positions_for, ragged_parity, torch_greedy
+from hf_models import broken_checkpoint, max_diff, perturb, positions_for, ragged_parity, torch_forward, torch_greedy
 from pairs import decode_in_chunks, lossless_greedy_with_partial_acceptance, random_draft
 
 V, L = 16, 4
@@ -32,6 +36,7 @@ CFG = {"vocab_size": V, "hidden_size": 32, "intermediate_size": 32, "num_hidden_
        "sliding_window_size": 3, "max_position_embeddings": 128, "initializer_range": 0.1,
        "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
        "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
 def save_mimo(path, seed: int = 0, **overrides):
@@ -76,16 +81,69 @@ def test_config_reads_what_transformers_writes():
     assert ours.sliding_window == theirs.sliding_window == 129
 
 
-def test_quantised_and_malformed_configs_are_refused():
-    """FP8 releases (quantization_config) by name; a router the experts cannot satisfy; a non-default rope."""
+def test_unsupported_quantisation_and_malformed_configs_are_refused():
+    """Quantisation other than block-wise FP8 e4m3 by name; a router the experts cannot satisfy; a non-default rope."""
     base = {**transformers.MiMoV2FlashConfig(**CFG).to_dict()}
-    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    with pytest.raises(ValueError, match=r"quant_method 'fp8', fmt 'e4m3', weight_block_size \[128, 128\]"):
-        MiMoV2FlashConfig.from_hf({**base, "quantization_config": fp8})
+    for q, match in (({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors'"),
+                     ({**FP8, "fmt": "e5m2"}, "fmt 'e5m2'"), ({**FP8, "weight_block_size": [128]}, "two positive")):
+        with pytest.raises(ValueError, match=match):
+            MiMoV2FlashConfig.from_hf({**base, "quantization_config": q})
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         MiMoV2FlashConfig.from_hf({**base, "num_experts_per_tok": 5})
     with pytest.raises(ValueError, match="default rope"):
         MiMoV2FlashConfig.from_hf({**base, "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}})
+
+
+def _quantise(w, block):
+    """w [R, C] float32 -> (float8_e4m3fn [R, C], float32 scales [ceil(R / br), ceil(C / bc)]): amax / 448 per block."""
+    (r, c), (br, bc) = w.shape, block
+    scale = np.zeros((-(-r // br), -(-c // bc)), np.float32)
+    q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
+    for i, j in np.ndindex(*scale.shape):
+        tile = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
+        scale[i, j] = max(float(np.abs(tile).max()), 1e-12) / 448.0
+        q[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = (tile / scale[i, j]).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def test_fp8_checkpoint_is_dequantised_on_load(mimo, tmp_path):
+    """The released layout: every projection (attention, dense MLP, each expert) FP8 e4m3 with block scales
+    (blocks 8 x 12: partial blocks in both dims), norms / router / sinks / embeddings not; the loaded model's
+    logits equal transformers' model holding the dequantised weights (weight x its block's scale), and differ
+    from the unquantised one. An FP8 tensor without its scales is named."""
+    src, model, _ = mimo
+    block = (8, 12)
+    tensors = {k: np.asarray(v) for k, v in iter_safetensors(os.path.join(src, "model.safetensors"))}
+    quantised, dequantised = {}, {}
+    for name, w in tensors.items():
+        if re.search(r"_proj\.weight$", name):
+            q, s = _quantise(w, block)
+            quantised[name], quantised[name + "_scale_inv"] = q, s
+            dequantised[name] = q.astype(np.float32) * np.repeat(np.repeat(s, 8, 0)[:w.shape[0]], 12, 1)[:, :w.shape[1]]
+        else:
+            quantised[name] = w
+    assert any(".experts.3.down_proj" in n for n in dequantised) and len(dequantised) > 20
+    d = tmp_path / "fp8"
+    d.mkdir()
+    save_safetensors(str(d / "model.safetensors"), quantised)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    with open(d / "config.json", "w") as f:
+        json.dump({**config, "quantization_config": {**FP8, "weight_block_size": list(block)}}, f)
+    target = dj.load_target(str(d))
+    assert target.config.fp8_checkpoint and target.config.fp8_block_size == block
+    ref_dir = tmp_path / "dequantised"
+    ref_dir.mkdir()
+    save_safetensors(str(ref_dir / "model.safetensors"), {**tensors, **dequantised})
+    shutil.copy(os.path.join(src, "config.json"), ref_dir)
+    ref = transformers.MiMoV2FlashForCausalLM.from_pretrained(str(ref_dir)).eval()
+    ids = np.random.RandomState(6).randint(0, V, (1, 10)).astype(np.int32)
+    got = dj.target_logits(target, ids)
+    assert max_diff(got, torch_forward(ref, ids)[0]) <= 1e-4
+    assert max_diff(got, torch_forward(model, ids)[0]) > 1e-3  # the quantisation shows
+    name = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(ValueError, match=rf"FP8 tensor {name} has no {name}_scale_inv"):
+        dj.load_target(broken_checkpoint(str(d), tmp_path / "unscaled", name + "_scale_inv"))
 
 
 def test_logits_and_every_layer_match_transformers_on_a_ragged_batch(mimo):

@@ -14,8 +14,9 @@ no shared experts.
 
 Checkpoints: per-expert tensors (what transformers writes and the release has) are stacked on load
 (``qwen3_moe.stack_experts``); sinks are ``self_attn.attention_sink_bias`` (``self_attn.sinks`` read too);
-multi-token-prediction weights (``mtp.*``) are skipped and reported. FP8-quantised releases
-(``quantization_config``) are refused by name: dequantise them to bf16 first.
+multi-token-prediction weights (``mtp.*``) are skipped and reported. Block-wise FP8 releases
+(``quantization_config``, quant_method fp8) are dequantised on load (``dflash_jax.fp8``); other formats are
+refused by name.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import ClassVar
 
 import flax.linen as nn
 
-from dflash_jax import moe
+from dflash_jax import fp8, moe
 from dflash_jax.checkpoints import skip_tensors
 from dflash_jax.config import RopeConfig, TargetConfig, read_config_json
 from dflash_jax.families import dense
@@ -76,6 +77,8 @@ class MiMoV2FlashConfig(TargetConfig):
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    fp8_checkpoint: bool = False  # the checkpoint read is block-wise FP8 (dequantised on load; an export is not)
+    fp8_block_size: tuple[int, int] | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -102,12 +105,8 @@ class MiMoV2FlashConfig(TargetConfig):
         d = read_config_json(path_or_dict)
         if d.get("model_type") != "mimo_v2_flash":
             raise ValueError(f"not a MiMo-V2-Flash config: model_type {d.get('model_type')!r}")
-        q = d.get("quantization_config")
-        if q:
-            raise ValueError(f"quantised MiMo-V2-Flash checkpoints are not supported (quantization_config: "
-                             f"quant_method {q.get('quant_method')!r}, fmt {q.get('fmt')!r}, weight_block_size "
-                             f"{q.get('weight_block_size')}: block-wise FP8 with weight_scale_inv tensors); "
-                             "dequantise it to bf16 first")
+        quantised = bool(d.get("quantization_config"))
+        fp8_block = fp8.block_size(d["quantization_config"]) if quantised else None
         d = {**_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
         if d["hidden_act"] != "silu":
             raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (silu)")
@@ -130,7 +129,8 @@ class MiMoV2FlashConfig(TargetConfig):
             num_experts=int(d.get("num_local_experts") or d["n_routed_experts"]),
             num_experts_per_tok=int(d["num_experts_per_tok"]), moe_intermediate_size=int(d["moe_intermediate_size"]),
             n_group=int(d["n_group"]), topk_group=int(d["topk_group"]), norm_topk_prob=bool(d["norm_topk_prob"]),
-            routed_scaling_factor=float(d["routed_scaling_factor"]))
+            routed_scaling_factor=float(d["routed_scaling_factor"]), fp8_checkpoint=quantised,
+            fp8_block_size=fp8_block)
 
     def to_hf(self) -> dict:
         out = super().to_hf()
@@ -206,10 +206,12 @@ def _rename_sinks(stream):
 
 
 def checkpoint(cfg: MiMoV2FlashConfig):
-    """The dense table plus the expert / router / sink leaves; mtp.* skipped, per-expert tensors stacked."""
+    """The dense table plus the expert / router / sink leaves; mtp.* skipped, FP8 dequantised, per-expert tensors
+    stacked."""
     skip, stack = skip_tensors(SKIPPED, "mimo_v2_flash"), stack_experts(cfg)
+    dequantize = fp8.dequantize_stream(cfg.fp8_block_size) if cfg.fp8_checkpoint else (lambda stream: stream)
     return dataclasses.replace(dense.checkpoint(cfg), leaves=_LEAVES,
-                               rewrite=lambda stream: stack(_rename_sinks(skip(stream))))
+                               rewrite=lambda stream: stack(_rename_sinks(dequantize(skip(stream)))))
 
 
 def state_specs(cfg: MiMoV2FlashConfig) -> tuple[KVSpec, ...]:
