@@ -215,3 +215,23 @@ def test_tree_verification_equals_transformers_greedy(mimo):
     prompts = [[5, 7, 3, 4, 9, 6], [7, 7, 1, 2, 3, 11, 12, 9, 14], [2, 8, 13]]
     out = S.speculative_generate(target, draft, prompts, max_new_tokens=12, stop_token_ids=[], tree_budget=3)
     assert [r.output_ids for r in out] == [torch_greedy(model, p, 12) for p in prompts]
+
+
+@pytest.mark.slow  # ~60 s on 2 CPU cores
+def test_expert_parallel_equals_one_device(mimo):
+    """Experts split over a data=2,expert=4 mesh (2 of the 8 per device): the same tokens and acceptance as on one
+    device."""
+    from dflash_jax import model_sharding as ms
+    from dflash_jax import sharding as sh
+
+    _, _, target = mimo
+    draft = random_draft(target.config, block_size=4, target_layer_ids=(0, 2, 3))
+    prompts = [[5, 7, 3, 4, 9, 6], [7, 7, 1, 2, 3, 11, 12, 9, 14], [2, 8, 13], [4, 4, 1]]
+    single = S.speculative_generate(target, draft, prompts, max_new_tokens=12, stop_token_ids=[])
+    mesh = sh.make_mesh("data=2,expert=4")
+    rules = ms.model_rules(mesh, target, draft)
+    starget, sdraft = ms.shard_target(target, mesh, rules), ms.shard_draft(draft, mesh, rules)
+    assert starget.params["layers_1"]["mlp"]["experts"]["gate_up_proj"].addressable_shards[0].data.shape[0] == 2
+    out = S.speculative_generate(starget, sdraft, prompts, max_new_tokens=12, stop_token_ids=[])
+    assert [r.output_ids for r in out] == [r.output_ids for r in single]
+    assert [r.acceptance_lengths for r in out] == [r.acceptance_lengths for r in single]
