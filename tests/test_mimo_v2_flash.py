@@ -24,7 +24,7 @@ import dflash_jax as dj
 from dflash_jax import speculative as S
 from dflash_jax.checkpoints import iter_safetensors, save_safetensors
 from dflash_jax.families.mimo_v2_flash import MiMoV2FlashConfig
-from dflash_jax.target import forward
+from dflash_jax.target import forward, save_target
 from hf_models import broken_checkpoint, max_diff, perturb, positions_for, ragged_parity, torch_forward, torch_greedy
 from pairs import decode_in_chunks, lossless_greedy_with_partial_acceptance, random_draft
 
@@ -182,6 +182,17 @@ def test_speculative_equals_plain_equals_transformers_greedy(mimo):
 def test_speculative_blocks_4_and_8_equal_transformers_greedy(mimo):
     _, model, target = mimo
     lossless_greedy_with_partial_acceptance(model, target, blocks=(4, 8))
+
+
+def test_save_target_reloads_in_transformers(mimo, tmp_path):
+    """Our export (fused experts, sinks as attention_sink_bias, the router's bias) is a checkpoint transformers reads
+    back into the same model, and we read back to the same config."""
+    _, model, target = mimo
+    out = save_target(target, str(tmp_path / "saved"))
+    again = transformers.MiMoV2FlashForCausalLM.from_pretrained(out).eval()
+    ids = np.random.RandomState(4).randint(0, V, (1, 10)).astype(np.int32)
+    assert max_diff(torch_forward(again, ids)[0], torch_forward(model, ids)[0]) <= 1e-6
+    assert dj.load_target(out).config == target.config
 
 
 def test_checkpoint_names_mtp_and_bad_tensors(mimo, tmp_path, capfd):
