@@ -246,3 +246,18 @@ def test_expert_parallel_equals_one_device(mimo):
     out = S.speculative_generate(starget, sdraft, prompts, max_new_tokens=12, stop_token_ids=[])
     assert [r.output_ids for r in out] == [r.output_ids for r in single]
     assert [r.acceptance_lengths for r in out] == [r.acceptance_lengths for r in single]
+
+
+@pytest.mark.slow  # ~60 s on 2 CPU cores (data generation, the train step's and the decode loop's compiles)
+def test_training_a_draft_for_mimo_runs_and_the_loss_falls(mimo, tmp_path):
+    """make_data + train on the MiMo target's features (the grouped expert dispatch and the Dv != D caches in the
+    target forward); the loss falls and the trained draft decodes losslessly."""
+    from pairs import train_briefly
+
+    path, _, target = mimo
+    draft, losses = train_briefly(path, target, str(tmp_path))
+    assert len(losses) == 30 and np.all(np.isfinite(losses))
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses
+    p = [[3, 5, 7, 2, 9], [4, 4, 1]]
+    assert ([r.output_ids for r in S.speculative_generate(target, draft, p, max_new_tokens=16, stop_token_ids=[])]
+            == [r.output_ids for r in S.generate(target, p, max_new_tokens=16, stop_token_ids=[])])
