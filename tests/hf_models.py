@@ -37,6 +37,22 @@ def save_tiny(path, model_type: str = "qwen3", seed: int = 0, dtype=torch.float3
     return model.float()
 
 
+def perturb(model, params: dict[str, float], buffers: dict[str, tuple[float, float]] | None = None):
+    """In place: add scale * N(0, 1) to each parameter whose name contains a key of ``params`` (its scale), and draw
+    each buffer whose name ends with a key of ``buffers`` uniformly in its (low, high): norms start at 1, sinks
+    and biases at 0, so that a mis-mapped one would not show. Returns the model."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = next((v for k, v in params.items() if k in name), None)
+            if scale is not None:
+                p.add_(scale * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            span = next((v for k, v in (buffers or {}).items() if name.endswith(k)), None)
+            if span is not None:
+                b.uniform_(*span)
+    return model
+
+
 def torch_forward(model, ids, layer_ids=()):
     """(logits [B,T,V], concatenated hidden_states[id+1]) as numpy, fp32."""
     with torch.no_grad():
@@ -123,28 +139,42 @@ def vision_language_loads(path: str, text_model, capfd):
     return target
 
 
-def broken_tensors_are_named(src: str, root, cases) -> None:
-    """For each (tensor name, edit) of ``cases``: the checkpoint in ``src`` without that tensor (edit None) or with
-    ``edit(tensor)`` in its place, written under ``root``, fails to load with a ValueError naming the tensor (and
-    its shape and the config's, for an edit)."""
+def broken_checkpoint(src: str, dest, name: str, edit=None, extra=None) -> str:
+    """A copy of the checkpoint in ``src`` (config.json + one model.safetensors) at ``dest`` with tensor ``name``
+    dropped (``edit`` None) or replaced by ``edit(array)``, plus the ``extra`` tensors; returns ``dest``."""
     import os
     import shutil
+
+    from dflash_jax.checkpoints import iter_safetensors, save_safetensors
+
+    tensors = {k: np.asarray(v) for k, v in iter_safetensors(os.path.join(src, "model.safetensors"))}
+    if edit is None:
+        tensors.pop(name)
+    else:
+        tensors[name] = edit(tensors[name])
+    os.makedirs(dest)
+    save_safetensors(os.path.join(dest, "model.safetensors"), {**tensors, **(extra or {})})
+    shutil.copy(os.path.join(src, "config.json"), dest)
+    return str(dest)
+
+
+def broken_tensors_are_named(src: str, root, cases) -> None:
+    """For each (tensor name, edit) of ``cases``: the checkpoint in ``src`` without that tensor (edit None) or with
+    ``edit(tensor)`` in its place (``broken_checkpoint`` under ``root``) fails to load with a ValueError naming
+    the tensor (and its shape and the config's, for an edit)."""
+    import os
 
     import pytest
 
     import dflash_jax as dj
-    from dflash_jax.checkpoints import iter_safetensors, save_safetensors
 
-    tensors = dict(iter_safetensors(os.path.join(src, "model.safetensors")))
     for name, edit in cases:
-        broken = {k: np.asarray(v) for k, v in tensors.items() if k != name or edit}
-        if edit:
-            broken[name] = edit(broken[name])
-        d = os.path.join(root, name)
-        os.makedirs(d)
-        save_safetensors(os.path.join(d, "model.safetensors"), broken)
-        shutil.copy(os.path.join(src, "config.json"), d)
-        shape = ", ".join(map(str, broken[name].shape)) if edit else ""
+        d = broken_checkpoint(src, os.path.join(root, name), name, edit)
+        shape = ""
+        if edit is not None:
+            from dflash_jax.checkpoints import iter_safetensors
+
+            shape = ", ".join(map(str, dict(iter_safetensors(os.path.join(d, "model.safetensors")))[name].shape))
         match = rf"lacks 1 tensors.*{name}" if edit is None else rf"{name} has shape \[{shape}\] but the config implies"
         with pytest.raises(ValueError, match=match):
             dj.load_target(d)

@@ -27,7 +27,8 @@ from dflash_jax.checkpoints import iter_safetensors
 from dflash_jax.families.gemma4 import Gemma4Config
 from dflash_jax.layers import rope_frequencies
 from dflash_jax.target import forward
-from hf_models import broken_tensors_are_named, max_diff, positions_for, ragged_parity, torch_forward, torch_greedy
+from hf_models import (broken_tensors_are_named, max_diff, perturb, positions_for, ragged_parity, torch_forward,
+                       torch_greedy)
 from pairs import decode_in_chunks, lossless_greedy_with_partial_acceptance, random_draft
 
 V, L, D = 16, 5, 32
@@ -68,13 +69,7 @@ def save_gemma4(path, seed: int = 0, **overrides):
     cfg = transformers.Gemma4TextConfig(**{**CFG, **overrides})
     torch.manual_seed(seed)
     model = transformers.Gemma4ForCausalLM(cfg).eval()
-    with torch.no_grad():  # norms, scales and layer scalars start at 1: perturb them
-        for name, p in model.named_parameters():
-            if "norm" in name or "scale" in name:
-                p.add_(0.1 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.uniform_(0.5, 1.5)
+    perturb(model, {"norm": 0.1, "scale": 0.1}, {"layer_scalar": (0.5, 1.5)})  # norms, scales, layer scalars: 1
     model.save_pretrained(path)
     return model
 

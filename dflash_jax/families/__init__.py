@@ -29,6 +29,7 @@ from dflash_jax.families import (
     dense,
     gemma4,
     gpt_oss,
+    mimo_v2_flash,
     muse_glimmer,
     qwen3_5,
     qwen3_5_moe,
@@ -48,6 +49,7 @@ _REGISTRY: dict[str, Family] = {
     "muse_glimmer": muse_glimmer.FAMILY, "muse_glimmer_text": muse_glimmer.FAMILY,  # VL checkpoint / text-only
     "gemma4": gemma4.FAMILY, "gemma4_text": gemma4.FAMILY,  # VL checkpoint / text-only
     "deepseek_v3": deepseek_v3.FAMILY, "kimi_k25": deepseek_v3.FAMILY,  # text-only / Kimi-K2.5's VL checkpoint
+    "mimo_v2_flash": mimo_v2_flash.FAMILY,
 }
 
 
