@@ -158,6 +158,53 @@ def broken_checkpoint(src: str, dest, name: str, edit=None, extra=None) -> str:
     return str(dest)
 
 
+def fp8_quantise(w, block):
+    """w [R, C] float32 -> (float8_e4m3fn [R, C], float32 scales [ceil(R / br), ceil(C / bc)]): amax / 448 per block."""
+    import ml_dtypes
+
+    (r, c), (br, bc) = w.shape, block
+    scale = np.zeros((-(-r // br), -(-c // bc)), np.float32)
+    q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
+    for i, j in np.ndindex(*scale.shape):
+        tile = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
+        scale[i, j] = max(float(np.abs(tile).max()), 1e-12) / 448.0
+        q[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = (tile / scale[i, j]).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_copies(src: str, root, block, pattern: str = r"_proj\.weight$"):
+    """Two copies of the checkpoint in ``src`` under ``root``: ``fp8/`` as the FP8 releases are laid out (every
+    tensor matching ``pattern`` float8_e4m3fn plus its ``_scale_inv`` block scales, quantization_config fp8
+    e4m3 with ``block``) and ``dequantised/`` (those weights x their block's scale, unquantised: what loading
+    the FP8 copy must give). -> (fp8 dir, dequantised dir, names quantised)."""
+    import json
+    import os
+    import re
+    import shutil
+
+    from dflash_jax.checkpoints import iter_safetensors, save_safetensors
+
+    (br, bc), quantised, dequantised = block, {}, {}
+    for name, w in iter_safetensors(os.path.join(src, "model.safetensors")):
+        w = np.asarray(w)
+        quantised[name] = dequantised[name] = w
+        if re.search(pattern, name):
+            q, s = fp8_quantise(w, block)
+            quantised[name], quantised[name + "_scale_inv"] = q, s
+            dequantised[name] = q.astype(np.float32) * np.repeat(np.repeat(s, br, 0)[:w.shape[0]], bc, 1)[:, :w.shape[1]]
+    dirs = [os.path.join(root, "fp8"), os.path.join(root, "dequantised")]
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    for d, tensors in zip(dirs, (quantised, dequantised)):
+        os.makedirs(d)
+        save_safetensors(os.path.join(d, "model.safetensors"), tensors)
+        shutil.copy(os.path.join(src, "config.json"), d)
+    with open(os.path.join(dirs[0], "config.json"), "w") as f:
+        json.dump({**config, "quantization_config": q}, f)
+    return dirs[0], dirs[1], [n for n in quantised if n.endswith("_scale_inv")]
+
+
 def broken_tensors_are_named(src: str, root, cases) -> None:
     """For each (tensor name, edit) of ``cases``: the checkpoint in ``src`` without that tensor (edit None) or with
     ``edit(tensor)`` in its place (``broken_checkpoint`` under ``root``) fails to load with a ValueError naming

@@ -28,8 +28,8 @@ from dflash_jax.checkpoints import iter_safetensors, save_safetensors
 from dflash_jax.families.deepseek_v3 import DeepseekV3Config
 from dflash_jax.layers import rope_frequencies
 from dflash_jax.target import forward
-from hf_models import (broken_tensors_are_named, max_diff, packed_features_match, positions_for, ragged_parity,
-                       torch_forward, torch_greedy)
+from hf_models import (broken_tensors_are_named, fp8_copies, max_diff, packed_features_match, positions_for,
+                       ragged_parity, torch_forward, torch_greedy)
 from pairs import decode_in_chunks, lossless_greedy_with_partial_acceptance, random_draft
 
 V, L, D, E = 16, 4, 32, 8
@@ -129,15 +129,31 @@ def test_config_reads_the_released_kimi_layout():
     ({"quant_method": "compressed-tensors", "format": "pack-quantized",
       "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "group_size": 32}}}},
      r"quantised \(quant_method 'compressed-tensors', format 'pack-quantized', 4-bit int\)"),
-    ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
-     r"quantised \(quant_method 'fp8', fmt 'e4m3', weight_block_size \[128, 128\]\)"),
-], ids=["kimi_int4", "deepseek_fp8"])
-def test_quantised_checkpoints_are_refused_with_the_format_named(quant, match):
+    ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]},
+     r"quantised \(quant_method 'fp8', fmt 'e5m2', weight_block_size \[128, 128\]\)"),
+], ids=["kimi_int4", "fp8_e5m2"])
+def test_other_quantisations_are_refused_with_the_format_named(quant, match):
     with pytest.raises(ValueError, match=match):
         DeepseekV3Config.from_hf({**RELEASED, "quantization_config": quant})
     with pytest.raises(ValueError, match=match):
         DeepseekV3Config.from_hf({**RELEASED["text_config"], "model_type": "deepseek_v3",
                                   "quantization_config": quant})
+
+
+def test_fp8_checkpoint_is_dequantised_on_load(deepseek, tmp_path):
+    """DeepSeek-V3's released layout: every projection (q_a / q_b / kv_a / kv_b / o, the dense and shared MLPs,
+    each expert) FP8 e4m3 with block scales (blocks 8 x 12: partial blocks in both dims), norms / router /
+    embeddings not: the loaded model's logits equal transformers' model holding the dequantised weights."""
+    src, model, _ = deepseek
+    fp8_dir, ref_dir, scaled = fp8_copies(src, tmp_path, (8, 12))
+    assert any("kv_b_proj" in n for n in scaled) and any(".experts.1.down_proj" in n for n in scaled)
+    target = dj.load_target(fp8_dir)
+    assert target.config.fp8_checkpoint and target.config.fp8_block_size == (8, 12)
+    ref = transformers.DeepseekV3ForCausalLM.from_pretrained(ref_dir).eval()
+    ids = np.random.RandomState(6).randint(0, V, (1, 10)).astype(np.int32)
+    got = dj.target_logits(target, ids)
+    assert max_diff(got, torch_forward(ref, ids)[0]) <= 1e-4
+    assert max_diff(got, torch_forward(model, ids)[0]) > 1e-3  # the quantisation shows
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 
 import jax
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -22,10 +19,9 @@ import transformers
 
 import dflash_jax as dj
 from dflash_jax import speculative as S
-from dflash_jax.checkpoints import iter_safetensors, save_safetensors
 from dflash_jax.families.mimo_v2_flash import MiMoV2FlashConfig
 from dflash_jax.target import forward, save_target
-from hf_models import (broken_checkpoint, broken_tensors_are_named, max_diff, perturb, positions_for, ragged_parity,
+from hf_models import (broken_checkpoint, broken_tensors_are_named, fp8_copies, max_diff, perturb, positions_for, ragged_parity,
                        torch_forward, torch_greedy)
 from pairs import decode_in_chunks, lossless_greedy_with_partial_acceptance, random_draft
 
@@ -95,18 +91,6 @@ def test_unsupported_quantisation_and_malformed_configs_are_refused():
         MiMoV2FlashConfig.from_hf({**base, "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}})
 
 
-def _quantise(w, block):
-    """w [R, C] float32 -> (float8_e4m3fn [R, C], float32 scales [ceil(R / br), ceil(C / bc)]): amax / 448 per block."""
-    (r, c), (br, bc) = w.shape, block
-    scale = np.zeros((-(-r // br), -(-c // bc)), np.float32)
-    q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
-    for i, j in np.ndindex(*scale.shape):
-        tile = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
-        scale[i, j] = max(float(np.abs(tile).max()), 1e-12) / 448.0
-        q[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = (tile / scale[i, j]).astype(ml_dtypes.float8_e4m3fn)
-    return q, scale
-
-
 def test_fp8_checkpoint_is_dequantised_on_load(mimo, tmp_path):
     """The released layout: every projection (attention, dense MLP, each expert) FP8 e4m3 with block scales
     (blocks 8 x 12: partial blocks in both dims), norms / router / sinks / embeddings not; the loaded model's
@@ -114,37 +98,18 @@ def test_fp8_checkpoint_is_dequantised_on_load(mimo, tmp_path):
     from the unquantised one. An FP8 tensor without its scales is named."""
     src, model, _ = mimo
     block = (8, 12)
-    tensors = {k: np.asarray(v) for k, v in iter_safetensors(os.path.join(src, "model.safetensors"))}
-    quantised, dequantised = {}, {}
-    for name, w in tensors.items():
-        if re.search(r"_proj\.weight$", name):
-            q, s = _quantise(w, block)
-            quantised[name], quantised[name + "_scale_inv"] = q, s
-            dequantised[name] = q.astype(np.float32) * np.repeat(np.repeat(s, 8, 0)[:w.shape[0]], 12, 1)[:, :w.shape[1]]
-        else:
-            quantised[name] = w
-    assert any(".experts.3.down_proj" in n for n in dequantised) and len(dequantised) > 20
-    d = tmp_path / "fp8"
-    d.mkdir()
-    save_safetensors(str(d / "model.safetensors"), quantised)
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    with open(d / "config.json", "w") as f:
-        json.dump({**config, "quantization_config": {**FP8, "weight_block_size": list(block)}}, f)
-    target = dj.load_target(str(d))
+    d, ref_dir, scaled = fp8_copies(src, tmp_path, block)
+    assert any(".experts.3.down_proj" in n for n in scaled) and len(scaled) > 20
+    target = dj.load_target(d)
     assert target.config.fp8_checkpoint and target.config.fp8_block_size == block
-    ref_dir = tmp_path / "dequantised"
-    ref_dir.mkdir()
-    save_safetensors(str(ref_dir / "model.safetensors"), {**tensors, **dequantised})
-    shutil.copy(os.path.join(src, "config.json"), ref_dir)
-    ref = transformers.MiMoV2FlashForCausalLM.from_pretrained(str(ref_dir)).eval()
+    ref = transformers.MiMoV2FlashForCausalLM.from_pretrained(ref_dir).eval()
     ids = np.random.RandomState(6).randint(0, V, (1, 10)).astype(np.int32)
     got = dj.target_logits(target, ids)
     assert max_diff(got, torch_forward(ref, ids)[0]) <= 1e-4
     assert max_diff(got, torch_forward(model, ids)[0]) > 1e-3  # the quantisation shows
     name = "model.layers.0.self_attn.q_proj.weight"
     with pytest.raises(ValueError, match=rf"FP8 tensor {name} has no {name}_scale_inv"):
-        dj.load_target(broken_checkpoint(str(d), tmp_path / "unscaled", name + "_scale_inv"))
+        dj.load_target(broken_checkpoint(d, tmp_path / "unscaled", name + "_scale_inv"))
 
 
 def test_logits_and_every_layer_match_transformers_on_a_ragged_batch(mimo):

@@ -27,8 +27,9 @@ Checkpoints: ``deepseek_v3``: ``model.`` (+ ``lm_head``), one tensor per expert 
 multi-token-prediction layers ``model.layers.{L..}`` skipped and reported. ``kimi_k25``: the language model under
 ``language_model.model.`` / ``language_model.lm_head`` (the released layout; transformers 5.x's save_pretrained
 writes its layers as ``language_model.model.blocks.N``, read too), vision tower and projector skipped; the text
-config may say ``kimi_k2`` (read as ``deepseek_v3``); the tie flag is the top-level one. Quantised releases
-(Kimi-K2's INT4 compressed-tensors, DeepSeek-V3's FP8) are refused with the format named.
+config may say ``kimi_k2`` (read as ``deepseek_v3``); the tie flag is the top-level one. Block-wise FP8
+releases (DeepSeek-V3's) are dequantised on load (``dflash_jax.fp8``); other quantisations (Kimi-K2's INT4
+compressed tensors) are refused with the format named.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ import re
 import flax.linen as nn
 import jax.numpy as jnp
 
-from dflash_jax import moe
+from dflash_jax import fp8, moe
 from dflash_jax.checkpoints import NameTable, skip_tensors
 from dflash_jax.config import TargetConfig, read_config_json
 from dflash_jax.families import dense, qwen3_moe
@@ -67,11 +68,8 @@ VL_SKIPPED = ((r"^(vision_tower|mm_projector|model\.vision_tower|model\.mm_proje
 _LEAVES = (("gate_up_proj", "gate_up_proj", True), ("down_proj", "down_proj", True)) + ROUTER_LEAVES
 
 
-def _quantisation(d: dict) -> str | None:
-    """The quantisation a config.json declares (top level or its text_config), in words, or None."""
-    q = d.get("quantization_config") or (d.get("text_config") or {}).get("quantization_config")
-    if not q:
-        return None
+def _quantisation(q: dict) -> str:
+    """A ``quantization_config`` in words (its method, format, bits, block)."""
     method, fmt = q.get("quant_method"), q.get("format")
     groups = [g.get("weights") or {} for g in (q.get("config_groups") or {}).values()]
     bits = sorted({f"{w.get('num_bits')}-bit {w.get('type')}" for w in groups if w})
@@ -81,15 +79,23 @@ def _quantisation(d: dict) -> str | None:
                      if s)
 
 
+def _fp8_block(d: dict) -> tuple[bool, tuple[int, int] | None]:
+    """(FP8 checkpoint, its weight_block_size) from a config.json (top level or its text_config): block-wise FP8
+    e4m3 (DeepSeek-V3's release) is dequantised on load (``dflash_jax.fp8``); any other quantisation (Kimi-K2's
+    INT4 compressed tensors) is a ValueError naming its format."""
+    q = d.get("quantization_config") or (d.get("text_config") or {}).get("quantization_config")
+    if not q:
+        return False, None
+    if q.get("quant_method") == "fp8" and q.get("fmt", "e4m3") == "e4m3":
+        return True, fp8.block_size(q)
+    raise ValueError(f"this {d.get('model_type')} checkpoint is quantised ({_quantisation(q)}); only unquantised "
+                     "(bf16 / fp16 / fp32) and block-wise FP8 e4m3 weights are supported: dequantise it first")
+
+
 def _text_config(d: dict) -> dict:
     """A deepseek_v3 config.json, or a kimi_k25 one's text_config with the top-level tie flag (Kimi_K25Config's
-    default True when absent: transformers ties by it whatever the text config says) and stop tokens; a quantised
-    checkpoint is a ValueError naming its format."""
+    default True when absent: transformers ties by it whatever the text config says) and stop tokens."""
     model_type = d.get("model_type")
-    quantised = _quantisation(d)
-    if quantised:
-        raise ValueError(f"this {model_type} checkpoint is quantised ({quantised}); only unquantised (bf16 / fp16 "
-                         "/ fp32) weights are supported: dequantise it first")
     if model_type == "kimi_k25":
         text = d.get("text_config")
         if not isinstance(text, dict):
@@ -129,6 +135,8 @@ class DeepseekV3Config(TargetConfig):
     norm_topk_prob: bool = True
     num_nextn_predict_layers: int = 0  # multi-token-prediction layers after the decoder in a checkpoint (skipped)
     vision_language: bool = False
+    fp8_checkpoint: bool = False  # the checkpoint read is block-wise FP8 (dequantised on load; an export is not)
+    fp8_block_size: tuple[int, int] | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -162,6 +170,7 @@ class DeepseekV3Config(TargetConfig):
     def from_hf(cls, path_or_dict) -> DeepseekV3Config:
         d = read_config_json(path_or_dict)
         model_type = d.get("model_type")
+        quantised, fp8_block = _fp8_block(d)
         text = _text_config(d)
         q_lora = text.get("q_lora_rank", _DEFAULTS["q_lora_rank"])  # an explicit null: a plain q_proj
         text = {**_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
@@ -176,7 +185,8 @@ class DeepseekV3Config(TargetConfig):
             **{**shared, "model_type": model_type, "qk_norm": False},
             q_lora_rank=None if q_lora is None else int(q_lora), rope_interleave=bool(text["rope_interleave"]),
             routed_scaling_factor=float(text["routed_scaling_factor"]), norm_topk_prob=bool(text["norm_topk_prob"]),
-            vision_language=model_type == "kimi_k25", **{k: int(text[k]) for k in _INTS})
+            vision_language=model_type == "kimi_k25", fp8_checkpoint=quantised, fp8_block_size=fp8_block,
+            **{k: int(text[k]) for k in _INTS})
 
     def to_hf(self) -> dict:
         text = TargetConfig.to_hf(self)
@@ -320,14 +330,16 @@ def _vl_names(stream):
 
 def checkpoint(cfg: DeepseekV3Config) -> NameTable:
     """``model.`` (``language_model.model.`` for kimi_k25) names, the fused expert / router-bias leaves, per-expert
-    tensors stacked, multi-token-prediction layers (and a VL checkpoint's vision side) skipped and reported."""
+    tensors stacked, multi-token-prediction layers (and a VL checkpoint's vision side) skipped and reported, FP8
+    weights dequantised."""
     prefix = "language_model.model." if cfg.vision_language else "model."
     skipped = ((rf"^{re.escape(prefix)}layers\.({_mtp_layers(cfg)})\.", "multi-token prediction"),)
     skip = skip_tensors(skipped + (VL_SKIPPED if cfg.vision_language else ()), cfg.model_type)
     stack = qwen3_moe.stack_experts(cfg)
     names = _vl_names if cfg.vision_language else (lambda stream: stream)
+    dequantize = fp8.dequantize_stream(cfg.fp8_block_size) if cfg.fp8_checkpoint else (lambda stream: stream)
     return dataclasses.replace(dense.checkpoint(cfg), prefix=prefix, leaves=_LEAVES,
-                               rewrite=lambda stream: stack(skip(names(stream))))
+                               rewrite=lambda stream: stack(dequantize(skip(names(stream)))))
 
 
 def state_specs(cfg: DeepseekV3Config) -> tuple[KVSpec, ...]:
