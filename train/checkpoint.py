@@ -43,7 +43,15 @@ def _reason(e: BaseException) -> str:
 
 
 def _abstract(tree):
-    return jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, tree)
+    """What to restore onto: each leaf's shape, dtype and sharding, this process's first device where a leaf has
+    none (so a checkpoint written on other devices, e.g. by several processes, restores on one)."""
+    local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def one(x):
+        s = ocp.utils.to_shape_dtype_struct(x)
+        return s if s.sharding is not None else jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=local)
+
+    return jax.tree_util.tree_map(one, tree)
 
 
 _ORBAX_READ_ERROR = "Encountered error while reading array index"
