@@ -304,14 +304,25 @@ def _step(spec: EngineSpec, inp: Inputs, state: DecodeState) -> DecodeState:
     return _commit(spec, inp, state, posterior, a, length, tcache, dcache, key)
 
 
+def _on_mesh(fn):
+    """``fn(spec, ...)`` traced with ``spec.mesh`` as the abstract mesh: its Pallas kernels run per shard."""
+    @functools.wraps(fn)
+    def traced(spec: EngineSpec, *args, **kw):
+        with sharding.mesh_scope(spec.mesh):
+            return fn(spec, *args, **kw)
+
+    return traced
+
+
 @functools.partial(jax.jit, static_argnames=("spec", "cache_len"))
+@_on_mesh
 def _generate(spec: EngineSpec, inp: Inputs, *, cache_len: int):
     state = _prefill(spec, inp, cache_len)
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), functools.partial(_step, spec, inp), state)
 
 
-_prefill_jit = jax.jit(_prefill, static_argnames=("spec", "cache_len"))
-_step_jit = jax.jit(_step, static_argnames=("spec",), donate_argnames=("state",))
+_prefill_jit = jax.jit(_on_mesh(_prefill), static_argnames=("spec", "cache_len"))
+_step_jit = jax.jit(_on_mesh(_step), static_argnames=("spec",), donate_argnames=("state",))
 
 
 @dataclasses.dataclass
@@ -445,8 +456,6 @@ def _prepare(target: Target, draft, prompts, *, max_new_tokens, sampling: Sampli
     speculative = draft is not None and block_size > 1
     dparams = draft.params if speculative else None
     mesh = sharding.mesh_of(target.params, dparams)
-    if attention_impl == "auto" and mesh is not None and mesh.size > 1:
-        attention_impl = "loop"  # the Pallas decode kernel sees one device's arrays (no shard_map around it yet)
     if speculative and proposer is None:
         proposer = proposers.for_draft(draft.config, sampled=not sampling.greedy and sampling.acceptance == "rejection")
     spec = EngineSpec(target.config, draft.config if draft is not None else None, block_size, sampling.greedy, mesh,

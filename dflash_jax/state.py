@@ -19,17 +19,22 @@ order, not their repeating tree positions: ``tree_write``), then ``DecodeCache.c
 path to positions n..n+a before the commit; ``FullKV`` and ``SlidingKV`` support it, ``Recurrent`` does not.
 
 A token at a position < 0 is padding: never written, never attended to, never advancing a recurrence.
+
+Each state class declares the logical axes of its leaves (``LOGICAL_AXES``: field -> names of the leading
+dims of every array in it, the rest unsplit); ``sharding.constrain_cache`` maps them through the same
+rules as the parameters (``sharding.rules``).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 _FAR = jnp.iinfo(jnp.int32).max
+KV_AXES = ("cache_batch", "cache_len", "cache_kv_heads", "cache_head_dim")  # [B, S, K, H]
 
 
 def _rows(positions):
@@ -50,6 +55,7 @@ def ring_slots(positions, keep, r: int):
 class FullKV:
     """Keys / values [B, S, K, H] of every position so far; slot s holds position s."""
 
+    LOGICAL_AXES: ClassVar[dict] = {"k": KV_AXES, "v": KV_AXES}
     k: jax.Array
     v: jax.Array
 
@@ -95,6 +101,7 @@ class SlidingKV:
     rolled back must have at most R - window tokens.
     """
 
+    LOGICAL_AXES: ClassVar[dict] = {"k": KV_AXES, "v": KV_AXES, "pos": ("cache_batch", "cache_len")}
     k: jax.Array
     v: jax.Array
     pos: jax.Array
@@ -140,6 +147,8 @@ class Recurrent:
     (each leaf [B, max_block + 1, ...]: index i = the state after i of its new tokens) and ``count`` [B],
     the number of new tokens that forward had per row."""
 
+    LOGICAL_AXES: ClassVar[dict] = {"value": ("cache_batch", "cache_state"), "snapshots": ("cache_batch", "cache_snapshot"),
+                    "count": ("cache_batch",)}
     value: Any
     snapshots: Any
     count: jax.Array
@@ -177,6 +186,8 @@ class Recurrent:
 class SharedKV:
     """A layer that attends to an earlier layer's keys / values (Gemma 4's kv-shared layers): no state of its
     own; every protocol step leaves it as it is."""
+
+    LOGICAL_AXES: ClassVar[dict] = {}
 
     def commit(self, kept) -> SharedKV:
         return self
@@ -230,6 +241,7 @@ class RecurrentSpec:
 class DecodeCache:
     """One state per layer plus ``lengths`` [B], each row's committed tokens."""
 
+    LOGICAL_AXES: ClassVar[dict] = {"lengths": ("cache_batch",)}  # ``layers``: each state's own
     layers: tuple
     lengths: jax.Array
     max_len: int = flax.struct.field(pytree_node=False, default=0)  # positions 0..max_len-1 fit
