@@ -48,9 +48,11 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
                                          block_causal=block_causal)
     if impl not in ("kernel", "interpret"):
         raise ValueError(f"impl must be auto, kernel, reference or interpret, not {impl!r}")
-    kernel = lambda *a: block_attention_kernel(*a[:6], block_size=block_size, sliding_window=sliding_window,  # noqa: E731
-                                               scale=scale, interpret=impl == "interpret", ctx_start=a[6],
-                                               block_causal=block_causal)
+    def kernel(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start):  # one shard's operands
+        return block_attention_kernel(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size=block_size,
+                                      sliding_window=sliding_window, scale=scale, interpret=impl == "interpret",
+                                      ctx_start=ctx_start, block_causal=block_causal)
+
     return attention_per_shard(kernel, (q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start),
                                (_ROWS, _KV_ROWS, _KV_ROWS, _KV_ROWS, _KV_ROWS, ("batch",), ("batch",)),
                                what="block attention")
@@ -77,9 +79,10 @@ def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding
         return decode_attention_loop(q, k, v, q_pos, lengths, k_new, v_new, **kw)
     if impl not in ("kernel", "interpret"):
         raise ValueError(f"impl must be one of {', '.join(DECODE_IMPLS)}, not {impl!r}")
-    kernel = lambda q, k, v, q_pos, lengths, k_new, v_new, sinks, new_mask: decode_attention_kernel(  # noqa: E731
-        q, k, v, q_pos, lengths, k_new, v_new, interpret=impl == "interpret", **{**kw, "sinks": sinks,
-                                                                                "new_mask": new_mask})
+    def kernel(q, k, v, q_pos, lengths, k_new, v_new, sinks, new_mask):  # one shard's operands
+        return decode_attention_kernel(q, k, v, q_pos, lengths, k_new, v_new, interpret=impl == "interpret",
+                                       **{**kw, "sinks": sinks, "new_mask": new_mask})
+
     return attention_per_shard(kernel, (q, k, v, q_pos, lengths, k_new, v_new, sinks, new_mask),
                                (_QUERIES, _CACHE, _CACHE, ("cache_batch",), ("cache_batch",), _CACHE, _CACHE,
                                 ("cache_heads",), ("cache_batch",)), what="decode attention")

@@ -48,7 +48,7 @@ from dflash_jax.config import DraftConfig
 from dflash_jax.families import family_of
 from dflash_jax.proposers import Proposer, StepView
 from dflash_jax.sampling import SamplingParams, accepted_length, choose, filtered_scores, rejection_sample
-from dflash_jax.state import DecodeCache, KVSpec, SharedKVSpec
+from dflash_jax.state import DecodeCache, KVSpec, SharedKVSpec, put_rows
 from dflash_jax.target import Target, check_token_ids
 
 FINISH_REASONS = ("running", "length", "stop")
@@ -274,7 +274,6 @@ def _commit(spec: EngineSpec, inp: Inputs, state: DecodeState, posterior, a, len
     """Commit p_0..p_a (``posterior`` [B, K]) at positions n+1.., cut at the budget and just after the first stop
     token; both caches keep a+1 verified tokens (x_n, d_1..d_a); done rows do not change."""
     b, cache_len = state.tokens.shape
-    rows = jnp.arange(b)
     active = ~state.done
     offsets = jnp.arange(posterior.shape[1], dtype=jnp.int32)
     positions = state.tcache.lengths[:, None] + offsets
@@ -283,7 +282,7 @@ def _commit(spec: EngineSpec, inp: Inputs, state: DecodeState, posterior, a, len
     hit_stop = is_stop.any(axis=1)
     keep = jnp.where(hit_stop, jnp.argmax(is_stop, axis=1) + 1, limit)
     write = active[:, None] & (offsets[None] < keep[:, None])
-    tokens = state.tokens.at[rows[:, None], jnp.where(write, positions + 1, cache_len)].set(posterior, mode="drop")
+    tokens = put_rows(state.tokens, jnp.where(write, positions + 1, cache_len), posterior)
     generated = state.generated + jnp.where(active, keep, 0)
     finish = jnp.where(active & hit_stop, 2, jnp.where(active & (generated >= state.budget), 1, state.finish))
     kept = jnp.where(active, a + 1, 0)  # verified tokens whose state every layer keeps: x_n, d_1..d_a
@@ -291,8 +290,9 @@ def _commit(spec: EngineSpec, inp: Inputs, state: DecodeState, posterior, a, len
     return spec.place(DecodeState(tokens=tokens, tcache=tcache.commit(kept),
                                   dcache=dcache.commit(kept) if spec.speculative else dcache,
                                   generated=generated, budget=state.budget, finish=finish.astype(jnp.int32),
-                                  acceptance=state.acceptance.at[rows, step].set(keep, mode="drop"),
-                                  verified=state.verified.at[rows, step].set(length, mode="drop"),
+                                  acceptance=put_rows(state.acceptance, step[:, None], keep[:, None]),
+                                  verified=put_rows(state.verified, step[:, None],
+                                                    jnp.broadcast_to(length, (b,))[:, None]),
                                   steps=state.steps + active.astype(jnp.int32), key=key))
 
 
@@ -624,3 +624,13 @@ def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int, bloc
         state = step(state)
     yield [dataclasses.replace(r, time_to_first_token_s=first)
            for r in _results(state, req, time.perf_counter() - start)]
+
+
+def lower_step(target: Target, draft, prompts, *, max_new_tokens: int, attention_impl: str = "auto", **kw):
+    """One decode step (draft + verify + commit of every row) lowered after a real prefill of ``prompts`` (the
+    options of ``speculative_generate``, greedy): ``.compile()`` it to read the step's HLO, memory and
+    collectives (``scripts/mesh_step_costs.py``)."""
+    req = _prepare(target, draft, prompts, max_new_tokens=max_new_tokens, sampling=SamplingParams(0.0, 0, 1.0),
+                   attention_impl=attention_impl, **kw)
+    state = _prefill_jit(req.spec, req.inputs, cache_len=req.cache_len)
+    return _step_jit.lower(req.spec, req.inputs, state)

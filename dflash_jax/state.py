@@ -37,8 +37,15 @@ _FAR = jnp.iinfo(jnp.int32).max
 KV_AXES = ("cache_batch", "cache_len", "cache_kv_heads", "cache_head_dim")  # [B, S, K, H]
 
 
-def _rows(positions):
-    return jnp.arange(positions.shape[0])[:, None]
+def put_rows(cache, slots, values):
+    """``cache[b, slots[b, t]] = values[b, t]`` for every row b (slots out of range are dropped), as one scatter
+    per row (vmapped): on a mesh it partitions over the rows without gathering the batch's updates."""
+    return jax.vmap(lambda c, s, u: c.at[s].set(u.astype(c.dtype), mode="drop"))(cache, slots, values)
+
+
+def take_rows(cache, slots):
+    """``cache[b, slots[b, t]]`` for every row b (in range), per row like ``put_rows``."""
+    return jax.vmap(lambda c, s: c[s])(cache, slots)
 
 
 def ring_slots(positions, keep, r: int):
@@ -66,9 +73,7 @@ class FullKV:
     def write(self, k_new, v_new, positions) -> "FullKV":
         """Store k_new / v_new [B, T, K, H] at ``positions`` [B, T] (padding and out-of-range are dropped)."""
         slots = jnp.where(positions >= 0, positions, self.max_len)
-        rows = _rows(positions)
-        return FullKV(self.k.at[rows, slots].set(k_new.astype(self.k.dtype), mode="drop"),
-                      self.v.at[rows, slots].set(v_new.astype(self.v.dtype), mode="drop"))
+        return FullKV(put_rows(self.k, slots, k_new), put_rows(self.v, slots, v_new))
 
     def update(self, k_new, v_new, positions):
         """-> (new state, keys, values [B, S', K, H], key positions [B, S'], key exists [B, S'])."""
@@ -86,10 +91,10 @@ class FullKV:
     def compact(self, src, dst) -> "FullKV":
         """Copy positions ``src`` [B, L] to positions ``dst`` [B, L] (src < 0: nothing copied), all read before
         any write (tree verification: the accepted path's K/V to contiguous positions)."""
-        rows, keep = _rows(src), src >= 0
+        keep = src >= 0
         dst = jnp.where(keep, dst, self.max_len)
-        k, v = self.k[rows, jnp.maximum(src, 0)], self.v[rows, jnp.maximum(src, 0)]
-        return FullKV(self.k.at[rows, dst].set(k, mode="drop"), self.v.at[rows, dst].set(v, mode="drop"))
+        k, v = take_rows(self.k, jnp.maximum(src, 0)), take_rows(self.v, jnp.maximum(src, 0))
+        return FullKV(put_rows(self.k, dst, k), put_rows(self.v, dst, v))
 
 
 @flax.struct.dataclass
@@ -128,17 +133,14 @@ class SlidingKV:
 
     def compact(self, src, dst) -> "SlidingKV":
         """``FullKV.compact`` on the ring (positions -> slots position % R)."""
-        r, rows, keep = self.k.shape[1], _rows(src), src >= 0
+        r, keep = self.k.shape[1], src >= 0
         s = jnp.maximum(src, 0) % r
-        return self._put(self.k[rows, s], self.v[rows, s], dst, keep)
+        return self._put(take_rows(self.k, s), take_rows(self.v, s), dst, keep)
 
     def _put(self, k, v, positions, keep) -> "SlidingKV":
         """Every write into the ring: the kept positions' K/V at ``ring_slots`` (the newest R of the write)."""
-        rows = _rows(positions)
         slots = ring_slots(positions, keep, self.k.shape[1])
-        return SlidingKV(self.k.at[rows, slots].set(k.astype(self.k.dtype), mode="drop"),
-                         self.v.at[rows, slots].set(v.astype(self.v.dtype), mode="drop"),
-                         self.pos.at[rows, slots].set(positions, mode="drop"))
+        return SlidingKV(put_rows(self.k, slots, k), put_rows(self.v, slots, v), put_rows(self.pos, slots, positions))
 
 
 @flax.struct.dataclass
@@ -147,8 +149,8 @@ class Recurrent:
     (each leaf [B, max_block + 1, ...]: index i = the state after i of its new tokens) and ``count`` [B],
     the number of new tokens that forward had per row."""
 
-    LOGICAL_AXES: ClassVar[dict] = {"value": ("cache_batch", "cache_state"), "snapshots": ("cache_batch", "cache_snapshot"),
-                    "count": ("cache_batch",)}
+    LOGICAL_AXES: ClassVar[dict] = {"value": ("cache_batch", "cache_state"),
+                                    "snapshots": ("cache_batch", "cache_snapshot"), "count": ("cache_batch",)}
     value: Any
     snapshots: Any
     count: jax.Array

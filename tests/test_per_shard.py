@@ -178,3 +178,22 @@ def test_training_loss_and_grads_per_shard_equal_single_device(train_case, spec)
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves(want_grads)):
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+# --- the engine: speculative decoding with the kernel per shard -----------------------------------------------
+
+
+@pytest.mark.slow  # the whole decode loop with interpret-mode kernels, compiled twice (~60 s)
+def test_speculative_with_kernel_per_shard_equals_single_device():
+    from dflash_jax import speculative as S
+
+    target, draft = random_pair(vocab=64, block_size=8, layers=2, draft_layers=1, target_layer_ids=(0, 1),
+                                num_attention_heads=8, num_key_value_heads=4)
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(2, 62, n).tolist() for n in (3, 9, 1, 17)]
+    want = S.speculative_generate(target, draft, prompts, max_new_tokens=12, stop_token_ids=[])
+    mesh = sh.make_mesh("data=2,tensor=4")
+    ts, ds = ms.shard_target(target, mesh), ms.shard_draft(draft, mesh)
+    got = S.speculative_generate(ts, ds, prompts, max_new_tokens=12, stop_token_ids=[], attention_impl="interpret")
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert [r.acceptance_lengths for r in got] == [r.acceptance_lengths for r in want]
