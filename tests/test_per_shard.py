@@ -130,6 +130,33 @@ def test_tpu_kernels_see_per_shard_shapes():
     assert f"tensor<{B}x" not in sharded[0]
 
 
+def test_cache_layouts_follow_the_logical_rules():
+    """Every state kind's leaves take the layout their ``LOGICAL_AXES`` give through the rules table: change a
+    rule and the cache follows."""
+    from jax.sharding import PartitionSpec as P
+
+    from dflash_jax.state import DecodeCache, KVSpec, RecurrentSpec, SharedKVSpec
+
+    mesh = sh.make_mesh("data=2,tensor=4")
+    specs = (KVSpec(4, 16), KVSpec(4, 16, window=4), RecurrentSpec((("conv", (3, 8), None),)), SharedKVSpec())
+    cache = DecodeCache.create(specs, 8, 32, jnp.float32, max_block=4)
+
+    def layouts(rules):
+        out = jax.jit(lambda c: sh.constrain_cache(c, mesh, rules))(cache)
+        full, ring, rec, _ = out.layers
+        return {"full.k": full.k, "ring.v": ring.v, "ring.pos": ring.pos, "rec.value": rec.value["conv"],
+                "rec.snapshots": rec.snapshots["conv"], "rec.count": rec.count, "lengths": out.lengths}
+
+    want = {"full.k": P("data", None, "tensor"), "ring.v": P("data", None, "tensor"), "ring.pos": P("data"),
+            "rec.value": P("data"), "rec.snapshots": P("data"), "rec.count": P("data"), "lengths": P("data")}
+    for name, x in layouts(sh.LOGICAL_RULES).items():
+        assert x.sharding.is_equivalent_to(NamedSharding(mesh, want[name]), x.ndim), name
+    moved = tuple((k, {"cache_batch": None, "cache_len": "data"}.get(k, v)) for k, v in sh.LOGICAL_RULES)
+    got = layouts(moved)
+    assert got["full.k"].sharding.is_equivalent_to(NamedSharding(mesh, P(None, "data", "tensor")), 4)
+    assert got["lengths"].sharding.is_fully_replicated
+
+
 # --- training: loss and gradients with the block-attention kernel ----------------------------------------------
 
 
@@ -160,6 +187,26 @@ def train_case():
     args = (ids, mask, anchors)
     want = jax.device_get(loss_and_grads(draft.params, target.params, *args))
     return target, draft, loss_and_grads, args, want
+
+
+def test_train_step_traces_its_kernel_per_shard_on_its_mesh():
+    """``train.loop``'s step on ``--mesh`` traces with that mesh: its block-attention kernel (forward and backward)
+    sits in shard_map bodies; without a mesh there are none."""
+    loop = pytest.importorskip("train.loop")
+    from train.config import TrainConfig
+
+    target, draft = random_pair(vocab=64, block_size=4, layers=2, draft_layers=1, target_layer_ids=(0, 1),
+                                num_attention_heads=8, num_key_value_heads=4)
+    ids = np.random.RandomState(3).randint(2, 62, (1, 8, 16)).astype(np.int32)
+    mask = np.ones_like(ids)
+    for mesh, least in (("data=2,fsdp=2,tensor=2", 2), ("", 0)):
+        cfg = TrainConfig(block_size=4, draft_layers=1, num_anchors=2, seq_len=16, loss_chunk=64, batch_size=8,
+                          dtype="float32", param_dtype="float32", impl="interpret", mesh=mesh)
+        optimizer, step = loop.cached_train_step(cfg, target.config, draft.config, offline=False)
+        text = step.lower(draft.params, optimizer.init(draft.params), target.params, ids, mask,
+                          np.arange(8, dtype=np.int32)[None], jnp.int32(0), None, jnp.float32(1e-3)).as_text()
+        n = text.count("sdy.manual_computation")
+        assert n >= least and (least or n == 0), (mesh, n)
 
 
 @pytest.mark.slow  # two interpret-mode compiles of the kernel's forward and backward inside the loss (~40 s)
