@@ -48,7 +48,8 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
                                          block_causal=block_causal)
     if impl not in ("kernel", "interpret"):
         raise ValueError(f"impl must be auto, kernel, reference or interpret, not {impl!r}")
-    def kernel(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start):  # one shard's operands
+    # positional: one shard's operands, in the order attention_per_shard passes them
+    def kernel(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start):
         return block_attention_kernel(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size=block_size,
                                       sliding_window=sliding_window, scale=scale, interpret=impl == "interpret",
                                       ctx_start=ctx_start, block_causal=block_causal)
@@ -61,16 +62,18 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
 def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding_window: int | None = None,
                      sinks=None, impl: str = "auto", new_causal: bool = False, new_mask=None,
                      scale: float | None = None):
-    """New queries q [B, T, Hq, D] at ``q_pos`` [B, T] against a cache k, v [B, S, Hkv, D] (slot = position)
-    of which row b may see slots < ``lengths[b]`` (and <= the query's position, within the window), plus
-    optionally the queries' own keys ``k_new`` / ``v_new`` [B, T, Hkv, D]: bidirectionally within the window,
+    """New queries q [B, T, Hq, D] at ``q_pos`` [B, T] against a cache k [B, S, Hkv, D], v [B, S, Hkv, Dv] (slot =
+    position; Dv may differ from D, the output is [B, T, Hq, Dv]) of which row b may see slots < ``lengths[b]``
+    (and <= the query's position, within the window), plus optionally the queries' own keys ``k_new`` / ``v_new``
+    [B, T, Hkv, D / Dv]: bidirectionally within the window,
     causally with ``new_causal`` (own keys at positions <= the query's), or as ``new_mask`` [B, T, T] bool says
     (tree verification: query t sees own key u iff new_mask[b, t, u]; no window); see
     ``kernels/decode_attention.py``. ``impl``: "auto" (the Pallas kernel on one TPU / GPU where supported,
     the tiled jnp loop elsewhere), "kernel", "interpret" (kernel on CPU), "loop" or "reference" (dense and
     masked over the whole cache: the unbounded path, for comparison). ``scale``: of q . k (None: D ** -0.5)."""
     if impl == "auto":
-        supported = decode_kernel_supported(head_dim=q.shape[-1], kv_heads=k.shape[2], ctx_len=k.shape[1])
+        supported = decode_kernel_supported(head_dim=q.shape[-1], kv_heads=k.shape[2], ctx_len=k.shape[1],
+                                            v_head_dim=v.shape[-1])
         impl = "kernel" if supported else "loop"
     kw = dict(sliding_window=sliding_window, sinks=sinks, new_causal=new_causal, new_mask=new_mask, scale=scale)
     if impl == "reference":
@@ -79,7 +82,8 @@ def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding
         return decode_attention_loop(q, k, v, q_pos, lengths, k_new, v_new, **kw)
     if impl not in ("kernel", "interpret"):
         raise ValueError(f"impl must be one of {', '.join(DECODE_IMPLS)}, not {impl!r}")
-    def kernel(q, k, v, q_pos, lengths, k_new, v_new, sinks, new_mask):  # one shard's operands
+    # positional: one shard's operands, in the order attention_per_shard passes them
+    def kernel(q, k, v, q_pos, lengths, k_new, v_new, sinks, new_mask):
         return decode_attention_kernel(q, k, v, q_pos, lengths, k_new, v_new, interpret=impl == "interpret",
                                        **{**kw, "sinks": sinks, "new_mask": new_mask})
 

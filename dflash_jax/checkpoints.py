@@ -31,7 +31,8 @@ _LEAVES = {"kernel": ("weight", True), "embedding": ("weight", False), "weight":
            "bias": ("bias", False)}
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+              "F8_E4M3": ml_dtypes.float8_e4m3fn}  # FP8 weights: dequantised by a family's rewrite (dflash_jax.fp8)
 _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 _PROGRESS_BYTES = 1 << 30  # checkpoints larger than this show a progress bar while loading
 # The supported parameter / compute / storage dtypes by name: every --dtype flag's choices.

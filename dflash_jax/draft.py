@@ -280,7 +280,8 @@ def materialize(cfg: DraftConfig, params, cache: DecodeCache, features, position
     return cache.replace(layers=tuple(s.write(ki, vi, positions) for s, ki, vi in zip(cache.layers, k, v)))
 
 
-def draft_hidden(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto",
+# positional: the target's and the draft's (config, params), then the block and its context K/V
+def draft_hidden(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, *, impl: str = "auto",
                  ctx_start=None, decode_impl: str | None = None, block_len=None):
     """THE draft forward (decoding and training): block token ids [B, N*Bk], block b anchored at
     ``anchors[:, b]`` (seeing context slots from ``ctx_start[:, b]``, default 0), embedded with the
@@ -308,13 +309,14 @@ def logits(tcfg, tparams, cfg: DraftConfig, h):
     return out
 
 
-def block_logits(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto",
+# positional: the target's and the draft's (config, params), then the block and its context K/V
+def block_logits(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, *, impl: str = "auto",
                  drop_anchor: bool = False, decode_impl: str | None = None, block_len=None, with_hidden=False):
     """``draft_hidden`` -> float32 ``logits``.
     ``drop_anchor`` (one block per row): logits of positions 1.. only, [B, Bk-1, V]; the lm_head then skips
     the anchor row, whose logits decoding never uses (on a CPU the head is a large part of a draft forward).
     ``with_hidden``: (logits, the hidden states they came from)."""
-    h = draft_hidden(tcfg, tparams, cfg, params, block_ids, anchors, k_ctx, v_ctx, impl, decode_impl=decode_impl,
+    h = draft_hidden(tcfg, tparams, cfg, params, block_ids, anchors, k_ctx, v_ctx, impl=impl, decode_impl=decode_impl,
                      block_len=block_len)
     h = h[:, 1:] if drop_anchor else h
     out = logits(tcfg, tparams, cfg, h)
@@ -356,11 +358,12 @@ def on_vocab(candidates, values, vocab: int, fill=-jnp.inf):
     return jnp.full((b, t, vocab), fill, values.dtype).at[rows, cols, candidates].set(values)
 
 
-def propose(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, impl: str = "auto",
+# positional: the target's and the draft's (config, params), then the block and its context K/V
+def propose(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, *, impl: str = "auto",
             decode_impl: str | None = None, block_len=None):
     """Greedy draft tokens for one block per row: block_ids [B, K] = [anchor token, mask...] -> [B, K-1] int32
     (the argmax of the draft logits; DFlash2: the candidate-selector walk)."""
-    out, h = block_logits(tcfg, tparams, cfg, params, block_ids, anchors, k_ctx, v_ctx, impl, drop_anchor=True,
+    out, h = block_logits(tcfg, tparams, cfg, params, block_ids, anchors, k_ctx, v_ctx, impl=impl, drop_anchor=True,
                           decode_impl=decode_impl, block_len=block_len, with_hidden=True)
     if cfg.architecture == "dflash2":
         return select(cfg, params, h, out, block_ids[:, 0])[0]

@@ -22,7 +22,7 @@ INIT_STD = 0.02
 # modules declare their initialisers through ``initializer`` and ``random_params`` / ``device_random_params``
 # read the same table, so what a module declares is what a fresh model gets.
 CONSTANT_INIT = {"weight": 1.0, "dt_bias": 1.0, "bias": 0.0, "gate_up_proj_bias": 0.0, "down_proj_bias": 0.0,
-                 "A_log": 0.0, "base_kernel": 0.0}
+                 "A_log": 0.0, "base_kernel": 0.0, "e_score_correction_bias": 0.0}
 
 
 def initializer(name: str):
@@ -188,11 +188,12 @@ def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float
 
 def apply_rope(x, positions, rope: RopeConfig):
     """Rotate x [B, T, N, H] (neox rotate_half layout) to absolute ``positions`` [B, T]; with a
-    ``partial_rotary_factor`` only the first int(H * factor) dims rotate (frequencies over those dims)
-    and the rest pass through."""
-    rot = int(x.shape[-1] * rope.partial_rotary_factor)
+    ``partial_rotary_factor`` the frequencies are those of r = int(H * factor) dims and the first 2 * ceil(r / 2)
+    dims rotate (r itself when even; transformers' rule for an odd r, e.g. MiMo-V2-Flash's 0.334 of a small head),
+    the rest pass through."""
+    inv, scale = rope_frequencies(rope, int(x.shape[-1] * rope.partial_rotary_factor))
+    rot = 2 * len(inv)
     x, rest = x[..., :rot], x[..., rot:]
-    inv, scale = rope_frequencies(rope, rot)
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv)  # [B, T, rot/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
     cos, sin = (jnp.cos(angles) * scale).astype(x.dtype), (jnp.sin(angles) * scale).astype(x.dtype)

@@ -60,7 +60,7 @@ def ring_slots(positions, keep, r: int):
 
 @flax.struct.dataclass
 class FullKV:
-    """Keys / values [B, S, K, H] of every position so far; slot s holds position s."""
+    """Keys [B, S, K, H] / values [B, S, K, Hv] of every position so far; slot s holds position s."""
 
     LOGICAL_AXES: ClassVar[dict] = {"k": KV_AXES, "v": KV_AXES}
     k: jax.Array
@@ -99,7 +99,8 @@ class FullKV:
 
 @flax.struct.dataclass
 class SlidingKV:
-    """A ring of R slots [B, R, K, H] holding the latest keys / values and their positions [B, R] (-1: empty).
+    """A ring of R slots [B, R, K, H] (values [B, R, K, Hv]) holding the latest keys / values and their positions
+    [B, R] (-1: empty).
 
     A forward attends to [ring before it | its own new tokens]; then the newest R new tokens of each row
     are written at slot position % R. Fully committed forwards may be any length; a forward that may be
@@ -211,19 +212,22 @@ class SharedKVSpec:
 
 @dataclasses.dataclass(frozen=True)
 class KVSpec:
-    """An attention layer's state: full, or sliding ``window`` (a ring when it saves memory)."""
+    """An attention layer's state: full, or sliding ``window`` (a ring when it saves memory); keys of
+    ``head_dim``, values of ``v_head_dim`` (None: the same; MiMo-V2-Flash's differ)."""
 
     kv_heads: int
     head_dim: int
     window: int | None = None
+    v_head_dim: int | None = None
 
     def init(self, batch: int, max_len: int, dtype, max_block: int):
         ring = None if self.window is None else self.window + max_block
-        if ring is None or ring >= max_len:
-            shape = (batch, max_len, self.kv_heads, self.head_dim)
-            return FullKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-        shape = (batch, ring, self.kv_heads, self.head_dim)
-        return SlidingKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.full((batch, ring), -1, jnp.int32))
+        slots = max_len if ring is None or ring >= max_len else ring
+        k = jnp.zeros((batch, slots, self.kv_heads, self.head_dim), dtype)
+        v = jnp.zeros((batch, slots, self.kv_heads, self.v_head_dim or self.head_dim), dtype)
+        if slots == max_len:
+            return FullKV(k, v)
+        return SlidingKV(k, v, jnp.full((batch, ring), -1, jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)

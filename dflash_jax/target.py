@@ -63,8 +63,9 @@ def init_params(cfg, seed: int = 0, dtype=jnp.float32):
     return random_params(param_shapes(cfg), seed, dtype=dtype)
 
 
+# positional through logits_index: the decoder's own argument order (the engine passes them so); the rest by name
 @functools.partial(jax.jit, static_argnames=("cfg", "feature_layer_ids", "attention_impl"))
-def forward(cfg, params, input_ids, positions, cache=None, feature_layer_ids=(), logits_index=None,
+def forward(cfg, params, input_ids, positions, cache=None, feature_layer_ids=(), logits_index=None, *,
             segment_ids=None, attention_impl: str = "auto", new_mask=None):
     """The family decoder's forward: (logits float32, features or None, cache); see ``dense.Decoder``
     (``new_mask``: tree verification, full-attention families only).

@@ -19,12 +19,21 @@ PROBE_TOKENS = 96  # tokens per row of each probe run (fewer steps: costs and ac
 # A weak prior on each position's acceptance (PRIOR, worth PRIOR_WEIGHT steps): a strong one compounds over a
 # long block's positions, each seen in few steps, and biases the choice toward short blocks.
 PRIOR, PRIOR_WEIGHT = 0.5, 0.1
+# Runs of fewer new tokens per row take the trained block unprobed: probing every candidate would cost more than
+# the run, and see too few steps to choose by.
+MIN_PROBED_TOKENS = PROBE_TOKENS // 2
 
 
 def candidates(trained: int) -> tuple[int, ...]:
     """4, 8, 16, ... below the trained block, and that block (``--block-size 1`` is plain decoding: asked for
     by name, never chosen for a run given a draft)."""
     return tuple(sorted({trained} | {k for k in (4, 8, 16, 32) if k < trained}))
+
+
+def worth_probing(trained: int, max_new_tokens: int) -> bool:
+    """Whether a run of ``max_new_tokens`` per row with a draft trained at block ``trained`` is probed at all
+    (else it verifies the trained block): there must be a choice, and a run long enough to pay for it."""
+    return len(candidates(trained)) > 1 and max_new_tokens >= MIN_PROBED_TOKENS
 
 
 def position_acceptance(runs, block: int) -> list[float]:

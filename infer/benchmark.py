@@ -23,6 +23,7 @@ with random weights and a SIMULATED acceptance length (``--replay-tau`` / ``--re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -125,6 +126,162 @@ def plot(summary: dict, rows: list[dict], path: str | None = None):
     return fig
 
 
+@dataclasses.dataclass
+class _Run:
+    """What every part of one benchmark run reads: the options, the models, the prompts and the block."""
+
+    args: argparse.Namespace
+    target: object
+    draft: object
+    prompts: list
+    block: int
+    choice: object  # auto_block's BlockChoice (--block-size auto) or None
+    adaptive: dict
+    tree: dict
+    where: dict  # machine()
+
+
+class _Totals:
+    """The per-method sums over the prompts: wall time, tokens, acceptance and verify lengths."""
+
+    def __init__(self):
+        self.plain_time = self.spec_time = self.fixed_time = 0.0
+        self.plain_tokens = self.spec_tokens = self.fixed_tokens = 0
+        self.acc, self.verified, self.chain_acc = [], [], []
+
+
+def measure(run: _Run, methods: list) -> tuple[list[dict], _Totals]:
+    """Every prompt through every method (``fastest`` of --repeats, alternating): one row per prompt + totals."""
+    args, target = run.args, run.target
+    t, rows = _Totals(), []
+    bar = progress_bar(len(run.prompts), "benchmark", "prompt", not args.json or sys.stderr.isatty())
+    try:
+        for i, p in enumerate(run.prompts):
+            base, spec, *fixed = fastest(args.repeats, *(functools.partial(m, p) for m in methods))
+            t.plain_time += base.wall_time_s
+            t.spec_time += spec.wall_time_s
+            t.plain_tokens += base.num_generated
+            t.spec_tokens += spec.num_generated
+            t.acc += spec.acceptance_lengths
+            t.verified += spec.verify_lengths
+            rows.append({"prompt": i, "prompt_tokens": len(p), "tau": spec.mean_acceptance_length,
+                         "num_generated": spec.num_generated, "plain_tokens_per_s": base.tokens_per_second,
+                         "dflash_tokens_per_s": spec.tokens_per_second,
+                         "speedup": spec.tokens_per_second / base.tokens_per_second,
+                         "identical": spec.output_ids == base.output_ids,
+                         "distinct_4grams": distinct_4grams(spec.generated_ids),
+                         "acceptance_lengths": spec.acceptance_lengths,
+                         # greedy only: sampled outputs differ by design (the two methods draw differently)
+                         "first_mismatch": first_mismatch(target, base, spec) if args.temperature == 0 else None})
+            if fixed:
+                t.fixed_time += fixed[0].wall_time_s
+                t.fixed_tokens += fixed[0].num_generated
+                t.chain_acc += fixed[0].acceptance_lengths
+                rows[-1].update(verify_lengths=spec.verify_lengths,
+                                fixed_block_tokens_per_s=fixed[0].tokens_per_second,
+                                fixed_block_identical=fixed[0].output_ids == base.output_ids)
+            bar.update(1)
+    except ValueError as e:
+        die(str(e))
+    finally:
+        bar.close()
+    return rows, t
+
+
+def summarize(run: _Run, rows: list[dict], t: _Totals) -> dict:
+    """The summary object: tau, histograms, speeds, speedup, identity, and the adaptive / tree / timing parts."""
+    args, block, tree = run.args, run.block, run.tree
+    acc = np.array(t.acc)
+    hist = np.bincount(acc, minlength=block + 1)[1:block + 1]
+    # draft token k accepted, among the steps that verified it (adaptive verify may stop before position k; a
+    # tree reaches every depth up to min(N, block - 1))
+    ver = np.full(len(acc), min(args.tree_budget, block - 1) + 1) if tree else np.array(t.verified)
+    per_position = [float((acc[ver > k] > k).mean()) if (ver > k).any() else None for k in range(1, block)]
+    plain_tps, spec_tps = t.plain_tokens / t.plain_time, t.spec_tokens / t.spec_time
+    tau = float(acc.mean())
+    summary = {"summary": True, "target": run.target.path, "draft": run.draft.path, "block_size": block,
+               "block_choice": run.choice.to_json() if run.choice is not None else None,
+               "num_prompts": len(run.prompts), "max_new_tokens": args.max_new_tokens,
+               "temperature": args.temperature, "tau": tau, "acceptance_histogram": hist.tolist(),
+               "acceptance_rate_per_position": per_position,
+               "plain_tokens_per_s": plain_tps, "dflash_tokens_per_s": spec_tps, "speedup": spec_tps / plain_tps,
+               "engine_efficiency": spec_tps / plain_tps / tau,
+               "identical": all(r["identical"] for r in rows),
+               "num_identical": sum(r["identical"] for r in rows),
+               "distinct_4grams": float(np.mean([r["distinct_4grams"] for r in rows])), "machine": run.where,
+               "dtype": param_dtype(run.target)}
+    if run.adaptive:
+        lengths, counts = np.unique(t.verified, return_counts=True)
+        summary.update(verify_lengths=sorted(set(run.adaptive["verify_lengths"])),
+                       verify_threshold=args.verify_threshold,
+                       verify_length_histogram={int(k): int(c) for k, c in zip(lengths, counts)},
+                       verified_tokens_per_step=float(np.mean(t.verified)),
+                       fixed_block_tokens_per_s=t.fixed_tokens / t.fixed_time,
+                       adaptive_vs_fixed=spec_tps * t.fixed_time / t.fixed_tokens)
+    if tree:  # the chain's figures from the same run
+        chain_tau, chain_tps = float(np.mean(t.chain_acc)), t.fixed_tokens / t.fixed_time
+        summary.update(tree_budget=args.tree_budget, verified_tokens_per_step=float(np.mean(t.verified)),
+                       chain_tau=chain_tau, tree_vs_chain_tau=tau / chain_tau, chain_tokens_per_s=chain_tps,
+                       tree_vs_chain_speed=spec_tps / chain_tps,
+                       chain_acceptance_histogram=np.bincount(t.chain_acc, minlength=block + 1)[1:block + 1].tolist())
+    # wall time per target forward of each method, prefill included (plain: one per token)
+    summary["plain_step_s"] = t.plain_time / t.plain_tokens
+    summary["dflash_step_s"] = t.spec_time / (len(t.acc) + len(run.prompts))
+    if not args.no_timing_split:
+        summary.update(time_forwards(run.target, run.draft, block_sizes=sorted({4, 8, 16, block}),
+                                     attention_impl=args.attention))
+        d, v = summary.get(f"draft_forward_s_block{block}", 0.0), summary[f"verify_forward_s_block{block}"]
+        summary["step_split_s"] = {"draft": d, "verify": v, "rest": summary["dflash_step_s"] - d - v}
+    return summary
+
+
+def print_report(args, summary: dict, rows: list[dict]) -> None:
+    """The human-readable report (without --json): one line per prompt, then the summary's figures."""
+    block = summary["block_size"]
+    print(f"{'prompt':>6} {'tokens':>6} {'tau':>6} {'plain t/s':>10} {'DFlash t/s':>10} {'speedup':>8} same")
+    for r in rows:
+        print(f"{r['prompt']:>6} {r['num_generated']:>6} {r['tau']:>6.2f} {r['plain_tokens_per_s']:>10.1f} "
+              f"{r['dflash_tokens_per_s']:>10.1f} {r['speedup']:>7.2f}x {r['identical']}")
+    print(f"\ntau {summary['tau']:.2f} (block {block}), plain {summary['plain_tokens_per_s']:.1f} tokens/s, DFlash "
+          f"{summary['dflash_tokens_per_s']:.1f} tokens/s, speedup {summary['speedup']:.2f}x, engine efficiency "
+          f"(speedup/tau) {summary['engine_efficiency']:.2f}, identical outputs: {summary['identical']}, distinct "
+          f"4-grams {summary['distinct_4grams']:.2f}")
+    for r in rows:
+        m = r["first_mismatch"]
+        if m:
+            print(f"prompt {r['prompt']}: first difference at generated token {m['position']} (plain "
+                  f"{m['plain_token']}, DFlash {m['dflash_token']}); the target's top-2 logit gap there "
+                  f"{m['top2_logit_gap']:.4g}, DFlash's token {m['dflash_token_gap'] or 0:.4g} below the top "
+                  "(near the dtype's rounding: a near-tie; large: a bug)")
+    hist = summary["acceptance_histogram"]
+    print("acceptance-length histogram:", " ".join(f"{k + 1}:{c}" for k, c in enumerate(hist)))
+    if "verify_length_histogram" in summary:
+        print(f"adaptive verify (lengths {','.join(map(str, summary['verify_lengths']))}, threshold "
+              f"{args.verify_threshold}): verify-length histogram "
+              + " ".join(f"{k}:{c}" for k, c in summary["verify_length_histogram"].items())
+              + f", {summary['verified_tokens_per_step']:.2f} tokens verified per step"
+              + f"; fixed block {block}: {summary['fixed_block_tokens_per_s']:.1f} tokens/s, adaptive / fixed "
+                f"{summary['adaptive_vs_fixed']:.2f}x")
+    if "tree_budget" in summary:
+        print(f"tree verify: {args.tree_budget} nodes, {summary['verified_tokens_per_step']:.0f} tokens verified "
+              f"per step; chain (block {block}) in the same run: tau {summary['chain_tau']:.2f}, "
+              f"{summary['chain_tokens_per_s']:.1f} tokens/s; tree / chain: tau {summary['tree_vs_chain_tau']:.2f}x, "
+              f"speed {summary['tree_vs_chain_speed']:.2f}x")
+    print("acceptance rate per block position:",
+          " ".join("-" if r is None else f"{r:.2f}" for r in summary["acceptance_rate_per_position"]))
+    print(f"one step: plain {summary['plain_step_s'] * 1e3:.2f} ms, DFlash {summary['dflash_step_s'] * 1e3:.2f} ms"
+          + ("" if args.no_timing_split else " = " + " + ".join(
+              f"{k} {v * 1e3:.2f}" for k, v in summary["step_split_s"].items()) + " ms"))
+    for kind in ("draft", "verify"):
+        sizes = sorted(int(k.rsplit("block", 1)[1]) for k in summary if k.startswith(f"{kind}_forward_s_block"))
+        if sizes:
+            print(f"one {kind} forward: " + ", ".join(
+                f"block {k} {summary[f'{kind}_forward_s_block{k}'] * 1e3:.2f} ms" for k in sizes))
+    m = summary["machine"]
+    print(f"measured on {m['device']} ({m['backend']}, {m['num_devices']} device(s)), {m['cpu_count']} CPUs, "
+          f"load average {m['load_average'][0]}, {summary['dtype']}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.repeats < 1:
@@ -149,123 +306,15 @@ def main(argv=None) -> int:
         methods.append(lambda p: speculative_generate(target, draft, [p], block_size=block, **kw)[0])
     where = machine()
     warn_if_busy(where)
-    bar = progress_bar(len(prompts), "benchmark", "prompt", not args.json or sys.stderr.isatty())
-    try:
-        rows, plain_time, spec_time, plain_tokens, spec_tokens, all_acc = [], 0.0, 0.0, 0, 0, []
-        fixed_time, fixed_tokens, verified, chain_acc = 0.0, 0, [], []
-        for i, p in enumerate(prompts):
-            base, spec, *fixed = fastest(args.repeats, *(functools.partial(m, p) for m in methods))
-            plain_time += base.wall_time_s
-            spec_time += spec.wall_time_s
-            plain_tokens += base.num_generated
-            spec_tokens += spec.num_generated
-            all_acc += spec.acceptance_lengths
-            verified += spec.verify_lengths
-            rows.append({"prompt": i, "prompt_tokens": len(p), "tau": spec.mean_acceptance_length,
-                         "num_generated": spec.num_generated, "plain_tokens_per_s": base.tokens_per_second,
-                         "dflash_tokens_per_s": spec.tokens_per_second,
-                         "speedup": spec.tokens_per_second / base.tokens_per_second,
-                         "identical": spec.output_ids == base.output_ids,
-                         "distinct_4grams": distinct_4grams(spec.generated_ids),
-                         "acceptance_lengths": spec.acceptance_lengths,
-                         # greedy only: sampled outputs differ by design (the two methods draw differently)
-                         "first_mismatch": first_mismatch(target, base, spec) if args.temperature == 0 else None})
-            if fixed:
-                fixed_time += fixed[0].wall_time_s
-                fixed_tokens += fixed[0].num_generated
-                chain_acc += fixed[0].acceptance_lengths
-                rows[-1].update(verify_lengths=spec.verify_lengths,
-                                fixed_block_tokens_per_s=fixed[0].tokens_per_second,
-                                fixed_block_identical=fixed[0].output_ids == base.output_ids)
-            bar.update(1)
-    except ValueError as e:
-        die(str(e))
-    finally:
-        bar.close()
-    acc = np.array(all_acc)
-    hist = np.bincount(acc, minlength=block + 1)[1:block + 1]
-    # draft token k accepted, among the steps that verified it (adaptive verify may stop before position k; a
-    # tree reaches every depth up to min(N, block - 1))
-    ver = np.full(len(acc), min(args.tree_budget, block - 1) + 1) if tree else np.array(verified)
-    per_position = [float((acc[ver > k] > k).mean()) if (ver > k).any() else None for k in range(1, block)]
-    plain_tps, spec_tps = plain_tokens / plain_time, spec_tokens / spec_time
-    tau = float(acc.mean())
-    summary = {"summary": True, "target": target.path, "draft": draft.path, "block_size": block,
-               "block_choice": choice.to_json() if choice is not None else None,
-               "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-               "tau": tau, "acceptance_histogram": hist.tolist(), "acceptance_rate_per_position": per_position,
-               "plain_tokens_per_s": plain_tps, "dflash_tokens_per_s": spec_tps, "speedup": spec_tps / plain_tps,
-               "engine_efficiency": spec_tps / plain_tps / tau,
-               "identical": all(r["identical"] for r in rows),
-               "num_identical": sum(r["identical"] for r in rows),
-               "distinct_4grams": float(np.mean([r["distinct_4grams"] for r in rows])), "machine": where,
-               "dtype": param_dtype(target)}
-    if adaptive:
-        lengths, counts = np.unique(verified, return_counts=True)
-        summary.update(verify_lengths=sorted(set(adaptive["verify_lengths"])),
-                       verify_threshold=args.verify_threshold,
-                       verify_length_histogram={int(k): int(c) for k, c in zip(lengths, counts)},
-                       verified_tokens_per_step=float(np.mean(verified)),
-                       fixed_block_tokens_per_s=fixed_tokens / fixed_time,
-                       adaptive_vs_fixed=spec_tps * fixed_time / fixed_tokens)
-    if tree:  # the chain's figures from the same run
-        chain_tau, chain_tps = float(np.mean(chain_acc)), fixed_tokens / fixed_time
-        summary.update(tree_budget=args.tree_budget, verified_tokens_per_step=float(np.mean(verified)),
-                       chain_tau=chain_tau, tree_vs_chain_tau=tau / chain_tau, chain_tokens_per_s=chain_tps,
-                       tree_vs_chain_speed=spec_tps / chain_tps,
-                       chain_acceptance_histogram=np.bincount(chain_acc, minlength=block + 1)[1:block + 1].tolist())
-    # wall time per target forward of each method, prefill included (plain: one per token)
-    summary["plain_step_s"] = plain_time / plain_tokens
-    summary["dflash_step_s"] = spec_time / (len(all_acc) + len(prompts))
-    if not args.no_timing_split:
-        summary.update(time_forwards(target, draft, block_sizes=sorted({4, 8, 16, block}),
-                                     attention_impl=args.attention))
-        d, v = summary.get(f"draft_forward_s_block{block}", 0.0), summary[f"verify_forward_s_block{block}"]
-        summary["step_split_s"] = {"draft": d, "verify": v, "rest": summary["dflash_step_s"] - d - v}
+    run = _Run(args, target, draft, prompts, block, choice, adaptive, tree, where)
+    rows, totals = measure(run, methods)
+    summary = summarize(run, rows, totals)
     if args.json:
         for r in rows:
             print(json.dumps(r))
         print(json.dumps(summary))
     else:
-        print(f"{'prompt':>6} {'tokens':>6} {'tau':>6} {'plain t/s':>10} {'DFlash t/s':>10} {'speedup':>8} same")
-        for r in rows:
-            print(f"{r['prompt']:>6} {r['num_generated']:>6} {r['tau']:>6.2f} {r['plain_tokens_per_s']:>10.1f} "
-                  f"{r['dflash_tokens_per_s']:>10.1f} {r['speedup']:>7.2f}x {r['identical']}")
-        print(f"\ntau {tau:.2f} (block {block}), plain {plain_tps:.1f} tokens/s, DFlash {spec_tps:.1f} tokens/s, "
-              f"speedup {summary['speedup']:.2f}x, engine efficiency (speedup/tau) {summary['engine_efficiency']:.2f}, "
-              f"identical outputs: {summary['identical']}, distinct 4-grams {summary['distinct_4grams']:.2f}")
-        for r in rows:
-            m = r["first_mismatch"]
-            if m:
-                print(f"prompt {r['prompt']}: first difference at generated token {m['position']} (plain "
-                      f"{m['plain_token']}, DFlash {m['dflash_token']}); the target's top-2 logit gap there "
-                      f"{m['top2_logit_gap']:.4g}, DFlash's token {m['dflash_token_gap'] or 0:.4g} below the top "
-                      "(near the dtype's rounding: a near-tie; large: a bug)")
-        print("acceptance-length histogram:", " ".join(f"{k + 1}:{c}" for k, c in enumerate(hist)))
-        if adaptive:
-            print(f"adaptive verify (lengths {','.join(map(str, summary['verify_lengths']))}, threshold "
-                  f"{args.verify_threshold}): verify-length histogram "
-                  + " ".join(f"{k}:{c}" for k, c in summary["verify_length_histogram"].items())
-                  + f", {summary['verified_tokens_per_step']:.2f} tokens verified per step"
-                  + f"; fixed block {block}: {summary['fixed_block_tokens_per_s']:.1f} tokens/s, adaptive / fixed "
-                    f"{summary['adaptive_vs_fixed']:.2f}x")
-        if tree:
-            print(f"tree verify: {args.tree_budget} nodes, {summary['verified_tokens_per_step']:.0f} tokens verified "
-                  f"per step; chain (block {block}) in the same run: tau {summary['chain_tau']:.2f}, "
-                  f"{summary['chain_tokens_per_s']:.1f} tokens/s; tree / chain: tau {summary['tree_vs_chain_tau']:.2f}x, "
-                  f"speed {summary['tree_vs_chain_speed']:.2f}x")
-        print("acceptance rate per block position:", " ".join("-" if r is None else f"{r:.2f}" for r in per_position))
-        print(f"one step: plain {summary['plain_step_s'] * 1e3:.2f} ms, DFlash {summary['dflash_step_s'] * 1e3:.2f} ms"
-              + ("" if args.no_timing_split else " = " + " + ".join(
-                  f"{k} {v * 1e3:.2f}" for k, v in summary["step_split_s"].items()) + " ms"))
-        for kind in ("draft", "verify"):
-            sizes = sorted(int(k.rsplit("block", 1)[1]) for k in summary if k.startswith(f"{kind}_forward_s_block"))
-            if sizes:
-                print(f"one {kind} forward: " + ", ".join(
-                    f"block {k} {summary[f'{kind}_forward_s_block{k}'] * 1e3:.2f} ms" for k in sizes))
-        m = where
-        print(f"measured on {m['device']} ({m['backend']}, {m['num_devices']} device(s)), {m['cpu_count']} CPUs, "
-              f"load average {m['load_average'][0]}, {summary['dtype']}")
+        print_report(args, summary, rows)
     if args.plot:
         plot(summary, rows, args.plot)
     return 0

@@ -29,12 +29,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
     d.add_argument("--max-length", type=int, default=None,
                    help="cap on prompt + generated tokens per row (default: target max_position_embeddings)")
-    d.add_argument("--block-size", type=block_size_arg, default=None,
-                   help="draft block (tokens verified per step): an integer in [1, the draft's trained block] "
-                        "(default: the trained block), or auto: the block of the most expected tokens per second "
-                        "on this device, from short probe runs of the same prompts at each of 4, 8, ..., the "
-                        "trained block (step costs and acceptance), before the timed run (README); with "
-                        "--tree-budget / --verify-lengths, the trained block")
+    d.add_argument("--block-size", type=block_size_arg, default="auto",
+                   help="draft block (tokens verified per step): auto (default): the block of the most expected "
+                        "tokens per second on this device, from short probe runs of the same prompts at each of 4, "
+                        "8, ..., the trained block (step costs and acceptance), before the timed run (README); the "
+                        "trained block unprobed for runs under 48 new tokens and with --tree-budget / "
+                        "--verify-lengths. Or an integer in [1, the draft's trained block]: no probe")
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     d.add_argument("--top-k", type=int, default=0, help="0 = off")
     d.add_argument("--acceptance", default="rejection", choices=["match", "rejection"],
@@ -83,12 +83,16 @@ def fixed_block_size(args) -> int | None:
 
 def resolve_block(args, target, draft, prompts, kw: dict):
     """(block to decode with, ``auto_block.Choice`` or None): ``--block-size`` as given, else auto's choice on
-    ``prompts`` (said on stderr); None = the draft's trained block (no draft, tree or adaptive verify)."""
+    ``prompts`` (said on stderr); None = the draft's trained block (no draft, tree or adaptive verify, a run
+    too short to probe)."""
     if args.block_size != "auto":
         return args.block_size, None
+    from infer.auto_block import choose_block_size, worth_probing
+
     if draft is None or args.tree_budget or args.verify_lengths is not None:
         return None, None
-    from infer.auto_block import choose_block_size
+    if not worth_probing(draft.config.block_size, args.max_new_tokens):
+        return None, None
 
     try:
         choice = choose_block_size(target, draft, prompts, kw)

@@ -63,11 +63,33 @@ def prompt_ids(args, tokenizer, sources=None) -> list[list[int]]:
     return ids or encode(tokenizer, [{"prompt": DEMO_PROMPT}])
 
 
+def streamed(args, target, draft, tokenizer, prompts, spec_kw: dict) -> list:
+    """--stream: each prompt's tokens printed as they are committed (unless --json); the results."""
+    from dflash_jax.speculative import stream_generate
+
+    results = []
+    for p in prompts:
+        if tokenizer is not None and not args.json:
+            sys.stdout.write(tokenizer.decode(p))
+        for event in stream_generate(target, draft, [p], **spec_kw):
+            if event and isinstance(event[0], list):
+                if not args.json:
+                    new = event[0]
+                    sys.stdout.write(tokenizer.decode(new) if tokenizer is not None else
+                                     "".join(f" {t}" for t in new))
+                    sys.stdout.flush()
+            else:
+                results += event
+        if not args.json:
+            sys.stdout.write("\n")
+    return results
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.chat and not (args.prompt or args.prompts_file):
         die("--chat applies to text prompts: pass --prompt or --prompts-file")
-    from dflash_jax.speculative import generate, speculative_generate, stream_generate
+    from dflash_jax.speculative import generate, speculative_generate
 
     sources = prompt_sources(args)  # every option the command line alone can check, before loading
     extra = dict(**adaptive_kwargs(args), **tree_kwargs(args))
@@ -81,21 +103,7 @@ def main(argv=None) -> int:
     spec_kw = dict(kw, block_size=block, **extra)
     try:
         if args.stream:
-            results = []
-            for p in prompts:
-                if tokenizer is not None and not args.json:
-                    sys.stdout.write(tokenizer.decode(p))
-                for event in stream_generate(target, draft, [p], **spec_kw):
-                    if event and isinstance(event[0], list):
-                        if not args.json:
-                            new = event[0]
-                            sys.stdout.write(tokenizer.decode(new) if tokenizer is not None else
-                                             "".join(f" {t}" for t in new))
-                            sys.stdout.flush()
-                    else:
-                        results += event
-                if not args.json:
-                    sys.stdout.write("\n")
+            results = streamed(args, target, draft, tokenizer, prompts, spec_kw)
         else:
             results = speculative_generate(target, draft, prompts, **spec_kw)
         baseline = generate(target, prompts, **kw) if args.baseline else None

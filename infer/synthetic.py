@@ -86,7 +86,7 @@ def _call(fn, *a, **kw):
     return call
 
 
-def measure(target, draft, batch: int, context: int, block: int, probs, args) -> dict:
+def measure(target, draft, probs, args, *, batch: int, context: int, block: int) -> dict:
     """One configuration: plain, replayed DFlash, prefill alone of both, and the forward timings."""
     import jax
 
@@ -193,7 +193,7 @@ def run(args) -> int:
     rows = []
     for batch in batches:
         for context in contexts:
-            row = measure(target, draft, batch, context, block, probs, args)
+            row = measure(target, draft, probs, args, batch=batch, context=context, block=block)
             row.update(replay=desc, dtype=dtype, machine=where, **sizes)
             rows.append(row)
             if args.json:

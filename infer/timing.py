@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 
-def time_forwards(target, draft, block_sizes=(4, 8, 16), context: int = 256, iters: int = 20,
+def time_forwards(target, draft, block_sizes=(4, 8, 16), *, context: int = 256, iters: int = 20,
                   repeats: int = 5, batch: int = 1, cache_len: int | None = None, attention_impl: str = "auto") -> dict:
     """Seconds per draft forward (``propose``) and per target verify forward at block K, with ``context``
     tokens of cache (of ``cache_len`` slots, default context + 32) for ``batch`` rows, attending as the

@@ -15,9 +15,9 @@ the row can see, so a step costs what the row's real length costs, not its bucke
     ``new_causal`` applies to it. The cache part keeps its rule (slots < lengths, <= q_pos, window);
   * ``sinks`` [Hq] (gpt-oss): one logit per query head in the softmax denominator, no value.
 
-Shapes: q [B, T, Hq, D]; k, v [B, S, Hkv, D] (Hq a multiple of Hkv: GQA, K/V never repeated);
-q_pos [B, T] int32; lengths [B] int32; k_new, v_new [B, T, Hkv, D]; new_mask [B, T, T] bool; returns
-[B, T, Hq, D] in q.dtype.
+Shapes: q [B, T, Hq, D]; k [B, S, Hkv, D], v [B, S, Hkv, Dv] (Hq a multiple of Hkv: GQA, K/V never
+repeated; Dv may differ from D: MiMo-V2-Flash's 192 / 128); q_pos [B, T] int32; lengths [B] int32; k_new
+[B, T, Hkv, D], v_new [B, T, Hkv, Dv]; new_mask [B, T, T] bool; returns [B, T, Hq, Dv] in q.dtype.
 
 Every query row r has a visible key range [lo_r, hi_r) (``_row_bounds``); a row of the batch reads
 key tiles [min lo_r // tk, ceil(max hi_r / tk)) only:
@@ -30,7 +30,7 @@ key tiles [min lo_r // tk, ceil(max hi_r / tk)) only:
     (``pl.when``); the last step takes the new keys (``new_mask`` as one [rows, T] block per row,
     repeated over the GQA group like the query rows) and writes the output. GPU (Triton): grid
     (B, Hkv), a ``fori_loop`` over the row's tiles loading from the whole cache row.
-    The cache is read in place through a free [B, S, Hkv*D] view (block = one head's D lanes).
+    The cache is read in place through free [B, S, Hkv*D] / [B, S, Hkv*Dv] views (block = one head's lanes).
 
 Logits, softmax and accumulators are float32; probabilities are cast to v.dtype for the PV matmul.
 """
@@ -149,9 +149,9 @@ def decode_attention_loop(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sl
         logits = jnp.einsum("BTKGD,BSKD->BKGTS", qg, kt, preferred_element_type=jnp.float32) * scale
         return tiling.online_step(logits, jnp.swapaxes(vt, 1, 2)[:, :, None], vis, carry)
 
-    shape = (b, hkv, hq // hkv, t)
+    shape, dv = (b, hkv, hq // hkv, t), v.shape[-1]
     carry = (jnp.full(shape + (1,), tiling.MASK, jnp.float32), jnp.zeros(shape + (1,), jnp.float32),
-             jnp.zeros(shape + (d,), jnp.float32))
+             jnp.zeros(shape + (dv,), jnp.float32))
     carry = lax.fori_loop(first, end, body, carry)
     if k_new is not None:
         logits = jnp.einsum("BTKGD,BSKD->BKGTS", qg, k_new, preferred_element_type=jnp.float32) * scale
@@ -160,8 +160,8 @@ def decode_attention_loop(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sl
                        mask)
         carry = tiling.online_step(logits, jnp.swapaxes(v_new, 1, 2)[:, :, None], vis, carry)
     sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1)
-    out = _finish(carry, sink)  # [B, K, G, T, D]
-    return jnp.einsum("BKGTD->BTKGD", out).reshape(b, t, hq, d).astype(q.dtype)
+    out = _finish(carry, sink)  # [B, K, G, T, Dv]
+    return jnp.einsum("BKGTV->BTKGV", out).reshape(b, t, hq, dv).astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------- Pallas kernels
@@ -180,7 +180,7 @@ class _Cfg(tiling.TileConfig):
 
 
 def _tile_step(q, k, v, lo, hi, j, c: _Cfg, carry):
-    """Queries q [R, D] x key tile j (k, v [tk, D]; the tile starts at min(j*tk, S - tk))."""
+    """Queries q [R, D] x key tile j (k [tk, D], v [tk, Dv]; the tile starts at min(j*tk, S - tk))."""
     start = jnp.minimum(j * c.tk, c.ctx_len - c.tk)
     p = start + lax.broadcasted_iota(jnp.int32, (q.shape[0], c.tk), 1)
     vis = (p >= jnp.maximum(lo, j * c.tk)) & (p < hi)
@@ -232,7 +232,7 @@ def _gpu_kernel(q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_
         kv = pl.ds(jnp.minimum(j * c.tk, c.ctx_len - c.tk), c.tk)
         return _tile_step(q, k_ref[kv, :], v_ref[kv, :], lo, hi, j, c, cr)
 
-    cr = lax.fori_loop(first, end, body, tiling.empty_carry(*q.shape))
+    cr = lax.fori_loop(first, end, body, tiling.empty_carry(q.shape[0], o_ref.shape[-1]))
     cr = _new_step(q, kn_ref, vn_ref, tiling.row_stats(qp_ref), kp_ref, nm_ref, c, cr)
     o_ref[...] = _finish(cr, tiling.row_stats(sink_ref) if c.has_sinks else None).astype(o_ref.dtype)
 
@@ -254,7 +254,7 @@ def _rows_pad(r: int, backend: str, interpret: bool) -> int:
 def _pallas(q, k, v, q_pos, lengths, k_new, v_new, new_mask, sinks, c: _Cfg):
     # 10 parameters: decode_attention's operands, passed through once from the jitted wrapper.
     b, t, hq, d = q.shape
-    hkv = k.shape[2]
+    hkv, dv = k.shape[2], v.shape[-1]
     g = hq // hkv
     r = _rows_pad(t * g, c.backend, c.interpret)
     # Queries per (row, K/V head): rows = token-major x GQA group, padded with position -1.
@@ -273,7 +273,7 @@ def _pallas(q, k, v, q_pos, lengths, k_new, v_new, new_mask, sinks, c: _Cfg):
     if c.lanes > 1:
         sink_r = jnp.broadcast_to(sink_r[..., None], (*sink_r.shape, c.lanes))
     if k_new is None:  # a placeholder the kernel never reads
-        k_new = v_new = jnp.zeros((b, 1, hkv, d), k.dtype)
+        k_new, v_new = jnp.zeros((b, 1, hkv, d), k.dtype), jnp.zeros((b, 1, hkv, dv), v.dtype)
     tn = k_new.shape[1] if c.backend == "tpu" else max(16, tiling.next_pow2(k_new.shape[1]))
     pad_new = lambda x: jnp.pad(x, ((0, 0), (0, tn - x.shape[1]), (0, 0), (0, 0)))
     k_new, v_new = pad_new(k_new), pad_new(v_new)
@@ -285,16 +285,16 @@ def _pallas(q, k, v, q_pos, lengths, k_new, v_new, new_mask, sinks, c: _Cfg):
         nm = jnp.pad(nm, ((0, 0), (0, r - t * g), (0, tn - t)))
     flat = lambda x: x.reshape(*x.shape[:2], -1)  # [B, S, K, D] -> [B, S, K*D]: free
     args = (qh, flat(k), flat(v), flat(k_new), flat(v_new), lo_r, hi_r, qp_r, kp, nm, sink_r)
-    out_shape = jax.ShapeDtypeStruct((b, hkv, r, d), q.dtype)
+    out_shape = jax.ShapeDtypeStruct((b, hkv, r, dv), q.dtype)
     entries = b * hkv * r * (c.ctx_len + (tn if c.has_new else 0))  # dense bound: every cache slot visited
-    cost = tiling.cost_estimate(flops=4 * d * entries, transcendentals=entries, operands=args,
+    cost = tiling.cost_estimate(flops=2 * (d + dv) * entries, transcendentals=entries, operands=args,
                                 outputs=(out_shape,))
     if c.backend == "tpu":
         o = _tpu_call(c, args, out_shape, cost)(*_tile_range(lo, hi, c.tk), *args)
     else:
         o = _gpu_call(c, args, out_shape, cost)(*args)
-    o = o[:, :, :t * g].reshape(b, hkv, t, g, d)
-    return jnp.einsum("BKTGD->BTKGD", o).reshape(b, t, hq, d)
+    o = o[:, :, :t * g].reshape(b, hkv, t, g, dv)
+    return jnp.einsum("BKTGV->BTKGV", o).reshape(b, t, hq, dv)
 
 
 def _tpu_call(c: _Cfg, args, out_shape, cost):
@@ -303,6 +303,7 @@ def _tpu_call(c: _Cfg, args, out_shape, cost):
 
     qh, nm = args[0], args[9]
     b, hkv, r, d = qh.shape
+    dv = out_shape.shape[-1]
     tn, nk = args[8].shape[-1], c.ctx_len // c.tk
     row = (None, r, c.lanes)
 
@@ -313,17 +314,17 @@ def _tpu_call(c: _Cfg, args, out_shape, cost):
     per_row = lambda i, h, j, first, end: (i, 0, 0)
     new = lambda i, h, j, first, end: (i, 0, h)
     in_specs = [pl.BlockSpec((None, None, r, d), head), pl.BlockSpec((None, c.tk, d), kv_map),
-                pl.BlockSpec((None, c.tk, d), kv_map), pl.BlockSpec((None, tn, d), new),
-                pl.BlockSpec((None, tn, d), new)] + [pl.BlockSpec(row, per_row)] * 3 + [
+                pl.BlockSpec((None, c.tk, dv), kv_map), pl.BlockSpec((None, tn, d), new),
+                pl.BlockSpec((None, tn, dv), new)] + [pl.BlockSpec(row, per_row)] * 3 + [
                 pl.BlockSpec((None, 1, tn), per_row), pl.BlockSpec((None, *nm.shape[1:]), per_row),
                 pl.BlockSpec((None, r, c.lanes), lambda i, h, j, first, end: (h, 0, 0))]
     return pl.pallas_call(
         functools.partial(_tpu_kernel, c=c, nk=nk), out_shape=out_shape, interpret=c.interpret,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(b, hkv, nk + 1), in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, None, r, d), head),
+            out_specs=pl.BlockSpec((None, None, r, dv), head),
             scratch_shapes=[pltpu.VMEM((r, c.lanes), jnp.float32), pltpu.VMEM((r, c.lanes), jnp.float32),
-                            pltpu.VMEM((r, d), jnp.float32)]),
+                            pltpu.VMEM((r, dv), jnp.float32)]),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         cost_estimate=cost)
 
@@ -334,17 +335,17 @@ def _gpu_call(c: _Cfg, args, out_shape, cost):
 
     qh, nm = args[0], args[9]
     b, hkv, r, d = qh.shape
-    tn = args[8].shape[-1]
+    dv, tn = out_shape.shape[-1], args[8].shape[-1]
     head = lambda i, h: (i, h, 0, 0)
     per_row, per_row_2d = (lambda i, h: (i, 0)), (lambda i, h: (i, 0, 0))
     whole = lambda i, h: (i, 0, h)
     in_specs = [pl.BlockSpec((None, None, r, d), head), pl.BlockSpec((None, c.ctx_len, d), whole),
-                pl.BlockSpec((None, c.ctx_len, d), whole), pl.BlockSpec((None, tn, d), whole),
-                pl.BlockSpec((None, tn, d), whole)] + [pl.BlockSpec((None, r), per_row)] * 3 + [
+                pl.BlockSpec((None, c.ctx_len, dv), whole), pl.BlockSpec((None, tn, d), whole),
+                pl.BlockSpec((None, tn, dv), whole)] + [pl.BlockSpec((None, r), per_row)] * 3 + [
                 pl.BlockSpec((None, 1, tn), per_row_2d), pl.BlockSpec((None, *nm.shape[1:]), per_row_2d),
                 pl.BlockSpec((None, r), lambda i, h: (h, 0))]
     return pl.pallas_call(functools.partial(_gpu_kernel, c=c), grid=(b, hkv), in_specs=in_specs,
-                          out_specs=pl.BlockSpec((None, None, r, d), head), out_shape=out_shape,
+                          out_specs=pl.BlockSpec((None, None, r, dv), head), out_shape=out_shape,
                           interpret=c.interpret, cost_estimate=cost,
                           compiler_params=pltr.CompilerParams(num_warps=4, num_stages=2))
 
@@ -368,11 +369,15 @@ def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding
     return _pallas(q, k, v, q_pos.astype(jnp.int32), lengths.astype(jnp.int32), k_new, v_new, new_mask, sinks, c)
 
 
-def decode_kernel_supported(*, head_dim: int, kv_heads: int, ctx_len: int) -> bool:
+def decode_kernel_supported(*, head_dim: int, kv_heads: int, ctx_len: int, v_head_dim: int | None = None) -> bool:
     """Whether the compiled decode kernel is expected to run on the default backend (unsharded operands:
-    sharded caches would need a shard_map around it)."""
+    sharded caches would need a shard_map around it). Keys' ``head_dim`` and values' ``v_head_dim`` (default:
+    the same) must each fit the backend: TPU one head's lanes of the [B, S, K*D] views (a multiple of 128, or
+    one K/V head), GPU (Triton) a power of two >= 16; MiMo-V2-Flash's 192 / 128 fits neither, so "auto" takes
+    the loop there."""
     p = tiling.platform()
+    dims = (head_dim, head_dim if v_head_dim is None else v_head_dim)
     if p == "tpu":  # one head's lanes of the [B, S, K*D] view, whole tiles of 8 sublanes
-        return (head_dim % 128 == 0 or kv_heads == 1) and ctx_len % 8 == 0
-    pow2 = head_dim & (head_dim - 1) == 0
-    return p == "gpu" and tiling.gpu_capable() and pow2 and head_dim >= 16 and ctx_len >= 16
+        return (all(d % 128 == 0 for d in dims) or kv_heads == 1) and ctx_len % 8 == 0
+    pow2 = all(d & (d - 1) == 0 and d >= 16 for d in dims)
+    return p == "gpu" and tiling.gpu_capable() and pow2 and ctx_len >= 16

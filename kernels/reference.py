@@ -32,8 +32,9 @@ def position_mask(q_pos, k_pos, *, causal: bool, sliding_window: int | None = No
 def attend(q, k, v, mask, *, scale: float | None = None, sinks=None):
     """softmax(q k^T * scale, masked) v with grouped K/V heads.
 
-    q [B, T, N, H]; k, v [B, S, K, H] with N a multiple of K; mask [B, T, S] bool; ``sinks`` [N] (gpt-oss):
-    one learned logit per query head that joins the softmax denominator and carries no value.
+    q [B, T, N, H]; k [B, S, K, H]; v [B, S, K, Hv] (Hv may differ from H: MiMo-V2-Flash, MLA) with N a
+    multiple of K; returns [B, T, N, Hv]; mask [B, T, S] bool; ``sinks`` [N] (gpt-oss): one learned logit per
+    query head that joins the softmax denominator and carries no value.
     Logits and softmax in float32; a query with no visible key returns zeros.
     """
     b, t, n, h = q.shape
@@ -52,5 +53,5 @@ def attend(q, k, v, mask, *, scale: float | None = None, sinks=None):
                                 logits.shape[:-1] + (1,))
         probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
     probs = jnp.where(m, probs, 0.0).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-    return out.reshape(b, t, n, h)
+    out = jnp.einsum("BKGTS,BSKV->BTKGV", probs, v)
+    return out.reshape(b, t, n, v.shape[-1])

@@ -14,7 +14,8 @@ CLASSES = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
            "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
            "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
            "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
-           "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM)}
+           "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+           "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)}
 
 
 def hf_config(model_type: str = "qwen3", **overrides):
@@ -34,6 +35,22 @@ def save_tiny(path, model_type: str = "qwen3", seed: int = 0, dtype=torch.float3
                 p.add_((1.0 if "sinks" in name else 0.1) * torch.randn_like(p))
     model.to(dtype).save_pretrained(path)
     return model.float()
+
+
+def perturb(model, params: dict[str, float], buffers: dict[str, tuple[float, float]] | None = None):
+    """In place: add scale * N(0, 1) to each parameter whose name contains a key of ``params`` (its scale), and draw
+    each buffer whose name ends with a key of ``buffers`` uniformly in its (low, high): norms start at 1, sinks
+    and biases at 0, so that a mis-mapped one would not show. Returns the model."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = next((v for k, v in params.items() if k in name), None)
+            if scale is not None:
+                p.add_(scale * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            span = next((v for k, v in (buffers or {}).items() if name.endswith(k)), None)
+            if span is not None:
+                b.uniform_(*span)
+    return model
 
 
 def torch_forward(model, ids, layer_ids=()):
@@ -120,6 +137,94 @@ def vision_language_loads(path: str, text_model, capfd):
     assert again.config == target.config
     assert max_diff(dj.target_logits(again, ids), want) <= 1e-4
     return target
+
+
+def broken_checkpoint(src: str, dest, name: str, edit=None, extra=None) -> str:
+    """A copy of the checkpoint in ``src`` (config.json + one model.safetensors) at ``dest`` with tensor ``name``
+    dropped (``edit`` None) or replaced by ``edit(array)``, plus the ``extra`` tensors; returns ``dest``."""
+    import os
+    import shutil
+
+    from dflash_jax.checkpoints import iter_safetensors, save_safetensors
+
+    tensors = {k: np.asarray(v) for k, v in iter_safetensors(os.path.join(src, "model.safetensors"))}
+    if edit is None:
+        tensors.pop(name)
+    else:
+        tensors[name] = edit(tensors[name])
+    os.makedirs(dest)
+    save_safetensors(os.path.join(dest, "model.safetensors"), {**tensors, **(extra or {})})
+    shutil.copy(os.path.join(src, "config.json"), dest)
+    return str(dest)
+
+
+def fp8_quantise(w, block):
+    """w [R, C] float32 -> (float8_e4m3fn [R, C], float32 scales [ceil(R / br), ceil(C / bc)]): amax / 448 per block."""
+    import ml_dtypes
+
+    (r, c), (br, bc) = w.shape, block
+    scale = np.zeros((-(-r // br), -(-c // bc)), np.float32)
+    q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
+    for i, j in np.ndindex(*scale.shape):
+        tile = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
+        scale[i, j] = max(float(np.abs(tile).max()), 1e-12) / 448.0
+        q[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = (tile / scale[i, j]).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_copies(src: str, root, block, pattern: str = r"_proj\.weight$"):
+    """Two copies of the checkpoint in ``src`` under ``root``: ``fp8/`` as the FP8 releases are laid out (every
+    tensor matching ``pattern`` float8_e4m3fn plus its ``_scale_inv`` block scales, quantization_config fp8
+    e4m3 with ``block``) and ``dequantised/`` (those weights x their block's scale, unquantised: what loading
+    the FP8 copy must give). -> (fp8 dir, dequantised dir, names quantised)."""
+    import json
+    import os
+    import re
+    import shutil
+
+    from dflash_jax.checkpoints import iter_safetensors, save_safetensors
+
+    (br, bc), quantised, dequantised = block, {}, {}
+    for name, w in iter_safetensors(os.path.join(src, "model.safetensors")):
+        w = np.asarray(w)
+        quantised[name] = dequantised[name] = w
+        if re.search(pattern, name):
+            q, s = fp8_quantise(w, block)
+            quantised[name], quantised[name + "_scale_inv"] = q, s
+            dequantised[name] = q.astype(np.float32) * np.repeat(np.repeat(s, br, 0)[:w.shape[0]], bc, 1)[:, :w.shape[1]]
+    dirs = [os.path.join(root, "fp8"), os.path.join(root, "dequantised")]
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    for d, tensors in zip(dirs, (quantised, dequantised)):
+        os.makedirs(d)
+        save_safetensors(os.path.join(d, "model.safetensors"), tensors)
+        shutil.copy(os.path.join(src, "config.json"), d)
+    with open(os.path.join(dirs[0], "config.json"), "w") as f:
+        json.dump({**config, "quantization_config": q}, f)
+    return dirs[0], dirs[1], [n for n in quantised if n.endswith("_scale_inv")]
+
+
+def broken_tensors_are_named(src: str, root, cases) -> None:
+    """For each (tensor name, edit) of ``cases``: the checkpoint in ``src`` without that tensor (edit None) or with
+    ``edit(tensor)`` in its place (``broken_checkpoint`` under ``root``) fails to load with a ValueError naming
+    the tensor (and its shape and the config's, for an edit)."""
+    import os
+
+    import pytest
+
+    import dflash_jax as dj
+
+    for name, edit in cases:
+        d = broken_checkpoint(src, os.path.join(root, name), name, edit)
+        shape = ""
+        if edit is not None:
+            from dflash_jax.checkpoints import iter_safetensors
+
+            shape = ", ".join(map(str, dict(iter_safetensors(os.path.join(d, "model.safetensors")))[name].shape))
+        match = rf"lacks 1 tensors.*{name}" if edit is None else rf"{name} has shape \[{shape}\] but the config implies"
+        with pytest.raises(ValueError, match=match):
+            dj.load_target(d)
 
 
 def positions_for(ids, lengths=None):

@@ -36,20 +36,28 @@ def test_expected_tau_and_choice():
     assert ab.choose({4: 1.0, 8: 2.0, 16: 4.0}, p) == 4
     assert ab.choose({4: 1.0, 8: 1.0, 16: 1.0}, [0.0] * 15) == 4  # ties: the shorter block
     assert ab.candidates(16) == (4, 8, 16) and ab.candidates(10) == (4, 8, 10) and ab.candidates(3) == (3,)
+    # probed only with a choice to make and a run long enough to pay for the probes
+    assert ab.worth_probing(16, ab.MIN_PROBED_TOKENS) and not ab.worth_probing(16, ab.MIN_PROBED_TOKENS - 1)
+    assert not ab.worth_probing(4, 1000)
 
 
 def test_generate_block_size_auto_probes_and_stays_lossless(pair_dirs, capsys):
     from infer import generate as g
 
     tdir, ddir, _ = pair_dirs
-    code = g.main(["--target", tdir, "--draft", ddir, "--prompt-ids", "5,17,3", "--max-new-tokens", "12",
-                   "--ignore-eos", "--block-size", "auto", "--baseline", "--json"])
+    code = g.main(["--target", tdir, "--draft", ddir, "--prompt-ids", "5,17,3", "--max-new-tokens",
+                   str(ab.MIN_PROBED_TOKENS), "--ignore-eos", "--baseline", "--json"])  # auto: the default
     out = capsys.readouterr()
     row = json.loads(out.out)
     assert code == 0 and row["identical_to_baseline"]
     line = next(x for x in out.err.splitlines() if x.startswith("--block-size auto chose"))
     chosen = int(line.split()[3])
     assert chosen in ab.candidates(8) and max(row["verify_lengths"]) <= chosen  # the pair's draft: block 8
+    code = g.main(["--target", tdir, "--draft", ddir, "--prompt-ids", "5,17,3", "--max-new-tokens",
+                   str(ab.MIN_PROBED_TOKENS - 1), "--ignore-eos", "--json"])
+    out = capsys.readouterr()
+    assert code == 0 and "--block-size auto chose" not in out.err  # too short to probe: the trained block
+    assert max(json.loads(out.out)["verify_lengths"]) == 8
     with pytest.raises(SystemExit):
         g.parse_args(["--block-size", "big"])
     assert "expected an integer or auto" in capsys.readouterr().err
@@ -61,8 +69,8 @@ def test_benchmark_json_reports_the_choice(pair_dirs, capsys, tmp_path):
     tdir, ddir, _ = pair_dirs
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt_ids": [5, 17, 3]}) + "\n")
-    code = b.main(["--target", tdir, "--draft", ddir, "--prompts-file", str(prompts), "--max-new-tokens", "10",
-                   "--json", "--ignore-eos", "--no-timing-split", "--repeats", "1", "--block-size", "auto"])
+    code = b.main(["--target", tdir, "--draft", ddir, "--prompts-file", str(prompts), "--max-new-tokens",
+                   str(ab.MIN_PROBED_TOKENS), "--json", "--ignore-eos", "--no-timing-split", "--repeats", "1"])
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])
     choice = summary["block_choice"]
     assert code == 0 and summary["identical"] and summary["block_size"] == choice["chosen"]

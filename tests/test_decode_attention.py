@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 
 from dflash_jax import attention, draft as draft_lib, speculative as S, target as target_lib
-from dflash_jax.kernels.decode_attention import decode_attention, decode_attention_loop, decode_attention_reference
+from dflash_jax.kernels.decode_attention import (
+    decode_attention,
+    decode_attention_loop,
+    decode_attention_reference,
+    decode_kernel_supported,
+)
 from dflash_jax.state import FullKV
 from pairs import random_pair
 
@@ -175,7 +180,7 @@ def _numpy_decode_attention(q, k, v, q_pos, lengths, window):
     """The oracle: per query, a float64 softmax over exactly the slots s < length, s <= q_pos (q_pos - s < window)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     g = q.shape[2] // k.shape[2]
-    out = np.zeros(q.shape)
+    out = np.zeros(q.shape[:3] + v.shape[-1:])
     for b, t in np.ndindex(*q_pos.shape):
         p = int(q_pos[b, t])
         s = np.arange(k.shape[1])
@@ -210,6 +215,48 @@ def test_length_bound_when_it_is_not_the_causal_one(window):
     outs["reference"] = decode_attention_reference(*args, sliding_window=window)
     for impl, out in outs.items():
         np.testing.assert_allclose(np.asarray(out), want, atol=1e-4, err_msg=impl)
+
+
+@pytest.mark.parametrize("case", CASES[1:3], ids=["gqa4", "window"])
+def test_value_head_dim_differs_from_the_key_head_dim(case):
+    """Values narrower than keys (Dv 8, D 16: MiMo-V2-Flash's 128 / 192): the dense reference equals the numpy
+    oracle, and the loop and both Pallas formulations (interpret) equal the reference, with sinks, the window
+    and the queries' own keys (bidirectional, causal, a tree's ``new_mask``); outputs are [.., Dv]."""
+    b, t, hq, hkv, d, s, k_tile, lengths, window = case
+    dv = d // 2
+    q, k, v, kn, vn, sinks = _inputs(11, b, t, hq, hkv, d, s, jnp.float32)
+    v, vn = v[..., :dv] * 3.0, vn[..., :dv] * 3.0
+    lengths_a, q_pos = jnp.asarray(lengths, jnp.int32), _positions(lengths, t, s)
+    ref = decode_attention_reference(q, k, v, q_pos, lengths_a, sliding_window=window)
+    assert ref.shape == (b, t, hq, dv)
+    np.testing.assert_allclose(np.asarray(ref), _numpy_decode_attention(q, k, v, q_pos, lengths, window), atol=1e-5)
+    tree_pos, tree_mask = _tree(_random_parents(np.random.default_rng(3), b, t), lengths)
+    for new, causal, mask in ((False, False, None), (True, False, None), (True, True, None), (True, False, tree_mask)):
+        pos = tree_pos if mask is not None else q_pos
+        ref = decode_attention_reference(q, k, v, pos, lengths_a, k_new=kn if new else None, v_new=vn if new else None,
+                                         sliding_window=window, sinks=sinks, new_causal=causal, new_mask=mask)
+        for impl in IMPLS:
+            out = _run(impl, k_tile, window, True, new, jnp.float32, causal)(q, k, v, pos, lengths_a, kn, vn, sinks,
+                                                                             mask)
+            assert out.shape == (b, t, hq, dv)
+            np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, err_msg=f"{impl} {new} {causal}")
+
+
+def test_kernel_support_needs_both_head_dims_to_fit(monkeypatch):
+    """``decode_kernel_supported`` checks the value head dim too: on GPU both powers of two >= 16, on TPU both
+    multiples of 128 (or one K/V head); MiMo-V2-Flash's 192 / 128 fits neither, so "auto" takes the loop."""
+    from dflash_jax.kernels import tiling
+
+    monkeypatch.setattr(tiling, "gpu_capable", lambda: True)
+    for platform, fits, misfits in (("gpu", [(128, 128), (64, 16)], [(192, 128), (128, 96), (128, 8)]),
+                                    ("tpu", [(256, 128), (128, 128)], [(192, 128), (128, 64)])):
+        monkeypatch.setattr(tiling, "platform", lambda p=platform: p)
+        for d, dv in fits:
+            assert decode_kernel_supported(head_dim=d, v_head_dim=dv, kv_heads=4, ctx_len=64), (platform, d)
+        for d, dv in misfits:
+            assert not decode_kernel_supported(head_dim=d, v_head_dim=dv, kv_heads=4, ctx_len=64), \
+                (platform, d, dv)
+        assert decode_kernel_supported(head_dim=128, kv_heads=4, ctx_len=64)  # v_head_dim None: = D
 
 
 def test_dispatch_equals_the_masked_full_cache_path():

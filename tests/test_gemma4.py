@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +23,12 @@ import transformers
 import dflash_jax as dj
 from dflash_jax import speculative as S
 from dflash_jax import target as target_lib
-from dflash_jax.checkpoints import iter_safetensors, save_safetensors
+from dflash_jax.checkpoints import iter_safetensors
 from dflash_jax.families.gemma4 import Gemma4Config
 from dflash_jax.layers import rope_frequencies
 from dflash_jax.target import forward
-from hf_models import max_diff, positions_for, ragged_parity, torch_forward, torch_greedy
+from hf_models import (broken_tensors_are_named, max_diff, perturb, positions_for, ragged_parity, torch_forward,
+                       torch_greedy)
 from pairs import decode_in_chunks, lossless_greedy_with_partial_acceptance, random_draft
 
 V, L, D = 16, 5, 32
@@ -69,13 +69,7 @@ def save_gemma4(path, seed: int = 0, **overrides):
     cfg = transformers.Gemma4TextConfig(**{**CFG, **overrides})
     torch.manual_seed(seed)
     model = transformers.Gemma4ForCausalLM(cfg).eval()
-    with torch.no_grad():  # norms, scales and layer scalars start at 1: perturb them
-        for name, p in model.named_parameters():
-            if "norm" in name or "scale" in name:
-                p.add_(0.1 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.uniform_(0.5, 1.5)
+    perturb(model, {"norm": 0.1, "scale": 0.1}, {"layer_scalar": (0.5, 1.5)})  # norms, scales, layer scalars: 1
     model.save_pretrained(path)
     return model
 
@@ -264,19 +258,8 @@ def test_save_target_reloads_in_transformers(gemma, tmp_path):
 
 def test_missing_or_misshaped_tensor_is_named(gemma, tmp_path):
     src = gemma[0]
-    tensors = dict(iter_safetensors(os.path.join(src, "model.safetensors")))
-    for name, edit in (("model.layers.1.self_attn.k_proj.weight", None),
-                       ("model.layers.3.layer_scalar", lambda a: np.ones(2, a.dtype))):
-        broken = {k: np.asarray(v) for k, v in tensors.items() if k != name or edit}
-        if edit:
-            broken[name] = edit(broken[name])
-        d = tmp_path / name
-        d.mkdir()
-        save_safetensors(str(d / "model.safetensors"), broken)
-        shutil.copy(os.path.join(src, "config.json"), d)
-        match = rf"lacks 1 tensors.*{name}" if edit is None else rf"{name} has shape \[2\] but the config implies \[1\]"
-        with pytest.raises(ValueError, match=match):
-            dj.load_target(str(d))
+    broken_tensors_are_named(src, tmp_path, (("model.layers.1.self_attn.k_proj.weight", None),
+                                             ("model.layers.3.layer_scalar", lambda a: np.ones(2, a.dtype))))
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     with pytest.raises(ValueError, match="use_bidirectional_attention"):

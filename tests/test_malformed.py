@@ -17,6 +17,7 @@ from dflash_jax.checkpoints import iter_safetensors, save_safetensors
 from dflash_jax.config import DraftConfig
 from dflash_jax.families import config_from_hf
 from pairs import pair_dirs as make_pair_dirs
+from test_deepseek_v3 import CFG as DEEPSEEK_V3
 from test_gpt_oss import CFG as GPT_OSS
 from test_qwen3_5 import CFG as QWEN3_5
 from test_qwen3_5_moe import CFG as QWEN3_5_MOE
@@ -225,6 +226,8 @@ TRANSPOSED = {
                                   "model.layers.1.mlp.experts.down_proj", "model.layers.2.mlp.experts.5.up_proj.weight"]),
     "qwen3_next": (QWEN3_NEXT, ["model.layers.1.mlp.down_proj.weight", "model.layers.2.mlp.experts.down_proj",
                                 "model.layers.0.linear_attn.in_proj_qkvz.weight"]),
+    "deepseek_v3": (DEEPSEEK_V3, ["model.layers.1.self_attn.kv_b_proj.weight", "model.layers.1.mlp.experts.down_proj",
+                                  "model.layers.2.mlp.experts.2.down_proj.weight"]),
 }
 
 

@@ -145,3 +145,32 @@ def test_ring_write_longer_than_the_ring_holds_the_newest_positions_once(how, mo
         want = dict(zip(pos[b].tolist(), np.asarray(value(src if how == "compact" else pos))[b, :, 0, 0]))
         for slot, p in enumerate(held.tolist()):
             assert p % r == slot and keys[slot] == want[p]
+
+
+def test_value_head_dim_of_its_own_in_full_and_sliding_states():
+    """``KVSpec.v_head_dim``: FullKV and the SlidingKV ring hold values of their own width; a ragged verify-style
+    write then dense attention over the ring's [ring | new] keys equals decode attention over the full cache
+    (window and rollback as in the engine), both [.., Dv]."""
+    from dflash_jax.attention import attend, decode_attention, position_mask
+
+    b, hkv, d, dv, window, max_block, t = 2, 2, 8, 4, 5, 4, 4
+    full, ring = (DecodeCache.create([KVSpec(hkv, d, w, v_head_dim=dv)], b, 32, jnp.float32, max_block).layers[0]
+                  for w in (None, window))
+    assert isinstance(ring, SlidingKV) and ring.k.shape[-1] == d and ring.v.shape == (b, window + max_block, hkv, dv)
+    assert full.k.shape == (b, 32, hkv, d) and full.v.shape == (b, 32, hkv, dv)
+    assert KVSpec(hkv, d).init(b, 32, jnp.float32, max_block).v.shape[-1] == d  # default: the key width
+    rng = np.random.RandomState(4)
+    n = np.array([0, 0])  # rows then ragged by their kept counts
+    for step, kept in enumerate(([4, 2], [1, 4], [3, 3], [2, 1])):
+        pos = jnp.asarray(n[:, None] + np.arange(t), jnp.int32)
+        q, k = (jnp.asarray(rng.randn(b, t, 2 * hkv if i == 0 else hkv, d), jnp.float32) for i in range(2))
+        v = jnp.asarray(rng.randn(b, t, hkv, dv), jnp.float32)
+        ring, keys, values, key_pos, exists = ring.update(k, v, pos)
+        mask = position_mask(pos, key_pos, causal=True, sliding_window=window, k_valid=exists)
+        full = full.write(k, v, pos)
+        want = decode_attention(q, full.k, full.v, pos, jnp.max(pos, axis=1) + 1, sliding_window=window,
+                                impl="reference")
+        got = attend(q, keys, values, mask)
+        assert got.shape == (b, t, 2 * hkv, dv)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, err_msg=str(step))
+        n = n + np.asarray(kept)

@@ -313,14 +313,12 @@ def run(args) -> dict:
     tokens = a * b * s
     flops = model_flops(tcfg, dcfg, seq_len=s, anchors=st["anchors"])
     dev = jax.devices()[0]
-    peak = args.peak_tflops or peak_tflops(dev.device_kind)
-    peak_src = "--peak-tflops" if args.peak_tflops else (f"table ({dev.device_kind})" if peak else None)
+    peak, peak_src = _peak(args, dev.device_kind)
     n_dev = mesh.size if mesh is not None else 1
     where = machine()
     warn_if_busy(where)
     state = {"params": st["params"], "opt_state": st["opt_state"]}
-    lr, epoch = jnp.float32(1e-4), jnp.int32(0)
-    phases = {}
+    lr, epoch, phases = jnp.float32(1e-4), jnp.int32(0), {}
 
     # XLA's cost analysis counts a loop body once: its total is comparable only when the step has no loop that
     # runs more than once (one micro-batch, one lm_head chunk); a Pallas kernel counts as 0 FLOPs
@@ -362,17 +360,11 @@ def run(args) -> dict:
     if args.features in ("both", "online"):
         finish("online_step", step_phase(False, None), flops["online_step"])
 
-    impl = cfg.impl if cfg.impl != "auto" else ("kernel" if _kernel_ok(dcfg.block_size, dcfg.layers.head_dim)
-                                                else "reference")
     result = {
         "preset": args.preset, "target": args.target or f"synthetic ({args.preset} dims, random weights)",
         "platform": jax.default_backend(), "device_kind": dev.device_kind, "devices": n_dev, "machine": where,
         "mesh": sharding.mesh_str(mesh) if mesh is not None else "none (one device)",
-        "shape": {"seq_len": s, "batch_size": b, "grad_accum": a, "sequences": a * b, "tokens_per_step": tokens,
-                  "num_anchors": cfg.num_anchors, "block_size": dcfg.block_size,
-                  "draft_layers": dcfg.layers.num_hidden_layers, "target_layers": tcfg.num_hidden_layers,
-                  "target_layer_ids": list(dcfg.target_layer_ids), "hidden_size": tcfg.hidden_size,
-                  "vocab_size": tcfg.vocab_size, "dtype": cfg.dtype, "param_dtype": cfg.param_dtype, "impl": impl},
+        "shape": _shape(cfg, dcfg, tcfg),
         "timing": f"median of {args.repeats} calls after {args.warmup} warm-up call(s); compilation excluded "
                   "(compile_s); min_s beside it",
         "peak_tflops": peak, "peak_source": peak_src,
@@ -382,10 +374,33 @@ def run(args) -> dict:
         "phases": phases,
     }
     if "features" in phases and "draft_step" in phases:
-        f_s, d_s = phases["features"]["time_s"], phases["draft_step"]["time_s"]
-        result["split"] = {"features_s": f_s, "draft_step_s": d_s, "sum_s": f_s + d_s,
-                           "online_step_s": phases["online_step"]["time_s"], "features_over_draft_step": f_s / d_s}
+        result["split"] = _split(phases)
     return result
+
+
+def _peak(args, device_kind: str) -> tuple:
+    """(peak TFLOP/s per device or None, where it came from)."""
+    peak = args.peak_tflops or peak_tflops(device_kind)
+    return peak, "--peak-tflops" if args.peak_tflops else (f"table ({device_kind})" if peak else None)
+
+
+def _shape(cfg, dcfg, tcfg) -> dict:
+    """The report's ``shape``: the step's sizes, the models' and the attention impl that runs."""
+    a, b, s = cfg.grad_accum, cfg.batch_size, cfg.seq_len
+    impl = cfg.impl if cfg.impl != "auto" else ("kernel" if _kernel_ok(dcfg.block_size, dcfg.layers.head_dim)
+                                                else "reference")
+    return {"seq_len": s, "batch_size": b, "grad_accum": a, "sequences": a * b, "tokens_per_step": a * b * s,
+            "num_anchors": cfg.num_anchors, "block_size": dcfg.block_size,
+            "draft_layers": dcfg.layers.num_hidden_layers, "target_layers": tcfg.num_hidden_layers,
+            "target_layer_ids": list(dcfg.target_layer_ids), "hidden_size": tcfg.hidden_size,
+            "vocab_size": tcfg.vocab_size, "dtype": cfg.dtype, "param_dtype": cfg.param_dtype, "impl": impl}
+
+
+def _split(phases: dict) -> dict:
+    """Offline features + draft step against the online step (both measured)."""
+    f_s, d_s = phases["features"]["time_s"], phases["draft_step"]["time_s"]
+    return {"features_s": f_s, "draft_step_s": d_s, "sum_s": f_s + d_s,
+            "online_step_s": phases["online_step"]["time_s"], "features_over_draft_step": f_s / d_s}
 
 
 # --- output ------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ state (with its step count) and the data position, so a resumed run continues bi
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -164,7 +165,9 @@ def make_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, optimizer, *, off
     weights = objective.position_weights(dcfg.block_size, cfg.gamma_value)
     dtype = resolve_dtype(cfg.dtype)
 
-    def micro(params, tparams, ids, mask, idx, epoch, feats, starts):
+    def micro(params, tparams, batch, epoch):
+        """(grads, sums) of one micro-batch ``batch`` = (ids, mask, idx, feats or None, starts or None)."""
+        ids, mask, idx, feats, starts = batch
         anchors = objective.sample_batch_anchors(cfg.seed, epoch, idx, mask, cfg.num_anchors, starts)
         if feats is None:
             feats = objective.target_features(tcfg, tparams, ids, dcfg.target_layer_ids, starts)
@@ -177,18 +180,17 @@ def make_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, optimizer, *, off
         (_, sums), grads = jax.value_and_grad(f, has_aux=True)(params)
         return grads, sums
 
+    # positional: the jitted step's operands (params / opt_state donated by position)
     def update(params, opt_state, tparams, ids, mask, idx, epoch, feats, lr, starts=None):
-        first = lambda a: None if a is None else a[0]  # noqa: E731
-        grads, sums = micro(params, tparams, ids[0], mask[0], idx[0], epoch, first(feats), first(starts))
+        batch = (ids, mask, idx, feats, starts)
+        first = jax.tree_util.tree_map(lambda a: a[0], batch)  # None leaves (no feats / starts) stay None
+        grads, sums = micro(params, tparams, first, epoch)
         if ids.shape[0] > 1:
             def body(carry, xs):
-                i, m, j, f, st = xs
-                g, s = micro(params, tparams, i, m, j, epoch, f, st)
-                return jax.tree_util.tree_map(jnp.add, carry, (g, s)), None
+                return jax.tree_util.tree_map(jnp.add, carry, micro(params, tparams, xs, epoch)), None
 
-            rest = lambda a: None if a is None else a[1:]  # noqa: E731
-            (grads, sums), _ = jax.lax.scan(body, (grads, sums),
-                                            (ids[1:], mask[1:], idx[1:], rest(feats), rest(starts)))
+            rest = jax.tree_util.tree_map(lambda a: a[1:], batch)
+            (grads, sums), _ = jax.lax.scan(body, (grads, sums), rest)
         weight = jnp.maximum(sums["weight"], 1e-12)
         grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
         loss = sums["wce"] / weight
@@ -199,6 +201,7 @@ def make_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, optimizer, *, off
         keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
         return keep(new_params, params), keep(new_opt, opt_state), sums, ok, gnorm
 
+    # positional: as update's (the jitted operands)
     def step(params, opt_state, tparams, ids, mask, idx, epoch, feats, lr, starts=None):
         with sharding.mesh_scope(mesh):
             return update(params, opt_state, tparams, ids, mask, idx, epoch, feats, lr, starts)
@@ -244,6 +247,14 @@ def evaluate(target: Target, draft: Draft, prompts: list[list[int]], *, max_new_
 # --- the loop -------------------------------------------------------------------------------------------
 
 
+def _warn(msg: str) -> None:
+    """``warnings.warn`` attributed to the first caller outside this module (``train``'s caller)."""
+    frame, level = inspect.currentframe().f_back, 2  # level 1 is this function
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(msg, stacklevel=level)
+
+
 def peak_memory_mb() -> float:
     """Peak resident memory of this process (ru_maxrss: KiB on Linux, bytes on macOS)."""
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -258,8 +269,8 @@ def _check_resume(meta: dict, cfg: TrainConfig, data: TrainData) -> None:
     old = TrainConfig.from_json(meta["config"])
     moved = [f for f in ("target", "data") if getattr(old, f) != getattr(cfg, f)]
     if moved:
-        warnings.warn(f"resuming with a different path for {moved} ({[getattr(old, f) for f in moved]} -> "
-                      f"{[getattr(cfg, f) for f in moved]}); it must hold the same model / data", stacklevel=3)
+        _warn(f"resuming with a different path for {moved} ({[getattr(old, f) for f in moved]} -> "
+                      f"{[getattr(cfg, f) for f in moved]}); it must hold the same model / data")
     diff = [f for f in _RESUME_FIXED if getattr(old, f) != getattr(cfg, f)]
     if diff:  # before the data check: a changed option (--seq-len) also changes what the data reads as
         raise TrainingError(
@@ -275,12 +286,11 @@ def _check_resume(meta: dict, cfg: TrainConfig, data: TrainData) -> None:
                if f.name in ("steps", "epochs", "lr", "warmup_frac", "min_lr_frac", "clip", "weight_decay",
                              "beta1", "beta2") and getattr(old, f.name) != getattr(cfg, f.name)]
     if changed:
-        warnings.warn(f"resuming with changed {changed}: the optimizer schedule differs from the original run",
-                      stacklevel=3)
+        _warn(f"resuming with changed {changed}: the optimizer schedule differs from the original run")
     rounding = [f for f in _RESUME_ROUNDING if getattr(old, f) != getattr(cfg, f)]
     if rounding:
-        warnings.warn(f"resuming with changed {rounding}: the same computation, but the resumed run equals an "
-                      "uninterrupted one only up to float rounding (not bit for bit)", stacklevel=3)
+        _warn(f"resuming with changed {rounding}: the same computation, but the resumed run equals an "
+                      "uninterrupted one only up to float rounding (not bit for bit)")
 
 
 def truncate_metrics(path: str, step: int) -> int:
@@ -344,19 +354,8 @@ def device_batch(data: TrainData, store, idx, mesh, dtype):
             put(starts))
 
 
-def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[int, dict], None] | None = None,
-          log: Callable[[str], None] = print) -> Draft:
-    """Train (or resume training) a DFlash draft as configured; returns the trained draft (float32 master
-    params). ``target`` may be passed pre-loaded (its path must match ``cfg.target`` for the checkpoint to
-    make sense); ``on_step(step, metrics)`` is called after every optimizer step."""
-    if not cfg.out:
-        raise ValueError("TrainConfig.out (the output directory) is required")
-    os.makedirs(cfg.out, exist_ok=True)
-    primary = jax.process_index() == 0  # on several processes only the first logs and writes metrics
-    if not primary:
-        log = lambda *a, **k: None  # noqa: E731
-    log(f"training config:\n{cfg.pretty()}")
-
+def _load_inputs(cfg: TrainConfig, target: Target | None, log) -> tuple:
+    """(mesh or None, target (cast to --dtype, on the mesh), tokenizer, data) of a run."""
     mesh = sharding.make_mesh(cfg.mesh) if cfg.mesh else None
     if mesh is not None:
         sharding.check_batch_rows(cfg.batch_size, mesh, "--batch-size (rows of a micro-batch)")
@@ -364,8 +363,6 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
             raise TrainingError("--cache-features with several processes is not supported (each process would "
                                 "need every feature row); train with online features on a multi-host mesh")
         log(f"mesh: {sharding.mesh_str(mesh)} over {mesh.size} devices, {jax.process_count()} process(es)")
-
-    # target, tokenizer, data
     if target is None:
         if not cfg.target:
             raise ValueError("TrainConfig.target is required")
@@ -382,271 +379,386 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
                           vocab_size=target.config.vocab_size, allow_partial=cfg.allow_partial_data, pack=cfg.pack)
     if cfg.pack:
         log(data.packing_summary())
+    return mesh, target, tokenizer, data
 
-    # checkpoints
-    ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINT_DIR), keep=cfg.keep_checkpoints)
-    steps = sorted(ckpt.all_steps(), reverse=True)
-    latest = steps[0] if steps else None
-    if latest is not None and not cfg.resume:
-        raise TrainingError(f"{cfg.out} already has checkpoints (latest step {latest}); resume (the default) "
-                            "or choose a new --out")
-    if cfg.resume_from >= 0 and cfg.resume_from not in steps:
-        raise TrainingError(f"--resume-from {cfg.resume_from}: {ckpt.directory} has no checkpoint of that step "
-                            f"(steps there: {sorted(steps) or 'none'})")
-    candidates = [cfg.resume_from] if cfg.resume_from >= 0 else steps
-    unreadable: list[int] = []
 
-    def skip(step: int, err: CheckpointError) -> None:
+class ResumePoints:
+    """The run's checkpoints and which one it resumes from: the newest readable one (or --resume-from's); a
+    corrupt one is skipped with a warning (an error when --resume-from chose it) and set aside later."""
+
+    def __init__(self, cfg: TrainConfig, log):
+        self.cfg, self.log = cfg, log
+        self.ckpt = Checkpointer(os.path.join(cfg.out, CHECKPOINT_DIR), keep=cfg.keep_checkpoints)
+        self.steps = sorted(self.ckpt.all_steps(), reverse=True)
+        self.latest = self.steps[0] if self.steps else None
+        if self.latest is not None and not cfg.resume:
+            raise TrainingError(f"{cfg.out} already has checkpoints (latest step {self.latest}); resume (the "
+                                "default) or choose a new --out")
+        if cfg.resume_from >= 0 and cfg.resume_from not in self.steps:
+            raise TrainingError(f"--resume-from {cfg.resume_from}: {self.ckpt.directory} has no checkpoint of that "
+                                f"step (steps there: {sorted(self.steps) or 'none'})")
+        self.candidates = [cfg.resume_from] if cfg.resume_from >= 0 else self.steps
+        self.unreadable: list[int] = []
+
+    def skip(self, step: int, err: CheckpointError) -> None:
         """A corrupt checkpoint: an error if --resume-from chose it, else a warning and the previous one."""
-        if cfg.resume_from >= 0:
-            raise TrainingError(f"{err}; choose another --resume-from (steps: {sorted(steps)})")
-        unreadable.append(step)
+        if self.cfg.resume_from >= 0:
+            raise TrainingError(f"{err}; choose another --resume-from (steps: {sorted(self.steps)})")
+        self.unreadable.append(step)
         msg = (f"{err}; skipping it and resuming from the newest intact checkpoint before it (the unreadable one "
-               f"is moved to {os.path.join(cfg.out, SET_ASIDE_DIR)})")
-        log(f"warning: {msg}")
-        warnings.warn(msg, stacklevel=3)
+               f"is moved to {os.path.join(self.cfg.out, SET_ASIDE_DIR)})")
+        self.log(f"warning: {msg}")
+        _warn(msg)
 
-    def readable_meta(before: int | None = None) -> tuple[int, dict]:
-        for s in candidates:
-            if s not in unreadable and (before is None or s < before):
+    def readable_meta(self, before: int | None = None) -> tuple[int, dict]:
+        """(step, meta) of the newest readable candidate (older than ``before`` when given)."""
+        for s in self.candidates:
+            if s not in self.unreadable and (before is None or s < before):
                 try:
-                    return s, ckpt.meta(s)
+                    return s, self.ckpt.meta(s)
                 except CheckpointError as e:
-                    skip(s, e)
-        raise TrainingError(f"no intact checkpoint in {ckpt.directory}: steps {unreadable} are unreadable; move "
-                            "them away to start over, or choose a new --out")
+                    self.skip(s, e)
+        raise TrainingError(f"no intact checkpoint in {self.ckpt.directory}: steps {self.unreadable} are "
+                            "unreadable; move them away to start over, or choose a new --out")
 
-    # the draft
-    param_dtype = resolve_dtype(cfg.param_dtype)
-    if latest is not None:
-        latest, meta = readable_meta()
-        _check_resume(meta, cfg, data)
-        dcfg = DraftConfig.from_hf(meta["draft_config"])
-        params_like = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype),
-                                             draft_param_shapes(dcfg))
-    elif cfg.init_draft:
-        init = load_draft(cfg.init_draft, dtype=cfg.param_dtype)
-        dcfg = init.config
-        if dcfg.architecture == "dflash2":
-            raise TrainingError(f"--init-draft {cfg.init_draft} is a DFlash2 draft (DFlash2DraftModel): DFlash2 "
-                                "drafts can be loaded and served but not trained here, because the training recipe "
-                                "of their candidate selector is not public; start from a DFlash (DFlashDraftModel) "
-                                "draft or train a new one")
-        ignored = _ignored_draft_flags(cfg, dcfg)
-        if ignored:
-            sliding = [i for i, t in enumerate(dcfg.layers.layer_types) if t == "sliding_attention"]
-            warnings.warn(f"--init-draft {cfg.init_draft} fixes the architecture: block_size {dcfg.block_size}, "
-                          f"{dcfg.layers.num_hidden_layers} layers, target_layer_ids {list(dcfg.target_layer_ids)}, "
-                          f"sliding layers {sliding} (window {dcfg.layers.sliding_window}), is_causal "
-                          f"{dcfg.is_causal}, input_embedding_scale {dcfg.input_embedding_scale}, output_multiplier "
-                          f"{dcfg.output_multiplier}, final_logit_softcapping {dcfg.final_logit_softcapping} "
-                          f"(the {' / '.join(ignored)} given are ignored)", stacklevel=2)
-        params = init.params
-    else:
-        dcfg = build_draft_config(cfg, target, tokenizer)
-        params = init_draft_params(dcfg, cfg.seed, param_dtype)
-    if latest is None:
-        check_fits(target, Draft(dcfg, params))
-    else:
-        dcfg.check_fits(target.config)
-    if dcfg.block_size != cfg.block_size:
-        cfg = cfg.replace(block_size=dcfg.block_size)
-
-    spe = data.steps_per_epoch(cfg.global_batch)
-    total = cfg.steps or max(1, int(math.ceil(cfg.epochs * spe)))
-    optimizer, step_fn = cached_train_step(cfg, target.config, dcfg, offline=cfg.cache_features)
-    start = 0
-    like = params_like if latest is not None else params
-    opt_like = jax.eval_shape(optimizer.init, like)
-    if mesh is not None:  # draft params and optimizer state over fsdp / tensor (any checkpoint restores onto it)
-        rules = model_sharding.model_rules(mesh, target.config, dcfg)
-        p_shard = model_sharding.param_shardings(dcfg, mesh, rules, like)
-        o_shard = sharding.opt_state_shardings(opt_like, p_shard, mesh, like)
-    if latest is not None:
-        if mesh is not None:
-            params_like, opt_like = sharding.abstract_like(params_like, p_shard), sharding.abstract_like(opt_like, o_shard)
+    def restore(self, cfg: TrainConfig, data: TrainData, dcfg: DraftConfig, params_like, opt_like):
+        """(params, opt_state, meta) of the newest checkpoint that restores, falling back past corrupt ones."""
         while True:
             try:
-                params, opt_state, meta = ckpt.restore(latest, params_like, opt_like)
-                break
+                return self.ckpt.restore(self.latest, params_like, opt_like)
             except CheckpointError as e:
-                skip(latest, e)
-                latest, meta = readable_meta(before=latest)
+                self.skip(self.latest, e)
+                self.latest, meta = self.readable_meta(before=self.latest)
                 _check_resume(meta, cfg, data)
                 if DraftConfig.from_hf(meta["draft_config"]) != dcfg:
-                    raise TrainingError(f"checkpoint {ckpt.step_dir(latest)} holds another draft architecture than "
-                                        "the newer (unreadable) ones; resume it with --resume-from "
-                                        f"{latest}") from None
+                    raise TrainingError(f"checkpoint {self.ckpt.step_dir(self.latest)} holds another draft "
+                                        "architecture than the newer (unreadable) ones; resume it with "
+                                        f"--resume-from {self.latest}") from None
+
+    def set_aside_newer(self, primary: bool) -> None:
+        """Move the checkpoints after the resumed one away (unreadable ones, or newer than --resume-from): this
+        run writes those steps again."""
+        newer = [s for s in self.ckpt.all_steps() if s > self.latest]
+        if not newer:
+            return
+        if primary:
+            for s in newer:
+                dest = self.ckpt.set_aside(s, os.path.join(self.cfg.out, SET_ASIDE_DIR))
+                self.log(f"moved the {'unreadable' if s in self.unreadable else 'newer'} checkpoint of step {s} "
+                         f"to {dest}")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("dflash_set_aside_checkpoints")
+        self.ckpt.reload()
+
+
+def _init_draft(cfg: TrainConfig) -> Draft:
+    """The --init-draft to start from (DFlash v1 only); warns about the architecture flags it overrides."""
+    init = load_draft(cfg.init_draft, dtype=cfg.param_dtype)
+    dcfg = init.config
+    if dcfg.architecture == "dflash2":
+        raise TrainingError(f"--init-draft {cfg.init_draft} is a DFlash2 draft (DFlash2DraftModel): DFlash2 "
+                            "drafts can be loaded and served but not trained here, because the training recipe "
+                            "of their candidate selector is not public; start from a DFlash (DFlashDraftModel) "
+                            "draft or train a new one")
+    ignored = _ignored_draft_flags(cfg, dcfg)
+    if ignored:
+        sliding = [i for i, t in enumerate(dcfg.layers.layer_types) if t == "sliding_attention"]
+        _warn(f"--init-draft {cfg.init_draft} fixes the architecture: block_size {dcfg.block_size}, "
+                      f"{dcfg.layers.num_hidden_layers} layers, target_layer_ids {list(dcfg.target_layer_ids)}, "
+                      f"sliding layers {sliding} (window {dcfg.layers.sliding_window}), is_causal "
+                      f"{dcfg.is_causal}, input_embedding_scale {dcfg.input_embedding_scale}, output_multiplier "
+                      f"{dcfg.output_multiplier}, final_logit_softcapping {dcfg.final_logit_softcapping} "
+                      f"(the {' / '.join(ignored)} given are ignored)")
+    return init
+
+
+def _choose_draft(cfg: TrainConfig, target: Target, tokenizer, data: TrainData, points: ResumePoints):
+    """(cfg, draft config, initial params or None when resuming): the checkpoint's draft, --init-draft's, or a
+    new one from the flags; checked against the target."""
+    param_dtype = resolve_dtype(cfg.param_dtype)
+    params = None
+    if points.latest is not None:
+        points.latest, meta = points.readable_meta()
+        _check_resume(meta, cfg, data)
+        dcfg = DraftConfig.from_hf(meta["draft_config"])
+        dcfg.check_fits(target.config)
+    else:
+        if cfg.init_draft:
+            init = _init_draft(cfg)
+            dcfg, params = init.config, init.params
+        else:
+            dcfg = build_draft_config(cfg, target, tokenizer)
+            params = init_draft_params(dcfg, cfg.seed, param_dtype)
+        check_fits(target, Draft(dcfg, params))
+    if dcfg.block_size != cfg.block_size:
+        cfg = cfg.replace(block_size=dcfg.block_size)
+    return cfg, dcfg, params
+
+
+class _Window:
+    """The steps since the last metrics record (the first step, which compiles, is left out)."""
+
+    def __init__(self):
+        self.sums, self.tokens, self.time, self.steps = None, 0, 0.0, 0
+
+    def add(self, sums, tokens: int, dt: float) -> None:
+        self.sums = sums if self.sums is None else jax.tree_util.tree_map(np.add, self.sums, sums)
+        self.tokens += tokens
+        self.time += dt
+        self.steps += 1
+
+
+class TrainRun:
+    """One ``train`` call as steps: ``__init__`` sets up (model, data, draft, optimizer state fresh or resumed,
+    feature cache, evaluation prompts), ``run`` does the optimizer steps, ``finish`` saves and evaluates."""
+
+    def __init__(self, cfg: TrainConfig, target: Target | None, log):
+        self.primary = jax.process_index() == 0  # on several processes only the first logs and writes files
+        self.log = log if self.primary else (lambda *a, **k: None)
+        self.log(f"training config:\n{cfg.pretty()}")
+        self.mesh, self.target, tokenizer, self.data = _load_inputs(cfg, target, self.log)
+        self.points = ResumePoints(cfg, self.log)
+        self.ckpt = self.points.ckpt
+        self.cfg, self.dcfg, params = _choose_draft(cfg, self.target, tokenizer, self.data, self.points)
+        cfg = self.cfg
+        self.spe = self.data.steps_per_epoch(cfg.global_batch)
+        self.total = cfg.steps or max(1, int(math.ceil(cfg.epochs * self.spe)))
+        self.optimizer, self.step_fn = cached_train_step(cfg, self.target.config, self.dcfg,
+                                                         offline=cfg.cache_features)
+        self.params, self.opt_state, self.start = self._initial_state(params)
+        self._log_setup()
+        self.store = self._feature_store()
+        self.eval_prompts = (load_eval_prompts(cfg.eval_prompts, tokenizer, cfg.eval_num_prompts, cfg.eval_chat)
+                             if cfg.eval_prompts else prompts_from_data(self.data, cfg.eval_num_prompts))
+        self.stop_ids = list(self.target.config.eos_token_id) or None
+        self.metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+        if self.primary:  # the records of steps this run does (again): a resumed run redoes the steps after start
+            dropped = truncate_metrics(self.metrics_path, self.start)
+            if dropped:
+                self.log(f"{self.metrics_path}: dropped {dropped} records after step {self.start} (this run "
+                         "redoes those steps)")
+        self.collapse = CollapseDetector(self.target.config.vocab_size, cfg.lr, self._warn_collapse)
+        self.step, self.tokens_total, self.last = self.start, 0, {}
+
+    # --- setup -------------------------------------------------------------------------------------------
+
+    def _initial_state(self, params) -> tuple:
+        """(params, opt_state, start step): restored from the resumed checkpoint, or fresh; on the mesh."""
+        cfg, mesh, points = self.cfg, self.mesh, self.points
+        if points.latest is not None:
+            param_dtype = resolve_dtype(cfg.param_dtype)
+            params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype),
+                                            draft_param_shapes(self.dcfg))
+        opt_like = jax.eval_shape(self.optimizer.init, params)
+        if mesh is not None:  # draft params and optimizer state over fsdp / tensor (any checkpoint restores onto it)
+            rules = model_sharding.model_rules(mesh, self.target.config, self.dcfg)
+            p_shard = model_sharding.param_shardings(self.dcfg, mesh, rules, params)
+            o_shard = sharding.opt_state_shardings(opt_like, p_shard, mesh, params)
+        if points.latest is None:
+            if mesh is not None:
+                params = sharding.shard_params(params, p_shard)
+            opt_state = self.optimizer.init(params)
+            if mesh is not None:
+                opt_state = sharding.shard_params(opt_state, o_shard)
+            return params, opt_state, 0
+        if mesh is not None:
+            params, opt_like = sharding.abstract_like(params, p_shard), sharding.abstract_like(opt_like, o_shard)
+        params, opt_state, meta = points.restore(cfg, self.data, self.dcfg, params, opt_like)
         if mesh is None:
             # orbax returns arrays committed to a device; fresh ones are uncommitted, and jit keys its cache on
             # that: re-create them uncommitted so a resumed run reuses the compiled step
             params, opt_state = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x)), (params, opt_state))
         start = int(meta["step"])
-        newer = [s for s in ckpt.all_steps() if s > latest]
-        if newer:  # unreadable ones, or newer than --resume-from: this run writes those steps again
-            if primary:
-                for s in newer:
-                    dest = ckpt.set_aside(s, os.path.join(cfg.out, SET_ASIDE_DIR))
-                    log(f"moved the {'unreadable' if s in unreadable else 'newer'} checkpoint of step {s} to {dest}")
-            if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
+        points.set_aside_newer(self.primary)
+        self.log(f"resumed from {self.ckpt.directory}/{points.latest} (step {start}, epoch {meta['epoch']})")
+        return params, opt_state, start
 
-                multihost_utils.sync_global_devices("dflash_set_aside_checkpoints")
-            ckpt.reload()
-        log(f"resumed from {ckpt.directory}/{latest} (step {start}, epoch {meta['epoch']})")
-    else:
-        if mesh is not None:
-            params = sharding.shard_params(params, p_shard)
-        opt_state = optimizer.init(params)
-        if mesh is not None:
-            opt_state = sharding.shard_params(opt_state, o_shard)
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
-    log(f"target: {target.path} ({target.config.num_hidden_layers} layers, hidden {target.config.hidden_size}, "
-        f"vocab {target.config.vocab_size}); draft: {dcfg.layers.num_hidden_layers} layers, {n_params / 1e6:.2f}M "
-        f"params, block {dcfg.block_size}, target_layer_ids {list(dcfg.target_layer_ids)}, mask id "
-        f"{dcfg.mask_token_id}, gamma {cfg.gamma_value:.3g}")
-    log(f"data: {len(data)} sequences, {data.num_tokens} tokens; {spe} steps/epoch of {cfg.global_batch} "
-        f"{'rows' if cfg.pack else 'sequences'}; {total} steps")
-    with open(os.path.join(cfg.out, "config.json") if primary else os.devnull, "w") as f:
-        json.dump({"train_config": cfg.to_json(), "draft_config": dcfg.to_hf(), "total_steps": total,
-                   "steps_per_epoch": spe}, f, indent=2)
+    def _log_setup(self) -> None:
+        """Say what is trained on what, and write config.json (process 0)."""
+        cfg, target, dcfg, data = self.cfg, self.target, self.dcfg, self.data
+        n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(self.params))
+        self.log(f"target: {target.path} ({target.config.num_hidden_layers} layers, hidden "
+                 f"{target.config.hidden_size}, vocab {target.config.vocab_size}); draft: "
+                 f"{dcfg.layers.num_hidden_layers} layers, {n_params / 1e6:.2f}M params, block {dcfg.block_size}, "
+                 f"target_layer_ids {list(dcfg.target_layer_ids)}, mask id {dcfg.mask_token_id}, gamma "
+                 f"{cfg.gamma_value:.3g}")
+        self.log(f"data: {len(data)} sequences, {data.num_tokens} tokens; {self.spe} steps/epoch of "
+                 f"{cfg.global_batch} {'rows' if cfg.pack else 'sequences'}; {self.total} steps")
+        if self.primary:
+            with open(os.path.join(cfg.out, "config.json"), "w") as f:
+                json.dump({"train_config": cfg.to_json(), "draft_config": dcfg.to_hf(), "total_steps": self.total,
+                           "steps_per_epoch": self.spe}, f, indent=2)
 
-    # features
-    store = None
-    if cfg.cache_features:
+    def _feature_store(self):
+        """The cached target features (--cache-features), built once on disk; None for online features."""
+        cfg = self.cfg
+        if not cfg.cache_features:
+            return None
         from train.features import build_feature_store
 
-        store = build_feature_store(target, dcfg.target_layer_ids, data,
+        store = build_feature_store(self.target, self.dcfg.target_layer_ids, self.data,
                                     cfg.feature_dir or os.path.join(cfg.out, "features"),
                                     batch_size=cfg.batch_size, dtype=cfg.feature_dtype, progress=cfg.progress,
-                                    log=log)
-        log(f"features: {store.nbytes / 2**20:.1f} MiB on disk ({cfg.feature_dtype}) in {store.directory}")
+                                    log=self.log)
+        self.log(f"features: {store.nbytes / 2**20:.1f} MiB on disk ({cfg.feature_dtype}) in {store.directory}")
+        return store
 
-    # evaluation prompts
-    eval_prompts = (load_eval_prompts(cfg.eval_prompts, tokenizer, cfg.eval_num_prompts, cfg.eval_chat) if cfg.eval_prompts
-                    else prompts_from_data(data, cfg.eval_num_prompts))
-    stop_ids = list(target.config.eos_token_id) or None
+    # --- records -----------------------------------------------------------------------------------------
 
-    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
-    if primary:  # the records of steps this run does (again): a resumed run redoes the steps after `start`
-        dropped = truncate_metrics(metrics_path, start)
-        if dropped:
-            log(f"{metrics_path}: dropped {dropped} records after step {start} (this run redoes those steps)")
+    def _warn_collapse(self, msg: str) -> None:
+        self.log(f"warning: {msg}")
+        _warn(msg)
 
-    def warn_collapse(msg: str) -> None:
-        log(f"warning: {msg}")
-        warnings.warn(msg, stacklevel=4)
+    def write_metrics(self, rec: dict) -> None:
+        if self.primary:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
 
-    collapse = CollapseDetector(target.config.vocab_size, cfg.lr, warn_collapse)
-
-    def write_metrics(rec):
-        if not primary:
-            return
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-
-    def meta_for(step, last):
+    def meta_for(self, step: int) -> dict:
+        """The meta saved with the checkpoint of ``step``: data position, config, the last step's metrics."""
+        cfg, spe = self.cfg, self.spe
         epoch, pos = divmod(step, spe)
-        return {"step": step, "epoch": epoch, "step_in_epoch": pos, "steps_per_epoch": spe, "total_steps": total,
+        return {"step": step, "epoch": epoch, "step_in_epoch": pos, "steps_per_epoch": spe, "total_steps": self.total,
                 "examples_seen": step * cfg.global_batch, "seed": cfg.seed,
                 "rng": [int(x) for x in np.asarray(jax.random.key_data(jax.random.PRNGKey(cfg.seed)))],
-                "config": cfg.to_json(), "draft_config": dcfg.to_hf(), "data_summary": _data_summary(data),
-                "metrics": last}
+                "config": cfg.to_json(), "draft_config": self.dcfg.to_hf(), "data_summary": _data_summary(self.data),
+                "metrics": self.last}
 
-    def run_eval(step):
-        r = evaluate(target, Draft(dcfg, params), eval_prompts, max_new_tokens=cfg.eval_max_new_tokens,
-                     stop_token_ids=stop_ids)
-        rec = {"step": step, "eval": True, "prompts": "held-out" if cfg.eval_prompts else "training", **r}
-        write_metrics(rec)
-        log(f"step {step}: acceptance length tau = {r['tau']:.3f} on {len(eval_prompts)} "
-            f"{rec['prompts']} prompts")
+    def save(self, step: int) -> None:
+        self.ckpt.save(step, self.params, self.opt_state, self.meta_for(step))
+
+    def run_eval(self, step: int) -> dict:
+        """Measure the real acceptance length on the evaluation prompts; one metrics record."""
+        r = evaluate(self.target, Draft(self.dcfg, self.params), self.eval_prompts,
+                     max_new_tokens=self.cfg.eval_max_new_tokens, stop_token_ids=self.stop_ids)
+        rec = {"step": step, "eval": True, "prompts": "held-out" if self.cfg.eval_prompts else "training", **r}
+        self.write_metrics(rec)
+        self.log(f"step {step}: acceptance length tau = {r['tau']:.3f} on {len(self.eval_prompts)} "
+                 f"{rec['prompts']} prompts")
         return r
 
-    bar = progress_bar(total, "train", "step", cfg.progress and primary, initial=start)
-    window, win_tokens, win_time, win_steps, last = None, 0, 0.0, 0, {}
-    step, tokens_total, t_run, compile_s = start, 0, time.perf_counter(), None
-    try:
-        while step < total:
-            epoch, idx = data.step_indices(step, seed=cfg.seed, grad_accum=cfg.grad_accum, batch_size=cfg.batch_size)
-            lr = lr_at(cfg, step, total)
-            t0 = time.perf_counter()
-            ids, mask, idx_d, feats, starts = device_batch(data, store, idx, mesh, cfg.dtype)
-            params, opt_state, sums, ok, gnorm = step_fn(params, opt_state, target.params, ids, mask, idx_d,
-                                                         jnp.int32(epoch), feats, jnp.float32(lr), starts)
-            sums, ok, gnorm = jax.device_get((sums, ok, gnorm))
-            dt = time.perf_counter() - t0
-            if not ok:
-                loss = float(sums["wce"]) / max(float(sums["weight"]), 1e-12)
-                if step > 0:  # the state after `step` good steps (this update was not applied)
-                    ckpt.save(step, params, opt_state, meta_for(step, last))
-                ckpt.wait()
-                good = ckpt.latest_step()
-                where = (f"the last good checkpoint is step {good} in {ckpt.directory}" if good is not None
-                         else "no checkpoint was saved (it failed before the first step)")
-                raise TrainingDiverged(
-                    f"non-finite loss at step {step + 1} (loss {loss}, gradient norm {float(gnorm)}; epoch {epoch}, "
-                    f"sequences {[j for i in idx.reshape(-1) for j in data.row(i)]}): training stopped without "
-                    f"applying that update; {where}. Check the data / cached features for NaN, lower --lr, or use --dtype float32.")
-            step += 1
-            n_tok = data.tokens(idx)
-            tokens_total += n_tok
-            if step == start + 1:
-                compile_s = dt  # the first step includes compilation
-                window = None
-            else:
-                window = sums if window is None else jax.tree_util.tree_map(np.add, window, sums)
-                win_tokens += n_tok
-                win_time += dt
-                win_steps += 1
-            cur = objective.summarize(sums)
-            cur.update(step=step, epoch=epoch, lr=lr, grad_norm=float(gnorm))
-            collapse.update(step, cur["loss"], cur["grad_norm"])
-            if win_time > 0:
-                cur["tokens_per_s"] = win_tokens / win_time
-            last = cur
-            bar.update(1)
-            bar.set_postfix(loss=f"{cur['loss']:.3f}", acc=f"{cur['acc']:.3f}",
-                            tok_s=f"{cur.get('tokens_per_s', 0):.0f}")
-            if step % cfg.log_every == 0 or step == total:
-                rec = {"step": step, "epoch": epoch, "lr": cur["lr"], "grad_norm": cur["grad_norm"],
-                       **(objective.summarize(window) if window is not None else cur),
-                       "tokens_per_s": win_tokens / win_time if win_time > 0 else None,
-                       "step_time_s": win_time / win_steps if win_steps else None,
-                       "compile_s": compile_s, "peak_memory_mb": round(peak_memory_mb(), 1),
-                       "features": "offline" if store is not None else "online",
-                       "elapsed_s": time.perf_counter() - t_run}
-                rec.pop("step", None)
-                write_metrics({"step": step, **rec})
-                if not cfg.progress:  # no bar to show the loss: one line per --log-every steps
-                    speed = f", {rec['tokens_per_s']:.0f} tokens/s" if rec["tokens_per_s"] else ""
-                    log(f"step {step}/{total}: loss {rec['loss']:.4f}, acc {rec['acc']:.3f}, lr {lr:.2e}{speed}")
-                window, win_tokens, win_time, win_steps = None, 0, 0.0, 0
-            if step % cfg.save_every == 0 and step < total:
-                ckpt.save(step, params, opt_state, meta_for(step, last))
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
-                last["tau"] = run_eval(step)["tau"]
-            if on_step is not None:
-                on_step(step, cur)
-    except KeyboardInterrupt:
-        saved = ckpt.latest_step()
-        # params / opt_state are donated to the step: valid unless the interrupt hit inside the step call
-        intact = not any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(params))
-        if step > start and intact:
-            ckpt.save(step, params, opt_state, meta_for(step, last))
-            saved = step
-        ckpt.close()
-        log(f"interrupted at step {step}; latest checkpoint: step {saved} in {ckpt.directory}; rerun the same "
-            "command to resume")
-        raise
-    finally:
-        bar.close()
-        ckpt.wait()
-    if start < total or total not in ckpt.all_steps():
-        ckpt.save(total, params, opt_state, meta_for(total, last))
-    ckpt.wait()
-    if eval_prompts and start < total:
-        run_eval(total)
-    ckpt.close()
-    log(f"done: {total} steps ({tokens_total} sequence tokens this run), checkpoint {ckpt.directory}/{total}; "
-        f"peak memory {peak_memory_mb():.0f} MiB")
-    return Draft(dcfg, params)
+    def log_window(self, window: _Window, cur: dict, compile_s, t_run: float) -> None:
+        """One metrics record (and, without a progress bar, one log line) for the steps of ``window``."""
+        rec = {"step": self.step, "epoch": cur["epoch"], "lr": cur["lr"], "grad_norm": cur["grad_norm"],
+               **(objective.summarize(window.sums) if window.sums is not None else cur),
+               "tokens_per_s": window.tokens / window.time if window.time > 0 else None,
+               "step_time_s": window.time / window.steps if window.steps else None,
+               "compile_s": compile_s, "peak_memory_mb": round(peak_memory_mb(), 1),
+               "features": "offline" if self.store is not None else "online",
+               "elapsed_s": time.perf_counter() - t_run}
+        rec.pop("step", None)
+        self.write_metrics({"step": self.step, **rec})
+        if not self.cfg.progress:  # no bar to show the loss: one line per --log-every steps
+            speed = f", {rec['tokens_per_s']:.0f} tokens/s" if rec["tokens_per_s"] else ""
+            self.log(f"step {self.step}/{self.total}: loss {rec['loss']:.4f}, acc {rec['acc']:.3f}, lr "
+                     f"{cur['lr']:.2e}{speed}")
+
+    # --- steps -------------------------------------------------------------------------------------------
+
+    def one_step(self) -> tuple:
+        """One optimizer step from ``self.step``: (sums, grad norm, epoch, lr, seconds, sequence tokens). A
+        non-finite loss saves the last good state and raises ``TrainingDiverged``."""
+        cfg, data = self.cfg, self.data
+        epoch, idx = data.step_indices(self.step, seed=cfg.seed, grad_accum=cfg.grad_accum, batch_size=cfg.batch_size)
+        lr = lr_at(cfg, self.step, self.total)
+        t0 = time.perf_counter()
+        ids, mask, idx_d, feats, starts = device_batch(data, self.store, idx, self.mesh, cfg.dtype)
+        self.params, self.opt_state, sums, ok, gnorm = self.step_fn(
+            self.params, self.opt_state, self.target.params, ids, mask, idx_d, jnp.int32(epoch), feats,
+            jnp.float32(lr), starts)
+        sums, ok, gnorm = jax.device_get((sums, ok, gnorm))
+        dt = time.perf_counter() - t0
+        if not ok:
+            loss = float(sums["wce"]) / max(float(sums["weight"]), 1e-12)
+            if self.step > 0:  # the state after `step` good steps (this update was not applied)
+                self.save(self.step)
+            self.ckpt.wait()
+            good = self.ckpt.latest_step()
+            where = (f"the last good checkpoint is step {good} in {self.ckpt.directory}" if good is not None
+                     else "no checkpoint was saved (it failed before the first step)")
+            raise TrainingDiverged(
+                f"non-finite loss at step {self.step + 1} (loss {loss}, gradient norm {float(gnorm)}; epoch {epoch}, "
+                f"sequences {[j for i in idx.reshape(-1) for j in data.row(i)]}): training stopped without "
+                f"applying that update; {where}. Check the data / cached features for NaN, lower --lr, or use "
+                "--dtype float32.")
+        return sums, gnorm, epoch, lr, dt, data.tokens(idx)
+
+    def run(self, on_step=None) -> None:
+        """The optimizer steps from ``start`` to ``total``, with metrics, checkpoints and evaluations; on
+        Ctrl-C the state is saved (when intact) before the interrupt goes on."""
+        cfg, total = self.cfg, self.total
+        bar = progress_bar(total, "train", "step", cfg.progress and self.primary, initial=self.start)
+        window, t_run, compile_s = _Window(), time.perf_counter(), None
+        try:
+            while self.step < total:
+                sums, gnorm, epoch, lr, dt, n_tok = self.one_step()
+                self.step += 1
+                self.tokens_total += n_tok
+                if self.step == self.start + 1:
+                    compile_s = dt  # the first step includes compilation
+                else:
+                    window.add(sums, n_tok, dt)
+                cur = objective.summarize(sums)
+                cur.update(step=self.step, epoch=epoch, lr=lr, grad_norm=float(gnorm))
+                self.collapse.update(self.step, cur["loss"], cur["grad_norm"])
+                if window.time > 0:
+                    cur["tokens_per_s"] = window.tokens / window.time
+                self.last = cur
+                bar.update(1)
+                bar.set_postfix(loss=f"{cur['loss']:.3f}", acc=f"{cur['acc']:.3f}",
+                                tok_s=f"{cur.get('tokens_per_s', 0):.0f}")
+                if self.step % cfg.log_every == 0 or self.step == total:
+                    self.log_window(window, cur, compile_s, t_run)
+                    window = _Window()
+                if self.step % cfg.save_every == 0 and self.step < total:
+                    self.save(self.step)
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < total:
+                    self.last["tau"] = self.run_eval(self.step)["tau"]
+                if on_step is not None:
+                    on_step(self.step, cur)
+        except KeyboardInterrupt:
+            self._interrupted()
+            raise
+        finally:
+            bar.close()
+            self.ckpt.wait()
+
+    def _interrupted(self) -> None:
+        """Ctrl-C: save the state reached (unless the interrupt hit inside the step, which owns the donated
+        buffers) and say how to resume."""
+        saved = self.ckpt.latest_step()
+        intact = not any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(self.params))
+        if self.step > self.start and intact:
+            self.save(self.step)
+            saved = self.step
+        self.ckpt.close()
+        self.log(f"interrupted at step {self.step}; latest checkpoint: step {saved} in {self.ckpt.directory}; rerun "
+                 "the same command to resume")
+
+    def finish(self) -> Draft:
+        """The final checkpoint (unless it exists already) and evaluation; the trained draft."""
+        total = self.total
+        if self.start < total or total not in self.ckpt.all_steps():
+            self.save(total)
+        self.ckpt.wait()
+        if self.eval_prompts and self.start < total:
+            self.run_eval(total)
+        self.ckpt.close()
+        self.log(f"done: {total} steps ({self.tokens_total} sequence tokens this run), checkpoint "
+                 f"{self.ckpt.directory}/{total}; peak memory {peak_memory_mb():.0f} MiB")
+        return Draft(self.dcfg, self.params)
+
+
+def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[int, dict], None] | None = None,
+          log: Callable[[str], None] = print) -> Draft:
+    """Train (or resume training) a DFlash draft as configured; returns the trained draft (float32 master
+    params). ``target`` may be passed pre-loaded (its path must match ``cfg.target`` for the checkpoint to
+    make sense); ``on_step(step, metrics)`` is called after every optimizer step."""
+    if not cfg.out:
+        raise ValueError("TrainConfig.out (the output directory) is required")
+    os.makedirs(cfg.out, exist_ok=True)
+    run = TrainRun(cfg, target, log)
+    run.run(on_step)
+    return run.finish()

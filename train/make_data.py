@@ -91,6 +91,40 @@ def _differences(manifest: dict, settings: dict, vocab: int) -> list[str]:
     return out
 
 
+def _responses_mode(records: list[dict], responses: str, prompts: str) -> str:
+    """--responses resolved: "auto" is "use" when every record has a response, "generate" when none has."""
+    has = ["response" in r or "response_ids" in r for r in records]
+    if responses == "auto":
+        if all(has):
+            return "use"
+        if not any(has):
+            return "generate"
+        raise DataError(f"{prompts}: {sum(has)} of {len(records)} records have a response; pass "
+                        "--responses generate (the target answers all) or give every record a response")
+    if responses == "use" and not all(h or "messages" in r for h, r in zip(has, records)):
+        raise DataError(f"{prompts}: --responses use, but {len(has) - sum(has)} records have no response")
+    return responses
+
+
+def _given_responses(chunk: list[dict], tokenizer, *, chat: bool, chat_kwargs, max_prompt_len: int,
+                     max_length: int) -> list[tuple]:
+    """[(ids, mask)] of records with their own responses (or conversations); records whose prompt is too long
+    or with nothing supervised are left out."""
+    seqs = []
+    for r in chunk:
+        if "messages" in r:
+            ids, mask = encode_conversation(r, tokenizer, chat_kwargs)
+            first = mask.index(1) if 1 in mask else len(ids)
+        else:
+            p, resp = encode_pair(r, tokenizer, chat, chat_kwargs)
+            ids, mask, first = p + resp, [0] * len(p) + [1] * len(resp), len(p)
+        if (max_prompt_len and first > max_prompt_len) or not any(mask):
+            continue
+        cut = max_length or len(ids)
+        seqs.append((np.asarray(ids[:cut], np.int32), np.asarray(mask[:cut], np.uint8)))
+    return seqs
+
+
 def make_data(target, prompts: str, out: str, *, responses: str = "auto", chat: bool = False,
               chat_kwargs: dict | None = None, max_new_tokens: int = 512, temperature: float = 0.0, top_k: int = 0,
               top_p: float = 1.0, seed: int = 0, batch_size: int = 8, shard_size: int = 256,
@@ -103,17 +137,7 @@ def make_data(target, prompts: str, out: str, *, responses: str = "auto", chat: 
         raise ValueError(f"--turns must be last or all, got {turns!r}")
     records = read_prompts(prompts)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target.path)
-    has = ["response" in r or "response_ids" in r for r in records]
-    if responses == "auto":
-        if all(has):
-            responses = "use"
-        elif not any(has):
-            responses = "generate"
-        else:
-            raise DataError(f"{prompts}: {sum(has)} of {len(records)} records have a response; pass "
-                            "--responses generate (the target answers all) or give every record a response")
-    elif responses == "use" and not all(h or "messages" in r for h, r in zip(has, records)):
-        raise DataError(f"{prompts}: --responses use, but {len(has) - sum(has)} records have no response")
+    responses = _responses_mode(records, responses, prompts)
     if responses == "generate":  # conversations: the target answers the chosen assistant turns
         records = [t for r in records for t in conversation_turns(r, turns)]
     vocab = target.config.vocab_size
@@ -148,19 +172,9 @@ def make_data(target, prompts: str, out: str, *, responses: str = "auto", chat: 
     for si in todo:
         chunk = records[si * shard_size:(si + 1) * shard_size]
         if responses == "use":
-            seqs = []
-            for r in chunk:
-                if "messages" in r:
-                    ids, mask = encode_conversation(r, tokenizer, chat_kwargs)
-                    first = mask.index(1) if 1 in mask else len(ids)
-                else:
-                    p, resp = encode_pair(r, tokenizer, chat, chat_kwargs)
-                    ids, mask, first = p + resp, [0] * len(p) + [1] * len(resp), len(p)
-                if (max_prompt_len and first > max_prompt_len) or not any(mask):
-                    skipped += 1
-                    continue
-                cut = max_length or len(ids)
-                seqs.append((np.asarray(ids[:cut], np.int32), np.asarray(mask[:cut], np.uint8)))
+            seqs = _given_responses(chunk, tokenizer, chat=chat, chat_kwargs=chat_kwargs,
+                                    max_prompt_len=max_prompt_len, max_length=max_length)
+            skipped += len(chunk) - len(seqs)
         else:
             prompt_ids = [encode_prompt(r, tokenizer, chat, chat_kwargs) for r in chunk]
             keep = [i for i, p in enumerate(prompt_ids) if p and not (max_prompt_len and len(p) > max_prompt_len)]

@@ -121,7 +121,7 @@ def target_features(tcfg, tparams, input_ids, layer_ids: tuple[int, ...], doc_st
     if doc_start is not None:
         positions = positions - doc_start
     _, feats, _ = target_lib.forward(tcfg, tparams, input_ids, positions, None, tuple(layer_ids),
-                                     jnp.zeros((b,), jnp.int32), doc_start)
+                                     jnp.zeros((b,), jnp.int32), segment_ids=doc_start)
     return jax.lax.stop_gradient(feats)
 
 
@@ -136,6 +136,7 @@ def block_ctx_start(anchors, doc_start):
     return jnp.where(anchors >= 0, jnp.take_along_axis(doc_start, jnp.maximum(anchors, 0), axis=1), 0)
 
 
+# positional: the target's and the draft's (config, params), then the batch's arrays (every draft function's order)
 def hidden_from_features(tcfg, tparams, dcfg: DraftConfig, dparams, block_ids, anchors, features, *, impl: str = "auto",
                          dtype=None, doc_start=None):
     """``dflash_jax.draft.draft_hidden`` in the compute ``dtype`` (default: the features'), the context K/V
@@ -148,7 +149,8 @@ def hidden_from_features(tcfg, tparams, dcfg: DraftConfig, dparams, block_ids, a
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     k_ctx, v_ctx = draft_lib.context_kv(dcfg, dparams, features, positions)
     ctx_start = None if doc_start is None else block_ctx_start(anchors, doc_start)
-    return draft_lib.draft_hidden(tcfg, tparams, dcfg, dparams, block_ids, anchors, k_ctx, v_ctx, impl, ctx_start)
+    return draft_lib.draft_hidden(tcfg, tparams, dcfg, dparams, block_ids, anchors, k_ctx, v_ctx, impl=impl,
+                                  ctx_start=ctx_start)
 
 
 def chunked_cross_entropy(tcfg, tparams, dcfg: DraftConfig, hidden, labels, chunk: int):
@@ -174,6 +176,7 @@ def chunked_cross_entropy(tcfg, tparams, dcfg: DraftConfig, hidden, labels, chun
 # --- the loss ------------------------------------------------------------------------------------------
 
 
+# positional: the target's and the draft's (config, params), then the batch's arrays (every draft function's order)
 def loss_sums(tcfg, tparams, dcfg: DraftConfig, dparams, input_ids, loss_mask, anchors, features,
               *, weights, impl: str = "auto", chunk: int = 1024, dtype=None, doc_start=None) -> dict:
     """Unnormalised sums of one micro-batch (so micro-batches add up exactly; ``doc_start``: packed rows):

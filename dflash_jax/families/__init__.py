@@ -24,7 +24,18 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_jax.config import architectures, read_config_json
-from dflash_jax.families import dense, gemma4, gpt_oss, muse_glimmer, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next
+from dflash_jax.families import (
+    deepseek_v3,
+    dense,
+    gemma4,
+    gpt_oss,
+    mimo_v2_flash,
+    muse_glimmer,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_moe,
+    qwen3_next,
+)
 from dflash_jax.families.family import Family
 
 _REGISTRY: dict[str, Family] = {
@@ -37,6 +48,8 @@ _REGISTRY: dict[str, Family] = {
     "qwen3_next": qwen3_next.FAMILY,
     "muse_glimmer": muse_glimmer.FAMILY, "muse_glimmer_text": muse_glimmer.FAMILY,  # VL checkpoint / text-only
     "gemma4": gemma4.FAMILY, "gemma4_text": gemma4.FAMILY,  # VL checkpoint / text-only
+    "deepseek_v3": deepseek_v3.FAMILY, "kimi_k25": deepseek_v3.FAMILY,  # text-only / Kimi-K2.5's VL checkpoint
+    "mimo_v2_flash": mimo_v2_flash.FAMILY,
 }
 
 

@@ -51,13 +51,14 @@ class DecoderLayer(nn.Module):
         o, state = self.attend(q, k, v, positions, state, segment_ids, new_mask)
         return self.self_attn.output(o, gate), state
 
+    # positional: the hook families override and call (gemma4, deepseek_v3), in the layer's own argument order
     def attend(self, q, k, v, positions, state, segment_ids=None, new_mask=None):
         """Queries q [B, T, N, H] against the new keys / values k, v [B, T, K, H] and the layer's state (this
         layer's window, sinks and scale) -> (o [B, T, N, H], the state with k, v written)."""
         window, sinks = self.cfg.layer_window(self.index), self.self_attn.sink_logits()
         scale = self.self_attn.attention_scale()
         if new_mask is not None:
-            return self.tree_attention(q, k, v, positions, state, new_mask, window, sinks, scale)
+            return self.tree_attention(q, k, v, positions, state, new_mask, window=window, sinks=sinks, scale=scale)
         if isinstance(state, FullKV) and positions.shape[1] <= MAX_QUERIES:  # decode / verify: length-bounded
             state = state.write(k, v, positions)
             o = decode_attention(q, state.k, state.v, positions, jnp.max(positions, axis=1) + 1,
@@ -72,7 +73,7 @@ class DecoderLayer(nn.Module):
         mask = position_mask(positions, k_pos, causal=True, sliding_window=window, k_valid=exists)
         return attend(q, k, v, mask, sinks=sinks, scale=scale), state
 
-    def tree_attention(self, q, k, v, positions, state, new_mask, window, sinks, scale=None):
+    def tree_attention(self, q, k, v, positions, state, new_mask, *, window, sinks, scale=None):
         """Tree verify: tokens [root, nodes] at positions n + depth (the root's, positions[:, 0], is the
         committed length n); each query sees the cache below n (within the window) and the new tokens
         ``new_mask`` allows. Their K/V are stored in slot order (``tree_write``), for ``DecodeCache.compact``."""
@@ -136,6 +137,7 @@ class Decoder(nn.Module):
         """The target's own logits of final-normed states: ``head``, unless a family transforms them."""
         return self.head(h)
 
+    # positional: the family decoder contract (family.py) that target.forward calls in this order
     def __call__(self, input_ids, positions, cache: DecodeCache | None = None, feature_layer_ids: tuple = (),
                  logits_index=None, segment_ids=None, new_mask=None):
         """input_ids, positions [B, T] -> (logits [B, T or 1, V] float32, features [B, T, n*D] or None, cache).

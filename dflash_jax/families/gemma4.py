@@ -347,7 +347,7 @@ class DecoderLayer(dense.DecoderLayer):
         routed = self.experts(self.pre_feedforward_layernorm_2(tokens), index, weight).reshape(x.shape)
         return self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
 
-    def __call__(self, x, positions, state, segment_ids=None, new_mask=None, per_layer_input=None, shared_kv=None):
+    def __call__(self, x, positions, state, segment_ids=None, new_mask=None, *, per_layer_input=None, shared_kv=None):
         """-> (x, new layer state, K/V for sharing layers (``mix``))."""
         h, state, kv = self.mix(self.input_layernorm(x), positions, state, segment_ids, new_mask, shared_kv)
         x = x + self.post_attention_layernorm(h)
@@ -385,6 +385,7 @@ class Decoder(dense.Decoder):
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
+    # positional: the family decoder contract (family.py) that target.forward calls in this order
     def __call__(self, input_ids, positions, cache=None, feature_layer_ids: tuple = (), logits_index=None,
                  segment_ids=None, new_mask=None):
         """As ``dense.Decoder.__call__``; the embedding scaled by sqrt(hidden), per-layer inputs, shared K/V."""
@@ -396,8 +397,8 @@ class Decoder(dense.Decoder):
         for i, layer in enumerate(self.layers):
             source = c.kv_source(i)
             x, s, kv = layer(x, positions, None if cache is None else cache.layers[i], segment_ids, new_mask,
-                             None if per_layer is None else per_layer[:, :, i],
-                             None if source is None else shared[source])
+                             per_layer_input=None if per_layer is None else per_layer[:, :, i],
+                             shared_kv=None if source is None else shared[source])
             shared[i] = kv
             hidden.append(x)
             states.append(s)

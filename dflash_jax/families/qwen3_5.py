@@ -186,7 +186,7 @@ def recurrent_delta_rule(q, k, v, g, beta, state):
     return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
 
 
-def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, per_token: bool = False, segments=None):
+def chunked_delta_rule(q, k, v, g, beta, state, *, chunk: int = CHUNK, per_token: bool = False, segments=None):
     """Chunk-parallel within chunks, recurrent across them; same arguments as ``recurrent_delta_rule``.
     ``segments`` [B, T] (packed documents, contiguous, distinct ids): the state restarts from zero at each
     segment's first token (``state`` feeds the first segment only).

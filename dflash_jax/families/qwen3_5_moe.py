@@ -30,16 +30,21 @@ from dflash_jax import moe
 from dflash_jax.families import qwen3_5, qwen3_moe
 from dflash_jax.families.family import Family
 from dflash_jax.families.qwen3_5 import Qwen35Config
-from dflash_jax.families.qwen3_moe import Qwen3MoeConfig
 from dflash_jax.layers import MLP, Linear
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen35MoeConfig(Qwen35Config, Qwen3MoeConfig):
-    """A Qwen3.5 / 3.6 MoE text model: the ``Qwen35Config`` hybrid fields plus the ``Qwen3MoeConfig``
-    expert fields (every layer sparse) and the shared expert's width."""
+class Qwen35MoeConfig(Qwen35Config):
+    """A Qwen3.5 / 3.6 MoE text model: the ``Qwen35Config`` hybrid fields plus the expert fields of
+    ``Qwen3MoeConfig`` (the same names, defaults and checks; every layer sparse here) and the shared
+    expert's width."""
 
-    norm_topk_prob: bool = True
+    num_experts: int = 128
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = True  # (Qwen3.5 always renormalises; Qwen3-Next reads it)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 512
 
     MODEL_TYPES: ClassVar[tuple[str, str]] = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -47,6 +52,7 @@ class Qwen35MoeConfig(Qwen35Config, Qwen3MoeConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        qwen3_moe.check_experts(self)
         if self.shared_expert_intermediate_size < 1:
             raise ValueError(f"shared_expert_intermediate_size must be >= 1, got {self.shared_expert_intermediate_size}")
 
@@ -61,6 +67,9 @@ class Qwen35MoeConfig(Qwen35Config, Qwen3MoeConfig):
     @classmethod
     def _extra_fields(cls, text: dict) -> dict:
         return {k: int(text[k]) for k in (*qwen3_moe.MOE_FIELDS, "shared_expert_intermediate_size")}
+
+    def is_sparse(self, i: int) -> bool:
+        return qwen3_moe.is_sparse(self, i)
 
     def _extra_hf(self) -> dict:  # (intermediate_size is written too: transformers keeps it as an extra key)
         return {k: getattr(self, k) for k in (*qwen3_moe.MOE_FIELDS, "shared_expert_intermediate_size")}

@@ -45,15 +45,10 @@ class Qwen3MoeConfig(TargetConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
-                             f"{self.num_experts}")
-        if self.decoder_sparse_step < 1:
-            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        check_experts(self)
 
     def is_sparse(self, i: int) -> bool:
-        """Whether layer i routes to experts (transformers' ``Qwen3MoeDecoderLayer`` rule)."""
-        return i not in self.mlp_only_layers and self.num_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
+        return is_sparse(self, i)
 
     @classmethod
     def from_hf(cls, path_or_dict) -> "Qwen3MoeConfig":
@@ -80,6 +75,20 @@ class Qwen3MoeConfig(TargetConfig):
                    norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
                    mlp_only_layers=list(self.mlp_only_layers))
         return out
+
+
+def check_experts(cfg) -> None:
+    """The checks of the expert fields, for every config that carries them (``Qwen3MoeConfig``'s and the
+    Qwen3.5 MoE hybrids')."""
+    if cfg.num_experts and not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
+        raise ValueError(f"num_experts_per_tok={cfg.num_experts_per_tok} must be in 1..num_experts={cfg.num_experts}")
+    if cfg.decoder_sparse_step < 1:
+        raise ValueError(f"decoder_sparse_step must be >= 1, got {cfg.decoder_sparse_step}")
+
+
+def is_sparse(cfg, i: int) -> bool:
+    """Whether layer i routes to experts (transformers' ``Qwen3MoeDecoderLayer`` rule)."""
+    return i not in cfg.mlp_only_layers and cfg.num_experts > 0 and (i + 1) % cfg.decoder_sparse_step == 0
 
 
 def route(logits, k: int, normalize: bool):

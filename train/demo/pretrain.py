@@ -288,6 +288,195 @@ class _StopFlag:
             signal.signal(signal.SIGTERM, self._old)
 
 
+def _restore_or_start(cfg: TargetConfig, hp: TrainHParams, work_dir: str, run_key: dict, steps: int | None, log):
+    """(params, opt_state, meta): the checkpoint's state (refused when its run had other settings), or a fresh
+    one."""
+    params = init_params(cfg, hp.seed)
+    opt_state = make_optimizer(*hp.opt_hp).init(params)
+    restored = load_checkpoint(work_dir, params, opt_state)
+    if restored is None:
+        return params, opt_state, {"run_key": run_key, "step": 0, "total_steps": steps, "elapsed_s": 0.0,
+                                   "tokens_seen": 0, "finished": False, "planned": steps is not None,
+                                   "heldout_loss": None}
+    params, opt_state, meta = restored
+    if meta["run_key"] != run_key:
+        raise ValueError(f"{work_dir} holds a run with different settings (model, hyperparameters or "
+                         "data); use another work directory or delete it")
+    log(f"resumed from {work_dir}/{CHECKPOINT} at step {meta['step']} "
+        f"({meta['elapsed_s'] / 60:.1f} min trained so far)")
+    return params, opt_state, meta
+
+
+def _reopen_finished(meta: dict, steps: int | None, minutes: float | None, work_dir: str, log) -> bool:
+    """A finished run given more steps or a larger budget than it had: reopen it (True); else False."""
+    budget_s = None if minutes is None else minutes * 60.0
+    more_steps = steps is not None and steps > meta["step"]
+    prev_minutes = meta.get("minutes") or meta["elapsed_s"] / 60 + 5  # (older checkpoints lack it)
+    more_time = budget_s is not None and minutes > prev_minutes and budget_s > meta["elapsed_s"] + 60
+    if not (more_steps or more_time):
+        log(f"run in {work_dir} already finished at step {meta['step']}")
+        return False
+    # a larger budget than the finished run had: continue it (the cosine is re-planned over the
+    # longer run, so the learning rate rises again from its final value: a warm restart)
+    meta["finished"] = False
+    if steps is None:
+        per_step = meta["elapsed_s"] / max(1, meta["step"])
+        meta["total_steps"] = meta["step"] + max(1, int(0.97 * (budget_s - meta["elapsed_s"]) / per_step))
+    log(f"extending the finished run from step {meta['step']} to {steps or meta['total_steps']} steps")
+    return True
+
+
+class _PretrainLoop:
+    """The step loop of ``pretrain`` and its bookkeeping: timing, planning the step count from a budget,
+    metrics, evaluations and checkpoints (``meta`` is what the checkpoint keeps)."""
+
+    PROVISIONAL = 10 ** 9  # the step count until the step time is measured (warmup does not depend on it)
+
+    def __init__(self, cfg: TargetConfig, hp: TrainHParams, state: tuple, *, data, periodic_eval, work_dir: str,
+                 steps: int | None, minutes: float | None, progress: bool, log, replan_seconds: float):
+        self.cfg, self.hp, self.data, self.periodic_eval, self.work_dir = cfg, hp, data, periodic_eval, work_dir
+        self.params, self.opt_state, self.meta = state
+        self.steps, self.minutes, self.log, self.replan_seconds = steps, minutes, log, replan_seconds
+        self.budget_s = None if minutes is None else minutes * 60.0
+        self.metrics_path = os.path.join(work_dir, METRICS)
+        self.tokens_per_step = hp.batch_size * hp.seq_len
+        self.step = self.first_step = self.window_step = self.meta["step"]
+        self.pbar = progress_bar(self.meta["total_steps"] or None, "pretrain", "step", progress, initial=self.step,
+                                 mininterval=1.0 if sys.stderr.isatty() else 30.0)
+        self.t_loop = self.last_save = self.window_t = time.time()
+        self.elapsed0 = self.meta["elapsed_s"]
+        self.timed = []  # wall time of recent steps (after the first, compiling one)
+        self.loss_acc, self.gn_acc, self.n_acc = 0.0, 0.0, 0
+
+    def save(self) -> None:
+        save_checkpoint(self.work_dir, self.params, self.opt_state, self.meta)
+
+    def write_metrics(self, row: dict) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def stop_reason(self, flag: _StopFlag) -> str | None:
+        if self.step >= (self.meta["total_steps"] or self.PROVISIONAL):
+            return "steps"
+        if self.budget_s is not None and self.elapsed0 + time.time() - self.t_loop >= self.budget_s:
+            return "minutes"
+        return "signal" if flag.stop else None
+
+    def one_step(self) -> tuple[float, float, float]:
+        """One optimizer step and its bookkeeping: (loss, lr, tokens/s of the recent steps)."""
+        meta, hp = self.meta, self.hp
+        t0 = time.time()
+        if meta["planned"] and not meta.get("warmup"):
+            meta["warmup"] = warmup_for(meta["total_steps"], hp)
+        lr = lr_at(self.step, meta["total_steps"] or self.PROVISIONAL, hp, meta.get("warmup"))
+        batch = jnp.asarray(self.data.batch(self.step))
+        self.params, self.opt_state, loss, gnorm = train_step(self.cfg, hp.opt_hp, self.params, self.opt_state,
+                                                              batch, jnp.float32(lr))
+        loss, gnorm = float(loss), float(gnorm)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {self.step}")
+        self.step += 1
+        dt = time.time() - t0
+        if self.step > self.first_step + 1:  # the first step of a process compiles
+            self.timed.append(dt)
+        self.timed = self.timed[-20:]
+        meta["step"], meta["tokens_seen"] = self.step, meta["tokens_seen"] + self.tokens_per_step
+        meta["elapsed_s"] = self.elapsed0 + time.time() - self.t_loop
+        self.loss_acc, self.gn_acc, self.n_acc = self.loss_acc + loss, self.gn_acc + gnorm, self.n_acc + 1
+        tok_s = self.tokens_per_step / (sum(self.timed) / len(self.timed)) if self.timed else float("nan")
+        self.pbar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:.0f}", refresh=False)
+        self.pbar.update(1)
+        return loss, lr, tok_s
+
+    def plan(self, tok_s: float) -> None:
+        """With only a budget: the step count from the first measured step times (once)."""
+        meta, timed = self.meta, self.timed
+        if meta["planned"] or len(timed) < 5:
+            return
+        remaining = self.budget_s - meta["elapsed_s"]
+        meta["total_steps"] = self.step + max(1, int(0.97 * remaining / (sum(timed) / len(timed))))
+        meta["planned"] = True
+        meta["warmup"] = warmup_for(meta["total_steps"], self.hp)
+        self.pbar.total = meta["total_steps"]
+        self.log(f"planned {meta['total_steps']} steps for {self.minutes:g} min "
+                 f"({sum(timed) / len(timed):.2f} s/step, {tok_s:.0f} tokens/s)")
+
+    def record(self, loss: float, lr: float, tok_s: float) -> None:
+        """The metrics row every --log-every steps and the held-out evaluation every eval_every steps."""
+        meta, hp, step = self.meta, self.hp, self.step
+        if step % hp.log_every == 0 or step == meta["total_steps"]:
+            self.write_metrics({"kind": "train", "step": step, "loss": self.loss_acc / self.n_acc, "lr": lr,
+                                "grad_norm": self.gn_acc / self.n_acc, "tokens": meta["tokens_seen"],
+                                "epoch": round(self.data.epoch_of(step), 4),
+                                "tokens_per_s": round(tok_s, 1) if math.isfinite(tok_s) else None,
+                                "elapsed_s": round(meta["elapsed_s"], 1)})
+            self.loss_acc, self.gn_acc, self.n_acc = 0.0, 0.0, 0
+        if step % hp.eval_every == 0:
+            ho = evaluate(self.cfg, self.params, self.periodic_eval, hp.batch_size)
+            meta["heldout_loss"] = ho
+            self.write_metrics({"kind": "eval", "step": step, "heldout_loss": ho, "tokens": meta["tokens_seen"],
+                                "elapsed_s": round(self.elapsed0 + time.time() - self.t_loop, 1)})
+            self.log(f"step {step}: train loss {loss:.3f}, held-out loss {ho:.3f} "
+                     f"(ppl {math.exp(ho):.1f}), {meta['tokens_seen'] / 1e6:.2f}M tokens, "
+                     f"{(self.elapsed0 + time.time() - self.t_loop) / 60:.1f} min")
+
+    def replan(self) -> None:
+        """Every ``replan_seconds`` of a budgeted run: re-plan when the budget and the steps left drifted apart;
+        the time per step is the mean of the last window's and this process's (damps bursts of load)."""
+        now, meta = time.time(), self.meta
+        if not (self.budget_s is not None and meta["planned"] and self.steps is None
+                and now - self.window_t >= self.replan_seconds):
+            return
+        recent = (now - self.window_t) / max(1, self.step - self.window_step)
+        per_step = 0.5 * recent + 0.5 * (now - self.t_loop) / max(1, self.step - self.first_step)
+        remaining = self.budget_s - (self.elapsed0 + now - self.t_loop)
+        need = (meta["total_steps"] - self.step) * per_step
+        if remaining > 0 and not 0.9 * remaining <= need <= 1.08 * remaining:
+            new_total = self.step + max(1, int(0.99 * remaining / per_step))
+            self.log(f"re-planned total steps {meta['total_steps']} -> {new_total} ({recent:.2f} s/step "
+                     f"over the last {(now - self.window_t) / 60:.1f} min, {per_step:.2f} s/step planned)")
+            meta["total_steps"] = new_total
+            self.pbar.total = new_total
+        self.window_t, self.window_step = now, self.step
+
+    def run(self, interrupt_at: int | None) -> str:
+        """Steps until the step count, the budget, SIGTERM or Ctrl-C; checkpointed on the way out. The reason."""
+        reason = None
+        with _StopFlag() as flag:
+            try:
+                while (reason := self.stop_reason(flag)) is None:
+                    loss, lr, tok_s = self.one_step()
+                    if interrupt_at is not None and self.step >= interrupt_at:
+                        flag.stop = True
+                    self.plan(tok_s)
+                    self.record(loss, lr, tok_s)
+                    self.replan()
+                    if time.time() - self.last_save >= self.hp.save_minutes * 60:
+                        self.save()
+                        self.last_save = time.time()
+            except KeyboardInterrupt:
+                reason = "interrupt"
+            finally:
+                self.pbar.close()
+                self.meta["elapsed_s"] = self.elapsed0 + time.time() - self.t_loop
+                if reason is not None:
+                    self.save()
+        return reason
+
+    def finish(self, reason: str, heldout_tokens: np.ndarray) -> None:
+        """The finished run: held-out loss on every window, the final metrics row and checkpoint."""
+        meta, hp = self.meta, self.hp
+        full = eval_windows(heldout_tokens, hp.seq_len)
+        meta["heldout_loss"] = evaluate(self.cfg, self.params, full, hp.batch_size)
+        meta["finished"], meta["finish_reason"] = True, reason
+        self.write_metrics({"kind": "final", "step": self.step, "heldout_loss": meta["heldout_loss"],
+                            "heldout_tokens": int(full.shape[0] * hp.seq_len), "tokens": meta["tokens_seen"],
+                            "elapsed_s": round(meta["elapsed_s"], 1), "reason": reason})
+        self.save()
+        self.log(f"finished ({reason}) at step {self.step}: held-out loss {meta['heldout_loss']:.4f} on all "
+                 f"{full.shape[0]} held-out windows, {meta['tokens_seen'] / 1e6:.2f}M tokens seen")
+
+
 def pretrain(cfg: TargetConfig, train_tokens: np.ndarray, heldout_tokens: np.ndarray, work_dir: str, *,
              hp: TrainHParams = TrainHParams(), steps: int | None = None, minutes: float | None = None,
              progress: bool = True, log: Callable[[str], None] | None = None,
@@ -305,162 +494,26 @@ def pretrain(cfg: TargetConfig, train_tokens: np.ndarray, heldout_tokens: np.nda
 
     os.makedirs(work_dir, exist_ok=True)
     log = log or (lambda s: tqdm.write(s, file=sys.stderr))
-    metrics_path = os.path.join(work_dir, METRICS)
     data = PackedBatches(train_tokens, hp.seq_len, hp.batch_size, hp.seed)
     periodic_eval = eval_windows(heldout_tokens, hp.seq_len, hp.eval_windows)
     run_key = {"model": cfg.to_hf(), "hparams": dataclasses.asdict(hp), "train_tokens": int(len(train_tokens)),
                "heldout_tokens": int(len(heldout_tokens))}
-
-    params = init_params(cfg, hp.seed)
-    opt_state = make_optimizer(*hp.opt_hp).init(params)
-    restored = load_checkpoint(work_dir, params, opt_state)
-    if restored is not None:
-        params, opt_state, meta = restored
-        if meta["run_key"] != run_key:
-            raise ValueError(f"{work_dir} holds a run with different settings (model, hyperparameters or "
-                             "data); use another work directory or delete it")
-        log(f"resumed from {work_dir}/{CHECKPOINT} at step {meta['step']} "
-            f"({meta['elapsed_s'] / 60:.1f} min trained so far)")
-    else:
-        meta = {"run_key": run_key, "step": 0, "total_steps": steps, "elapsed_s": 0.0, "tokens_seen": 0,
-                "finished": False, "planned": steps is not None, "heldout_loss": None}
+    params, opt_state, meta = _restore_or_start(cfg, hp, work_dir, run_key, steps, log)
     n_params = count_params(params)
-    budget_s = None if minutes is None else minutes * 60.0
-    if meta["finished"]:
-        more_steps = steps is not None and steps > meta["step"]
-        prev_minutes = meta.get("minutes") or meta["elapsed_s"] / 60 + 5  # (older checkpoints lack it)
-        more_time = budget_s is not None and minutes > prev_minutes and budget_s > meta["elapsed_s"] + 60
-        if not (more_steps or more_time):
-            log(f"run in {work_dir} already finished at step {meta['step']}")
-            return params, {**meta, "params": n_params}
-        # a larger budget than the finished run had: continue it (the cosine is re-planned over the
-        # longer run, so the learning rate rises again from its final value: a warm restart)
-        meta["finished"] = False
-        if steps is None:
-            per_step = meta["elapsed_s"] / max(1, meta["step"])
-            meta["total_steps"] = meta["step"] + max(1, int(0.97 * (budget_s - meta["elapsed_s"]) / per_step))
-        log(f"extending the finished run from step {meta['step']} to {steps or meta['total_steps']} steps")
+    if meta["finished"] and not _reopen_finished(meta, steps, minutes, work_dir, log):
+        return params, {**meta, "params": n_params}
     if steps is not None:
         meta["total_steps"], meta["planned"] = steps, True
     meta["minutes"] = minutes
-    provisional = 10 ** 9  # until the step time is measured (warmup does not depend on it)
-
-    def save():
-        save_checkpoint(work_dir, params, opt_state, meta)
-
-    def write_metrics(row):
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    tokens_per_step = hp.batch_size * hp.seq_len
-    step = meta["step"]
-    pbar = progress_bar(meta["total_steps"] or None, "pretrain", "step", progress, initial=step,
-                        mininterval=1.0 if sys.stderr.isatty() else 30.0)
-    t_loop = time.time()
-    elapsed0 = meta["elapsed_s"]
-    last_save = time.time()
-    first_step = step
-    timed = []  # wall time of recent steps (after the first, compiling one)
-    window_t, window_step = time.time(), step
-    loss_acc, gn_acc, n_acc = 0.0, 0.0, 0
-    reason = None
-    with _StopFlag() as flag:
-        try:
-            while True:
-                total = meta["total_steps"] or provisional
-                if step >= total:
-                    reason = "steps"
-                    break
-                if budget_s is not None and elapsed0 + time.time() - t_loop >= budget_s:
-                    reason = "minutes"
-                    break
-                if flag.stop:
-                    reason = "signal"
-                    break
-                t0 = time.time()
-                if meta["planned"] and not meta.get("warmup"):
-                    meta["warmup"] = warmup_for(meta["total_steps"], hp)
-                lr = lr_at(step, total, hp, meta.get("warmup"))
-                batch = jnp.asarray(data.batch(step))
-                params, opt_state, loss, gnorm = train_step(cfg, hp.opt_hp, params, opt_state, batch,
-                                                            jnp.float32(lr))
-                loss, gnorm = float(loss), float(gnorm)
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss is {loss} at step {step}")
-                step += 1
-                dt = time.time() - t0
-                if step > first_step + 1:  # the first step of a process compiles
-                    timed.append(dt)
-                timed = timed[-20:]
-                meta["step"], meta["tokens_seen"] = step, meta["tokens_seen"] + tokens_per_step
-                meta["elapsed_s"] = elapsed0 + time.time() - t_loop
-                loss_acc, gn_acc, n_acc = loss_acc + loss, gn_acc + gnorm, n_acc + 1
-                tok_s = tokens_per_step / (sum(timed) / len(timed)) if timed else float("nan")
-                pbar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:.0f}", refresh=False)
-                pbar.update(1)
-                if interrupt_at is not None and step >= interrupt_at:
-                    flag.stop = True
-
-                if not meta["planned"] and len(timed) >= 5:
-                    remaining = budget_s - meta["elapsed_s"]
-                    meta["total_steps"] = step + max(1, int(0.97 * remaining / (sum(timed) / len(timed))))
-                    meta["planned"] = True
-                    meta["warmup"] = warmup_for(meta["total_steps"], hp)
-                    pbar.total = meta["total_steps"]
-                    log(f"planned {meta['total_steps']} steps for {minutes:g} min "
-                        f"({sum(timed) / len(timed):.2f} s/step, {tok_s:.0f} tokens/s)")
-                if step % hp.log_every == 0 or step == meta["total_steps"]:
-                    write_metrics({"kind": "train", "step": step, "loss": loss_acc / n_acc, "lr": lr,
-                                   "grad_norm": gn_acc / n_acc, "tokens": meta["tokens_seen"],
-                                   "epoch": round(data.epoch_of(step), 4), "tokens_per_s": round(tok_s, 1) if math.isfinite(tok_s) else None,
-                                   "elapsed_s": round(meta["elapsed_s"], 1)})
-                    loss_acc, gn_acc, n_acc = 0.0, 0.0, 0
-                if step % hp.eval_every == 0:
-                    ho = evaluate(cfg, params, periodic_eval, hp.batch_size)
-                    meta["heldout_loss"] = ho
-                    write_metrics({"kind": "eval", "step": step, "heldout_loss": ho, "tokens": meta["tokens_seen"],
-                                   "elapsed_s": round(elapsed0 + time.time() - t_loop, 1)})
-                    log(f"step {step}: train loss {loss:.3f}, held-out loss {ho:.3f} "
-                        f"(ppl {math.exp(ho):.1f}), {meta['tokens_seen'] / 1e6:.2f}M tokens, "
-                        f"{(elapsed0 + time.time() - t_loop) / 60:.1f} min")
-                now = time.time()
-                if budget_s is not None and meta["planned"] and steps is None and now - window_t >= replan_seconds:
-                    # re-plan when the budget and the steps left drifted apart; the time per step is the
-                    # mean of the last window's and this process's (damps bursts of load from others)
-                    recent = (now - window_t) / max(1, step - window_step)
-                    per_step = 0.5 * recent + 0.5 * (now - t_loop) / max(1, step - first_step)
-                    remaining = budget_s - (elapsed0 + now - t_loop)
-                    need = (meta["total_steps"] - step) * per_step
-                    if remaining > 0 and not 0.9 * remaining <= need <= 1.08 * remaining:
-                        new_total = step + max(1, int(0.99 * remaining / per_step))
-                        log(f"re-planned total steps {meta['total_steps']} -> {new_total} ({recent:.2f} s/step "
-                            f"over the last {(now - window_t) / 60:.1f} min, {per_step:.2f} s/step planned)")
-                        meta["total_steps"] = new_total
-                        pbar.total = new_total
-                    window_t, window_step = now, step
-                if time.time() - last_save >= hp.save_minutes * 60:
-                    save()
-                    last_save = time.time()
-        except KeyboardInterrupt:
-            reason = "interrupt"
-        finally:
-            pbar.close()
-            meta["elapsed_s"] = elapsed0 + time.time() - t_loop
-            if reason is not None:
-                save()
+    loop = _PretrainLoop(cfg, hp, (params, opt_state, meta), data=data, periodic_eval=periodic_eval,
+                         work_dir=work_dir, steps=steps, minutes=minutes, progress=progress, log=log,
+                         replan_seconds=replan_seconds)
+    reason = loop.run(interrupt_at)
     if reason in ("signal", "interrupt"):
-        log(f"stopped by {reason} at step {step}; checkpoint saved, rerun to continue")
-        return params, {**meta, "params": n_params, "stopped": reason}
-    full = eval_windows(heldout_tokens, hp.seq_len)
-    meta["heldout_loss"] = evaluate(cfg, params, full, hp.batch_size)
-    meta["finished"], meta["finish_reason"] = True, reason
-    write_metrics({"kind": "final", "step": step, "heldout_loss": meta["heldout_loss"],
-                   "heldout_tokens": int(full.shape[0] * hp.seq_len), "tokens": meta["tokens_seen"],
-                   "elapsed_s": round(meta["elapsed_s"], 1), "reason": reason})
-    save()
-    log(f"finished ({reason}) at step {step}: held-out loss {meta['heldout_loss']:.4f} on all "
-        f"{full.shape[0]} held-out windows, {meta['tokens_seen'] / 1e6:.2f}M tokens seen")
-    return params, {**meta, "params": n_params}
+        log(f"stopped by {reason} at step {loop.step}; checkpoint saved, rerun to continue")
+        return loop.params, {**meta, "params": n_params, "stopped": reason}
+    loop.finish(reason, heldout_tokens)
+    return loop.params, {**meta, "params": n_params}
 
 
 # ----------------------------------------------------------------------------------------------- export
