@@ -58,7 +58,7 @@ def _without(spec: P, axes: tuple[str, ...]) -> P:
 
 def attention_per_shard(kernel: Callable, args: Sequence, names: Sequence, *, what: str, rules=LOGICAL_RULES):
     """``kernel(*args)`` on each shard of the trace's mesh, each arg split as its logical ``names`` say (None
-    args pass through). ``args[0]`` is the queries [B, T, Hq, D] (the output has their shape and layout),
+    args pass through). ``args[0]`` is the queries [B, T, Hq, D] (the output [B, T, Hq, Dv] has their layout),
     ``args[1]`` the keys [B, S, Hkv, D]. Heads that cannot split alike (KV heads replicated while the query
     heads split, as with fewer KV heads than the tensor axis; one KV head is fine) are not split at all:
     every device of a row shard runs all heads (said once in the log)."""
