@@ -6,7 +6,8 @@ kernels in ``kernels/`` (installed as ``dflash_jax.kernels``) and are re-exporte
 ``block_attention`` below dispatches the draft's training attention to the kernel on TPU/GPU and to
 the dense reference on CPU; ``decode_attention`` dispatches decode / verify / draft-decode attention to
 the Pallas decode kernel on TPU/GPU and to the tiled jnp loop elsewhere (both read only the key tiles
-below each row's length).
+below each row's length). On a mesh (the trace's abstract mesh) both kernels run per shard under
+``shard_map`` (``sharding.per_shard``): rows over data*fsdp, heads over tensor.
 """
 from __future__ import annotations
 
@@ -16,10 +17,15 @@ from dflash_jax.kernels.decode_attention import MAX_QUERIES, decode_attention_lo
 from dflash_jax.kernels.decode_attention import decode_attention as decode_attention_kernel
 from dflash_jax.kernels.decode_attention import decode_kernel_supported
 from dflash_jax.kernels.reference import attend, position_mask
+from dflash_jax.sharding.per_shard import attention_per_shard
 
 __all__ = ["DECODE_IMPLS", "MAX_QUERIES", "attend", "block_attention", "decode_attention", "position_mask"]
 
 DECODE_IMPLS = ("auto", "kernel", "interpret", "loop", "reference")
+_ROWS = ("batch", "length", "heads", "head_dim")  # block attention's q / k / v: [B, T, H(kv), D]
+_KV_ROWS = ("batch", "length", "kv_heads", "head_dim")
+_CACHE = ("cache_batch", "cache_len", "cache_kv_heads", "cache_head_dim")  # decode attention's k, v, k_new, v_new
+_QUERIES = ("cache_batch", "cache_len", "cache_heads", "cache_head_dim")
 
 
 def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
@@ -42,9 +48,15 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
                                          block_causal=block_causal)
     if impl not in ("kernel", "interpret"):
         raise ValueError(f"impl must be auto, kernel, reference or interpret, not {impl!r}")
-    return block_attention_kernel(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size=block_size,
-                                  sliding_window=sliding_window, scale=scale, interpret=impl == "interpret",
-                                  ctx_start=ctx_start, block_causal=block_causal)
+    # positional: one shard's operands, in the order attention_per_shard passes them
+    def kernel(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start):
+        return block_attention_kernel(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size=block_size,
+                                      sliding_window=sliding_window, scale=scale, interpret=impl == "interpret",
+                                      ctx_start=ctx_start, block_causal=block_causal)
+
+    return attention_per_shard(kernel, (q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start),
+                               (_ROWS, _KV_ROWS, _KV_ROWS, _KV_ROWS, _KV_ROWS, ("batch",), ("batch",)),
+                               what="block attention")
 
 
 def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding_window: int | None = None,
@@ -70,4 +82,11 @@ def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding
         return decode_attention_loop(q, k, v, q_pos, lengths, k_new, v_new, **kw)
     if impl not in ("kernel", "interpret"):
         raise ValueError(f"impl must be one of {', '.join(DECODE_IMPLS)}, not {impl!r}")
-    return decode_attention_kernel(q, k, v, q_pos, lengths, k_new, v_new, interpret=impl == "interpret", **kw)
+    # positional: one shard's operands, in the order attention_per_shard passes them
+    def kernel(q, k, v, q_pos, lengths, k_new, v_new, sinks, new_mask):
+        return decode_attention_kernel(q, k, v, q_pos, lengths, k_new, v_new, interpret=impl == "interpret",
+                                       **{**kw, "sinks": sinks, "new_mask": new_mask})
+
+    return attention_per_shard(kernel, (q, k, v, q_pos, lengths, k_new, v_new, sinks, new_mask),
+                               (_QUERIES, _CACHE, _CACHE, ("cache_batch",), ("cache_batch",), _CACHE, _CACHE,
+                                ("cache_heads",), ("cache_batch",)), what="decode attention")

@@ -48,7 +48,7 @@ from dflash_jax.config import DraftConfig
 from dflash_jax.families import family_of
 from dflash_jax.proposers import Proposer, StepView
 from dflash_jax.sampling import SamplingParams, accepted_length, choose, filtered_scores, rejection_sample
-from dflash_jax.state import DecodeCache, KVSpec, SharedKVSpec
+from dflash_jax.state import DecodeCache, KVSpec, SharedKVSpec, put_rows
 from dflash_jax.target import Target, check_token_ids
 
 FINISH_REASONS = ("running", "length", "stop")
@@ -274,7 +274,6 @@ def _commit(spec: EngineSpec, inp: Inputs, state: DecodeState, posterior, a, len
     """Commit p_0..p_a (``posterior`` [B, K]) at positions n+1.., cut at the budget and just after the first stop
     token; both caches keep a+1 verified tokens (x_n, d_1..d_a); done rows do not change."""
     b, cache_len = state.tokens.shape
-    rows = jnp.arange(b)
     active = ~state.done
     offsets = jnp.arange(posterior.shape[1], dtype=jnp.int32)
     positions = state.tcache.lengths[:, None] + offsets
@@ -283,7 +282,7 @@ def _commit(spec: EngineSpec, inp: Inputs, state: DecodeState, posterior, a, len
     hit_stop = is_stop.any(axis=1)
     keep = jnp.where(hit_stop, jnp.argmax(is_stop, axis=1) + 1, limit)
     write = active[:, None] & (offsets[None] < keep[:, None])
-    tokens = state.tokens.at[rows[:, None], jnp.where(write, positions + 1, cache_len)].set(posterior, mode="drop")
+    tokens = put_rows(state.tokens, jnp.where(write, positions + 1, cache_len), posterior)
     generated = state.generated + jnp.where(active, keep, 0)
     finish = jnp.where(active & hit_stop, 2, jnp.where(active & (generated >= state.budget), 1, state.finish))
     kept = jnp.where(active, a + 1, 0)  # verified tokens whose state every layer keeps: x_n, d_1..d_a
@@ -291,8 +290,9 @@ def _commit(spec: EngineSpec, inp: Inputs, state: DecodeState, posterior, a, len
     return spec.place(DecodeState(tokens=tokens, tcache=tcache.commit(kept),
                                   dcache=dcache.commit(kept) if spec.speculative else dcache,
                                   generated=generated, budget=state.budget, finish=finish.astype(jnp.int32),
-                                  acceptance=state.acceptance.at[rows, step].set(keep, mode="drop"),
-                                  verified=state.verified.at[rows, step].set(length, mode="drop"),
+                                  acceptance=put_rows(state.acceptance, step[:, None], keep[:, None]),
+                                  verified=put_rows(state.verified, step[:, None],
+                                                    jnp.broadcast_to(length, (b,))[:, None]),
                                   steps=state.steps + active.astype(jnp.int32), key=key))
 
 
@@ -304,14 +304,25 @@ def _step(spec: EngineSpec, inp: Inputs, state: DecodeState) -> DecodeState:
     return _commit(spec, inp, state, posterior, a, length, tcache, dcache, key)
 
 
+def _on_mesh(fn):
+    """``fn(spec, ...)`` traced with ``spec.mesh`` as the abstract mesh: its Pallas kernels run per shard."""
+    @functools.wraps(fn)
+    def traced(spec: EngineSpec, *args, **kw):
+        with sharding.mesh_scope(spec.mesh):
+            return fn(spec, *args, **kw)
+
+    return traced
+
+
 @functools.partial(jax.jit, static_argnames=("spec", "cache_len"))
+@_on_mesh
 def _generate(spec: EngineSpec, inp: Inputs, *, cache_len: int):
     state = _prefill(spec, inp, cache_len)
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), functools.partial(_step, spec, inp), state)
 
 
-_prefill_jit = jax.jit(_prefill, static_argnames=("spec", "cache_len"))
-_step_jit = jax.jit(_step, static_argnames=("spec",), donate_argnames=("state",))
+_prefill_jit = jax.jit(_on_mesh(_prefill), static_argnames=("spec", "cache_len"))
+_step_jit = jax.jit(_on_mesh(_step), static_argnames=("spec",), donate_argnames=("state",))
 
 
 @dataclasses.dataclass
@@ -445,8 +456,6 @@ def _prepare(target: Target, draft, prompts, *, max_new_tokens, sampling: Sampli
     speculative = draft is not None and block_size > 1
     dparams = draft.params if speculative else None
     mesh = sharding.mesh_of(target.params, dparams)
-    if attention_impl == "auto" and mesh is not None and mesh.size > 1:
-        attention_impl = "loop"  # the Pallas decode kernel sees one device's arrays (no shard_map around it yet)
     if speculative and proposer is None:
         proposer = proposers.for_draft(draft.config, sampled=not sampling.greedy and sampling.acceptance == "rejection")
     spec = EngineSpec(target.config, draft.config if draft is not None else None, block_size, sampling.greedy, mesh,
@@ -615,3 +624,13 @@ def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int, bloc
         state = step(state)
     yield [dataclasses.replace(r, time_to_first_token_s=first)
            for r in _results(state, req, time.perf_counter() - start)]
+
+
+def lower_step(target: Target, draft, prompts, *, max_new_tokens: int, attention_impl: str = "auto", **kw):
+    """One decode step (draft + verify + commit of every row) lowered after a real prefill of ``prompts`` (the
+    options of ``speculative_generate``, greedy): ``.compile()`` it to read the step's HLO, memory and
+    collectives (``scripts/mesh_step_costs.py``)."""
+    req = _prepare(target, draft, prompts, max_new_tokens=max_new_tokens, sampling=SamplingParams(0.0, 0, 1.0),
+                   attention_impl=attention_impl, **kw)
+    state = _prefill_jit(req.spec, req.inputs, cache_len=req.cache_len)
+    return _step_jit.lower(req.spec, req.inputs, state)

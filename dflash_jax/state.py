@@ -19,21 +19,33 @@ order, not their repeating tree positions: ``tree_write``), then ``DecodeCache.c
 path to positions n..n+a before the commit; ``FullKV`` and ``SlidingKV`` support it, ``Recurrent`` does not.
 
 A token at a position < 0 is padding: never written, never attended to, never advancing a recurrence.
+
+Each state class declares the logical axes of its leaves (``LOGICAL_AXES``: field -> names of the leading
+dims of every array in it, the rest unsplit); ``sharding.constrain_cache`` maps them through the same
+rules as the parameters (``sharding.rules``).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 _FAR = jnp.iinfo(jnp.int32).max
+KV_AXES = ("cache_batch", "cache_len", "cache_kv_heads", "cache_head_dim")  # [B, S, K, H]
 
 
-def _rows(positions):
-    return jnp.arange(positions.shape[0])[:, None]
+def put_rows(cache, slots, values):
+    """``cache[b, slots[b, t]] = values[b, t]`` for every row b (slots out of range are dropped), as one scatter
+    per row (vmapped): on a mesh it partitions over the rows without gathering the batch's updates."""
+    return jax.vmap(lambda c, s, u: c.at[s].set(u.astype(c.dtype), mode="drop"))(cache, slots, values)
+
+
+def take_rows(cache, slots):
+    """``cache[b, slots[b, t]]`` for every row b (in range), per row like ``put_rows``."""
+    return jax.vmap(lambda c, s: c[s])(cache, slots)
 
 
 def ring_slots(positions, keep, r: int):
@@ -50,6 +62,7 @@ def ring_slots(positions, keep, r: int):
 class FullKV:
     """Keys [B, S, K, H] / values [B, S, K, Hv] of every position so far; slot s holds position s."""
 
+    LOGICAL_AXES: ClassVar[dict] = {"k": KV_AXES, "v": KV_AXES}
     k: jax.Array
     v: jax.Array
 
@@ -60,9 +73,7 @@ class FullKV:
     def write(self, k_new, v_new, positions) -> "FullKV":
         """Store k_new / v_new [B, T, K, H] at ``positions`` [B, T] (padding and out-of-range are dropped)."""
         slots = jnp.where(positions >= 0, positions, self.max_len)
-        rows = _rows(positions)
-        return FullKV(self.k.at[rows, slots].set(k_new.astype(self.k.dtype), mode="drop"),
-                      self.v.at[rows, slots].set(v_new.astype(self.v.dtype), mode="drop"))
+        return FullKV(put_rows(self.k, slots, k_new), put_rows(self.v, slots, v_new))
 
     def update(self, k_new, v_new, positions):
         """-> (new state, keys, values [B, S', K, H], key positions [B, S'], key exists [B, S'])."""
@@ -80,10 +91,10 @@ class FullKV:
     def compact(self, src, dst) -> "FullKV":
         """Copy positions ``src`` [B, L] to positions ``dst`` [B, L] (src < 0: nothing copied), all read before
         any write (tree verification: the accepted path's K/V to contiguous positions)."""
-        rows, keep = _rows(src), src >= 0
+        keep = src >= 0
         dst = jnp.where(keep, dst, self.max_len)
-        k, v = self.k[rows, jnp.maximum(src, 0)], self.v[rows, jnp.maximum(src, 0)]
-        return FullKV(self.k.at[rows, dst].set(k, mode="drop"), self.v.at[rows, dst].set(v, mode="drop"))
+        k, v = take_rows(self.k, jnp.maximum(src, 0)), take_rows(self.v, jnp.maximum(src, 0))
+        return FullKV(put_rows(self.k, dst, k), put_rows(self.v, dst, v))
 
 
 @flax.struct.dataclass
@@ -96,6 +107,7 @@ class SlidingKV:
     rolled back must have at most R - window tokens.
     """
 
+    LOGICAL_AXES: ClassVar[dict] = {"k": KV_AXES, "v": KV_AXES, "pos": ("cache_batch", "cache_len")}
     k: jax.Array
     v: jax.Array
     pos: jax.Array
@@ -122,17 +134,14 @@ class SlidingKV:
 
     def compact(self, src, dst) -> "SlidingKV":
         """``FullKV.compact`` on the ring (positions -> slots position % R)."""
-        r, rows, keep = self.k.shape[1], _rows(src), src >= 0
+        r, keep = self.k.shape[1], src >= 0
         s = jnp.maximum(src, 0) % r
-        return self._put(self.k[rows, s], self.v[rows, s], dst, keep)
+        return self._put(take_rows(self.k, s), take_rows(self.v, s), dst, keep)
 
     def _put(self, k, v, positions, keep) -> "SlidingKV":
         """Every write into the ring: the kept positions' K/V at ``ring_slots`` (the newest R of the write)."""
-        rows = _rows(positions)
         slots = ring_slots(positions, keep, self.k.shape[1])
-        return SlidingKV(self.k.at[rows, slots].set(k.astype(self.k.dtype), mode="drop"),
-                         self.v.at[rows, slots].set(v.astype(self.v.dtype), mode="drop"),
-                         self.pos.at[rows, slots].set(positions, mode="drop"))
+        return SlidingKV(put_rows(self.k, slots, k), put_rows(self.v, slots, v), put_rows(self.pos, slots, positions))
 
 
 @flax.struct.dataclass
@@ -141,6 +150,8 @@ class Recurrent:
     (each leaf [B, max_block + 1, ...]: index i = the state after i of its new tokens) and ``count`` [B],
     the number of new tokens that forward had per row."""
 
+    LOGICAL_AXES: ClassVar[dict] = {"value": ("cache_batch", "cache_state"),
+                                    "snapshots": ("cache_batch", "cache_snapshot"), "count": ("cache_batch",)}
     value: Any
     snapshots: Any
     count: jax.Array
@@ -178,6 +189,8 @@ class Recurrent:
 class SharedKV:
     """A layer that attends to an earlier layer's keys / values (Gemma 4's kv-shared layers): no state of its
     own; every protocol step leaves it as it is."""
+
+    LOGICAL_AXES: ClassVar[dict] = {}
 
     def commit(self, kept) -> SharedKV:
         return self
@@ -234,6 +247,7 @@ class RecurrentSpec:
 class DecodeCache:
     """One state per layer plus ``lengths`` [B], each row's committed tokens."""
 
+    LOGICAL_AXES: ClassVar[dict] = {"lengths": ("cache_batch",)}  # ``layers``: each state's own
     layers: tuple
     lengths: jax.Array
     max_len: int = flax.struct.field(pytree_node=False, default=0)  # positions 0..max_len-1 fit

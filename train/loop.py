@@ -139,7 +139,7 @@ def lr_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
 
 
 _STEP_FIELDS = ("seed", "num_anchors", "block_size", "gamma", "impl", "loss_chunk", "dtype", "clip",
-                "weight_decay", "beta1", "beta2")
+                "weight_decay", "beta1", "beta2", "mesh")
 _step_cache: dict = {}
 
 
@@ -159,7 +159,9 @@ def make_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, optimizer, *, off
     """Jitted ``step(params, opt_state, tparams, ids, mask, idx, epoch, feats, lr, starts=None)`` ->
     (params, opt_state, sums, ok, grad_norm); ids/mask [A, B, S], idx [A, B], feats [A, B, S, F] or None,
     starts [A, B, S] (packed rows: ``TrainData.batch``'s doc_start) or None.
-    params / opt_state are donated; when ``ok`` is False they come back unchanged."""
+    params / opt_state are donated; when ``ok`` is False they come back unchanged. On ``cfg.mesh`` the
+    block-attention kernel runs per shard (traced with that mesh: ``sharding.mesh_scope``)."""
+    mesh = sharding.make_mesh(cfg.mesh) if cfg.mesh else None
     weights = objective.position_weights(dcfg.block_size, cfg.gamma_value)
     dtype = resolve_dtype(cfg.dtype)
 
@@ -179,7 +181,7 @@ def make_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, optimizer, *, off
         return grads, sums
 
     # positional: the jitted step's operands (params / opt_state donated by position)
-    def step(params, opt_state, tparams, ids, mask, idx, epoch, feats, lr, starts=None):
+    def update(params, opt_state, tparams, ids, mask, idx, epoch, feats, lr, starts=None):
         batch = (ids, mask, idx, feats, starts)
         first = jax.tree_util.tree_map(lambda a: a[0], batch)  # None leaves (no feats / starts) stay None
         grads, sums = micro(params, tparams, first, epoch)
@@ -198,6 +200,11 @@ def make_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, optimizer, *, off
         ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
         return keep(new_params, params), keep(new_opt, opt_state), sums, ok, gnorm
+
+    # positional: as update's (the jitted operands)
+    def step(params, opt_state, tparams, ids, mask, idx, epoch, feats, lr, starts=None):
+        with sharding.mesh_scope(mesh):
+            return update(params, opt_state, tparams, ids, mask, idx, epoch, feats, lr, starts)
 
     return jax.jit(step, donate_argnums=(0, 1))
 

@@ -9,7 +9,8 @@ from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dflash_jax.sharding.mesh import BATCH_AXES, batch_multiple, mesh_str
-from dflash_jax.sharding.rules import logical_fit
+from dflash_jax.sharding.rules import LOGICAL_RULES, logical_fit, logical_to_mesh
+from dflash_jax.state import KV_AXES
 
 
 def _as_dict(tree):
@@ -79,32 +80,38 @@ def shard_local_batch(tree, mesh: Mesh, batch_axis: int = 0):
     return jax.tree_util.tree_map(one, tree)
 
 
-def cache_spec(mesh: Mesh, kv_heads: int) -> P:
-    """[B, S, K, H] caches: rows over data*fsdp, KV heads over tensor (replicated if they do not divide)."""
-    t = mesh.shape["tensor"]
-    b = batch_spec(mesh, 1)[0]
-    return P(b, None, "tensor" if t > 1 and kv_heads % t == 0 else None, None)
+def cache_spec(mesh: Mesh, kv_heads: int, rules=LOGICAL_RULES) -> P:
+    """[B, S, K, H] caches (``state.KV_AXES`` through ``rules``): rows over data*fsdp, KV heads over tensor
+    (replicated if they do not divide)."""
+    spec = tuple(logical_to_mesh(KV_AXES, (batch_multiple(mesh), 1, kv_heads, 1), mesh, rules))
+    return P(*spec + (None,) * (len(KV_AXES) - len(spec)))
 
 
 def cache_sharding(mesh: Mesh, kv_heads: int) -> NamedSharding:
     return NamedSharding(mesh, cache_spec(mesh, kv_heads))
 
 
-def constrain_cache(cache, mesh: Mesh | None):
-    """Inside jit: pin a DecodeCache's layout: attention states' K/V per ``cache_spec``, every other leaf
-    (lengths, ring positions, recurrent states) rows over data*fsdp; no-op without a mesh."""
+def constrain_state(state, mesh: Mesh, rules=LOGICAL_RULES):
+    """Inside jit: pin every array of a decode state (a layer's, or a ``DecodeCache``'s own) to the layout its
+    class's ``LOGICAL_AXES`` give through ``rules``."""
+    axes = getattr(type(state), "LOGICAL_AXES", None)
+    if axes is None:
+        raise ValueError(f"{type(state).__name__} declares no LOGICAL_AXES (the logical axes of its leaves)")
+
+    def pin(names):
+        return lambda x: jax.lax.with_sharding_constraint(
+            x, NamedSharding(mesh, logical_to_mesh(names, x.shape, mesh, rules)))
+
+    return state.replace(**{f: jax.tree_util.tree_map(pin(names), getattr(state, f)) for f, names in axes.items()})
+
+
+def constrain_cache(cache, mesh: Mesh | None, rules=LOGICAL_RULES):
+    """Inside jit: pin a DecodeCache's layout: its lengths and every layer state per ``constrain_state``;
+    no-op without a mesh."""
     if cache is None or mesh is None:
         return cache
-
-    def layer(state):
-        if not hasattr(state, "k"):
-            return constrain_batch(state, mesh)
-        kv = cache_sharding(mesh, state.k.shape[2])
-        rest = constrain_batch(state.replace(k=None, v=None), mesh)
-        return rest.replace(k=jax.lax.with_sharding_constraint(state.k, kv),
-                            v=jax.lax.with_sharding_constraint(state.v, kv))
-
-    return cache.replace(layers=tuple(layer(s) for s in cache.layers), lengths=constrain_batch(cache.lengths, mesh))
+    cache = constrain_state(cache, mesh, rules)
+    return cache.replace(layers=tuple(constrain_state(s, mesh, rules) for s in cache.layers))
 
 
 def constrain_batch(tree, mesh: Mesh | None, batch_axis: int = 0):

@@ -6,13 +6,24 @@ logical axis  mesh axes            what it is
 batch         ('data', 'fsdp')     rows of a batch, KV caches and decode state
 length        None                 sequence / cache slots (never split: decoding scatters)
 embed         'fsdp'               hidden size of every weight (ZeRO-3 style in training)
-heads         'tensor'             fused num_heads * head_dim of q_proj / o_proj
-kv_heads      'tensor'             fused kv_heads * head_dim of k/v_proj; cache kv-head dim
+heads         'tensor'             fused num_heads * head_dim of q_proj / o_proj; query heads of attention
+kv_heads      'tensor'             fused kv_heads * head_dim of k/v_proj; key / value heads of attention
 mlp           'tensor'             intermediate size
 vocab         'tensor'             embedding rows / lm_head columns
 head_dim      None                 q_norm / k_norm weights, cache head dim
 features      None                 draft ``fc`` input (n target layers * hidden)
+cache_batch   ('data', 'fsdp')     rows of every decode state (caches, rings, recurrences, lengths)
+cache_len     None                 cache / ring slots (never split: decoding scatters)
+cache_heads   'tensor'             query heads of decode attention (and its sinks)
+cache_kv_heads 'tensor'            KV heads of a cache
+cache_head_dim None                head dim of a cache
+cache_state   None                 per-row dims of a recurrent state (conv window, linear-attention state)
+cache_snapshot None                a recurrent state's per-token snapshots (index into the last forward)
 ============  ===================  =====================================================
+
+Decode state (``dflash_jax.state``) declares the logical axes of its leaves (``LOGICAL_AXES`` of each state
+class); ``placement.constrain_cache`` maps them through these rules, and the Pallas kernels run per shard
+of the same split (``per_shard``).
 
 A target family may add rules of its own (``Family.logical_rules``; the MoE families: ``expert`` ->
 'expert', the expert dimension of stacked expert weights). Divisibility: the attention head
@@ -40,6 +51,13 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("vocab", "tensor"),
     ("head_dim", None),
     ("features", None),
+    ("cache_batch", ("data", "fsdp")),
+    ("cache_len", None),
+    ("cache_heads", "tensor"),
+    ("cache_kv_heads", "tensor"),
+    ("cache_head_dim", None),
+    ("cache_state", None),
+    ("cache_snapshot", None),
 )
 
 
@@ -71,7 +89,7 @@ def rules_for(mesh: Mesh, *models, rules=LOGICAL_RULES) -> tuple:
     if kv_bad:
         log.warning("num_key_value_heads %s does not divide by tensor=%d: KV projections and caches are "
                     "replicated over the tensor axis", kv_bad, t)
-        rules = tuple((k, None if k == "kv_heads" else v) for k, v in rules)
+        rules = tuple((k, None if k in ("kv_heads", "cache_kv_heads") else v) for k, v in rules)
     return tuple(rules)
 
 
