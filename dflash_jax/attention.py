@@ -59,6 +59,7 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
                                what="block attention")
 
 
+# positional: the attention operands (q, k, v, and their positions / lengths / masks), one order throughout
 def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding_window: int | None = None,
                      sinks=None, impl: str = "auto", new_causal: bool = False, new_mask=None,
                      scale: float | None = None):

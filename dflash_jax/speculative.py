@@ -175,6 +175,7 @@ def _verify_choice(confidence, active, lengths: tuple[int, ...], threshold):
     return jnp.sum(jnp.cumprod(gains >= threshold))
 
 
+# positional: _verify_chosen binds the step's fixed operands in this order (functools.partial)
 def _verify(spec: EngineSpec, tparams, dparams, block, positions, active, tcache, dcache, length: int):
     """The target forward on the first ``length`` (static) tokens of the block, and their features as new draft
     context -> (logits [B, K, V], zero past ``length``; tcache; dcache), every layer state written for those
@@ -187,6 +188,7 @@ def _verify(spec: EngineSpec, tparams, dparams, block, positions, active, tcache
     return jnp.pad(logits, ((0, 0), (0, block.shape[1] - length), (0, 0))), tcache, dcache
 
 
+# positional: one decode step's operands, in the order the loop body holds them
 def _verify_chosen(spec: EngineSpec, choice, tparams, dparams, tcache, dcache, block, positions, active):
     """``_verify`` at length ``spec.lengths[choice]``: one static forward per length, each inside a while loop
     that runs once when chosen and not at all otherwise (XLA updates a loop's carried caches in place, where
@@ -270,6 +272,7 @@ def _tree_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_t
     return jnp.take_along_axis(y, slots, axis=1), a, jnp.int32(spec.tree_budget + 1), tcache, dcache
 
 
+# positional: one decode step's operands, in the order the loop body holds them
 def _commit(spec: EngineSpec, inp: Inputs, state: DecodeState, posterior, a, length, tcache, dcache, key):
     """Commit p_0..p_a (``posterior`` [B, K]) at positions n+1.., cut at the budget and just after the first stop
     token; both caches keep a+1 verified tokens (x_n, d_1..d_a); done rows do not change."""

@@ -110,6 +110,7 @@ def block_attention_reference(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_s
     return attend(q, k, v, mask, scale=scale)
 
 
+# positional: the attention operands (q, k, v, and their positions / lengths / masks), one order throughout
 def _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, anchors, bk, ctx_start=None):
     b, t, hq, d = q.shape
     s, hkv = k_ctx.shape[1], k_ctx.shape[2]
@@ -138,6 +139,7 @@ class _Cfg(TileConfig):
     ctx_len: int       # S (keys >= S are padding)
 
 
+# positional: the shapes a tiling depends on, in the operands' order
 def pick_tiles(n_blocks, bk, ctx_len, q_tile, k_tile, backend, interpret):
     """(tq, tk). GPU (Triton) needs powers of two >= 16; compiled TPU needs bf16-sublane multiples."""
     nbt = max(1, q_tile // bk)
@@ -213,6 +215,7 @@ def _fwd_finish(carry):
     return acc / safe_l, jnp.where(seen, m + jnp.log(safe_l), 0.0)
 
 
+# positional: one online-softmax tile step's operands, called from lax loops
 def _bwd_step(q, k, v, do, lse, delta, vis, scale):
     """p [tq, tk] and ds = dL/d(q.k) [tq, tk] (the softmax scale folded in), both float32."""
     s = lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * scale
@@ -234,6 +237,7 @@ def _acc_dkv(dk, dv, p, ds, q, do):
 # ----------------------------------------------------------------------------- TPU kernels
 
 
+# positional: Pallas passes a kernel its refs in order (scalar prefetch, inputs, outputs, scratch)
 def _tpu_fwd_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, rs_ref, o_ref, lse_ref,
                     m_sc, l_sc, acc_sc, *, c: _Cfg, nq, nk):
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -264,6 +268,7 @@ def _tpu_fwd_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_re
         lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
 
 
+# positional: Pallas passes a kernel its refs in order (scalar prefetch, inputs, outputs, scratch)
 def _tpu_dq_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, rs_ref, do_ref, lse_ref,
                    dl_ref, dq_ref, dkb_ref, dvb_ref, dq_sc, *, c: _Cfg, nq, nk):
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -292,6 +297,7 @@ def _tpu_dq_kernel(lo_ref, hi_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref
         dvb_ref[...] = dv
 
 
+# positional: Pallas passes a kernel its refs in order (scalar prefetch, inputs, outputs, scratch)
 def _tpu_dkv_kernel(ql_ref, qn_ref, q_ref, kc_ref, vc_ref, ra_ref, rs_ref, do_ref, lse_ref, dl_ref,
                     dk_ref, dv_ref, dk_sc, dv_sc, *, c: _Cfg, nq, nk):
     b, kj, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -317,6 +323,7 @@ def _tpu_dkv_kernel(ql_ref, qn_ref, q_ref, kc_ref, vc_ref, ra_ref, rs_ref, do_re
 # ----------------------------------------------------------------------------- GPU kernels
 
 
+# positional: Pallas passes a kernel its refs in order (scalar prefetch, inputs, outputs, scratch)
 def _gpu_fwd_kernel(q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, rs_ref, o_ref, lse_ref, *, c: _Cfg):
     q, a, st = q_ref[...], row_stats(ra_ref), row_stats(rs_ref)
     lo, hi = context_tile_range(a, st, c.ctx_len, c.tk, c.window)
@@ -331,6 +338,7 @@ def _gpu_fwd_kernel(q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, rs_ref, o_ref
     lse_ref[...] = lse
 
 
+# positional: Pallas passes a kernel its refs in order (scalar prefetch, inputs, outputs, scratch)
 def _gpu_dq_kernel(q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, rs_ref, do_ref, lse_ref, dl_ref,
                    dq_ref, dkb_ref, dvb_ref, *, c: _Cfg):
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], dl_ref[...]
@@ -351,6 +359,7 @@ def _gpu_dq_kernel(q_ref, kc_ref, vc_ref, kb_ref, vb_ref, ra_ref, rs_ref, do_ref
     dkb_ref[...], dvb_ref[...] = _acc_dkv(zero, zero, p, ds, q, do)
 
 
+# positional: Pallas passes a kernel its refs in order (scalar prefetch, inputs, outputs, scratch)
 def _gpu_dkv_kernel(q_ref, kc_ref, vc_ref, ra_ref, rs_ref, do_ref, lse_ref, dl_ref, dk_ref, dv_ref, *,
                     c: _Cfg, nq, groups):
     kj = pl.program_id(2)
@@ -379,6 +388,7 @@ def _gpu_dkv_kernel(q_ref, kc_ref, vc_ref, ra_ref, rs_ref, do_ref, lse_ref, dl_r
 # ----------------------------------------------------------------------------- wrapper
 
 
+# positional: the attention operands (q, k, v, and their positions / lengths / masks), one order throughout
 def _prepare(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c: _Cfg):
     """Head-major, padded operands, the per-row anchors / context starts and the per-tile context ranges."""
     batch, t = q.shape[:2]
@@ -418,6 +428,7 @@ def _cost(x, c: _Cfg, ctx_macs: int, own_macs: int, operands, outputs):
                          outputs=outputs)
 
 
+# positional: the attention operands (q, k, v, and their positions / lengths / masks), one order throughout
 def _call(c: _Cfg, kernel, grid, in_specs, out_specs, out_shape, prefetch=(), scratch=(), *, cost=None):
     # 8 parameters: the pallas_call pieces both formulations take, named at every call site.
     if c.backend == "tpu":
@@ -437,6 +448,7 @@ def _call(c: _Cfg, kernel, grid, in_specs, out_specs, out_shape, prefetch=(), sc
                           compiler_params=pltr.CompilerParams(num_warps=4, num_stages=2))
 
 
+# positional: the attention operands (q, k, v, and their positions / lengths / masks), one order throughout
 def _query_tile_call(c: _Cfg, x, kernel, n_tiles, n_stats, out_shape, out_specs_kinds, scratch=(), *, cost=None):
     """pallas_call over (batch, Hq, query tiles[, context tiles + 1]) with inputs
     [q, k_ctx, v_ctx, k_blk, v_blk, row anchors, row context starts] + ``n_tiles`` q-shaped + ``n_stats``
@@ -471,6 +483,7 @@ def _query_tile_call(c: _Cfg, x, kernel, n_tiles, n_stats, out_shape, out_specs_
                  cost=cost)
 
 
+# positional: jax.custom_vjp passes its (non-differentiable, primal) arguments by position
 def _forward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c: _Cfg):
     x = _prepare(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c)
     out_shape = (jax.ShapeDtypeStruct(x["q"].shape, q.dtype),
@@ -484,6 +497,7 @@ def _forward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c: _Cfg):
     return o, lse[..., 0]
 
 
+# positional: jax.custom_vjp passes its (non-differentiable, primal) arguments by position
 def _backward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, out, lse, do, c: _Cfg):
     x = _prepare(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c)
     batch, hq, t_pad, d = x["q"].shape
@@ -548,11 +562,13 @@ def _backward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, out, lse, do, c
             rows(per_kv(dkb), t).astype(k_blk.dtype), rows(per_kv(dvb), t).astype(v_blk.dtype))
 
 
+# positional: jax.custom_vjp passes its (non-differentiable, primal) arguments by position
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c):
     return _block_attention_fwd(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c)[0]
 
 
+# positional: jax.custom_vjp passes its (non-differentiable, primal) arguments by position
 def _block_attention_fwd(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c):
     o, lse = _forward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, ctx_start, c)
     out = jnp.swapaxes(o[:, :, :q.shape[1]], 1, 2)

@@ -53,6 +53,7 @@ def anchor_pattern(rng, kind, batch, n, s):
     return jnp.asarray(a, jnp.int32)
 
 
+# positional: the attention operands (q, k, v, and their positions / lengths / masks), one order throughout
 @functools.lru_cache(maxsize=None)
 def value_and_grads(impl, block_size, window=None, q_tile=128, k_tile=128, backend=None, interpret=None,
                     jit=jax.jit, block_causal=False):

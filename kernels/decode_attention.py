@@ -126,6 +126,7 @@ def _check_new(k_new, new_mask):
 # ----------------------------------------------------------------------------- tiled jnp loop (CPU)
 
 
+# positional: the attention operands (q, k, v, and their positions / lengths / masks), one order throughout
 @functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "k_tile", "new_causal"))
 def decode_attention_loop(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding_window=None, sinks=None,
                           scale=None, k_tile: int = 512, new_causal: bool = False, new_mask=None):
@@ -179,6 +180,7 @@ class _Cfg(tiling.TileConfig):
     has_sinks: bool
 
 
+# positional: one online-softmax tile step's operands, called from lax loops
 def _tile_step(q, k, v, lo, hi, j, c: _Cfg, carry):
     """Queries q [R, D] x key tile j (k [tk, D], v [tk, Dv]; the tile starts at min(j*tk, S - tk))."""
     start = jnp.minimum(j * c.tk, c.ctx_len - c.tk)
@@ -187,6 +189,7 @@ def _tile_step(q, k, v, lo, hi, j, c: _Cfg, carry):
     return tiling.fwd_step(q, k, v, vis, carry, c.scale)
 
 
+# positional: one online-softmax tile step's operands, called from lax loops
 def _new_step(q, kn_ref, vn_ref, qp, kp_ref, nm_ref, c: _Cfg, carry):
     if not c.has_new:
         return carry
@@ -194,6 +197,7 @@ def _new_step(q, kn_ref, vn_ref, qp, kp_ref, nm_ref, c: _Cfg, carry):
     return tiling.fwd_step(q, kn_ref[...], vn_ref[...], vis, carry, c.scale)
 
 
+# positional: Pallas passes a kernel its refs in order (scalar prefetch, inputs, outputs, scratch)
 def _tpu_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_ref, nm_ref,
                 sink_ref, o_ref, m_sc, l_sc, acc_sc, *, c: _Cfg, nk):
     b, j = pl.program_id(0), pl.program_id(2)
@@ -223,6 +227,7 @@ def _tpu_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref,
         o_ref[...] = _finish(cr, tiling.row_stats(sink_ref) if c.has_sinks else None).astype(o_ref.dtype)
 
 
+# positional: Pallas passes a kernel its refs in order (scalar prefetch, inputs, outputs, scratch)
 def _gpu_kernel(q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_ref, nm_ref, sink_ref, o_ref, *,
                 c: _Cfg):
     q, lo, hi = q_ref[...], tiling.row_stats(lo_ref), tiling.row_stats(hi_ref)
@@ -251,6 +256,7 @@ def _rows_pad(r: int, backend: str, interpret: bool) -> int:
     return r if interpret else tiling.round_up(r, 16)
 
 
+# positional: the attention operands (q, k, v, and their positions / lengths / masks), one order throughout
 def _pallas(q, k, v, q_pos, lengths, k_new, v_new, new_mask, sinks, c: _Cfg):
     # 10 parameters: decode_attention's operands, passed through once from the jitted wrapper.
     b, t, hq, d = q.shape
@@ -350,6 +356,7 @@ def _gpu_call(c: _Cfg, args, out_shape, cost):
                           compiler_params=pltr.CompilerParams(num_warps=4, num_stages=2))
 
 
+# positional: the attention operands (q, k, v, and their positions / lengths / masks), one order throughout
 @functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "interpret", "k_tile", "backend",
                                              "new_causal"))
 def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding_window=None, sinks=None,
