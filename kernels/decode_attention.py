@@ -377,8 +377,9 @@ def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding
 
 
 def decode_kernel_supported(*, head_dim: int, kv_heads: int, ctx_len: int, v_head_dim: int | None = None) -> bool:
-    """Whether the compiled decode kernel is expected to run on the default backend (unsharded operands:
-    sharded caches would need a shard_map around it). Keys' ``head_dim`` and values' ``v_head_dim`` (default:
+    """Whether the compiled decode kernel is expected to run on the default backend (on a mesh
+    ``attention.decode_attention`` calls it per shard; ``kv_heads`` is the global count, so the one-KV-head
+    TPU case is not seen where only the local shard has one head). Keys' ``head_dim`` and values' ``v_head_dim`` (default:
     the same) must each fit the backend: TPU one head's lanes of the [B, S, K*D] views (a multiple of 128, or
     one K/V head), GPU (Triton) a power of two >= 16; MiMo-V2-Flash's 192 / 128 fits neither, so "auto" takes
     the loop there."""
