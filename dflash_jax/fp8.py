@@ -15,16 +15,38 @@ import numpy as np
 _SCALE = "_scale_inv"  # "<name>.weight" + this = its scales
 
 
-def block_size(q: Mapping) -> tuple[int, int] | None:
-    """The ``weight_block_size`` of a ``quantization_config`` this module can dequantise (None: one scale per
-    tensor); a ValueError naming anything else."""
-    method, fmt, block = q.get("quant_method"), q.get("fmt", "e4m3"), q.get("weight_block_size")
-    if method != "fp8" or fmt != "e4m3":
-        raise ValueError(f"unsupported quantization_config (quant_method {method!r}, fmt {fmt!r}): only block-wise "
-                         "FP8 e4m3 (quant_method 'fp8') is dequantised on load")
+def describe(q: Mapping) -> str:
+    """A ``quantization_config`` in words (its method, format, bits, block), for errors."""
+    method, fmt = q.get("quant_method"), q.get("format")
+    groups = [g.get("weights") or {} for g in (q.get("config_groups") or {}).values()]
+    bits = sorted({f"{w.get('num_bits')}-bit {w.get('type')}" for w in groups if w})
+    return ", ".join(str(s) for s in (f"quant_method {method!r}", fmt and f"format {fmt!r}", *bits,
+                                      q.get("fmt") and f"fmt {q['fmt']!r}",
+                                      q.get("weight_block_size") and f"weight_block_size {q['weight_block_size']}")
+                     if s)
+
+
+def from_config(d: Mapping) -> tuple[bool, tuple[int, int] | None]:
+    """(FP8 checkpoint, its ``weight_block_size``: None = one scale per tensor) from a config.json's
+    ``quantization_config`` (top level or its text_config): none -> (False, None); block-wise FP8 e4m3 -> True
+    and its block; any other quantisation (Kimi-K2's INT4 compressed tensors) a ValueError naming its format."""
+    q = d.get("quantization_config") or (d.get("text_config") or {}).get("quantization_config")
+    if not q:
+        return False, None
+    if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"this {d.get('model_type')} checkpoint is quantised ({describe(q)}); only unquantised "
+                         "(bf16 / fp16 / fp32) and block-wise FP8 e4m3 (quant_method 'fp8') weights are "
+                         "supported: dequantise it first")
+    block = q.get("weight_block_size")
     if block is not None and (len(block) != 2 or min(int(b) for b in block) < 1):
         raise ValueError(f"quantization_config weight_block_size must be two positive sizes, got {block}")
-    return None if block is None else (int(block[0]), int(block[1]))
+    return True, None if block is None else (int(block[0]), int(block[1]))
+
+
+def rewrite_for(cfg):
+    """The checkpoint-stream rewrite of a config with ``fp8_checkpoint`` / ``fp8_block_size``: FP8 weights
+    dequantised (``dequantize_stream``), or the stream as it is."""
+    return dequantize_stream(cfg.fp8_block_size) if cfg.fp8_checkpoint else (lambda stream: stream)
 
 
 def dequantize(weight, scale, block: tuple[int, int] | None, name: str) -> np.ndarray:

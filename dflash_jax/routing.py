@@ -5,15 +5,18 @@ scores = sigmoid(x @ W^T) in float32; the correction bias ``e_score_correction_b
 SELECTION only: the experts split into ``n_group`` groups, a group scores the sum of its two best biased
 scores, the best ``topk_group`` groups stay and the top ``k`` biased scores among their experts are chosen.
 Their weights are the UNBIASED scores, normalised to sum 1 (``norm_topk_prob``), times
-``routed_scaling_factor``. The experts themselves are ``dflash_jax.moe.Experts``.
+``routed_scaling_factor``. ``SigmoidMoE``: that router and its routed ``dflash_jax.moe.Experts``.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.layers import initializer
+from dflash_jax.moe import Experts
 
 # (flax leaf, checkpoint leaf, transposed) of the router's correction bias, for a family's NameTable.leaves
 ROUTER_LEAVES = (("e_score_correction_bias", "e_score_correction_bias", False),)
@@ -75,3 +78,23 @@ class SigmoidRouter(nn.Module):
                             precision=jax.lax.Precision.HIGHEST)
         return sigmoid_topk(logits, bias, k=self.k, n_group=self.n_group, topk_group=self.topk_group,
                             norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.routed_scaling_factor)
+
+
+class SigmoidMoE(nn.Module):
+    """The routed experts behind the sigmoid router (``mlp.gate``, ``mlp.experts``): MiMo-V2-Flash's MoE block,
+    DeepSeek-V3's without its shared experts. ``cfg``: num_experts, num_experts_per_tok, n_group, topk_group,
+    norm_topk_prob, routed_scaling_factor, hidden_size, moe_intermediate_size."""
+
+    cfg: Any
+
+    def setup(self):
+        c = self.cfg
+        self.gate = SigmoidRouter(c.num_experts, c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
+                                  c.routed_scaling_factor)
+        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, gate_up_layout="concat")
+
+    def __call__(self, x):
+        """[B, T, D] -> [B, T, D]."""
+        flat = x.reshape(-1, x.shape[-1])
+        index, weight = self.gate(flat)
+        return self.experts(flat, index, weight.astype(x.dtype)).reshape(x.shape)

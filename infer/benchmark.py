@@ -135,7 +135,7 @@ class _Run:
     draft: object
     prompts: list
     block: int
-    choice: object  # auto_block's BlockChoice (--block-size auto) or None
+    choice: object  # auto_block.Choice (--block-size auto) or None
     adaptive: dict
     tree: dict
     where: dict  # machine()

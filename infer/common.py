@@ -76,7 +76,7 @@ def block_size_arg(text: str):
 
 
 def fixed_block_size(args) -> int | None:
-    """The ``--block-size`` integer, or None for auto (or the option's absence: the draft's trained block)."""
+    """The ``--block-size`` integer, or None for auto (and for a parser without the option)."""
     b = getattr(args, "block_size", None)
     return None if b == "auto" else b
 
@@ -89,11 +89,9 @@ def resolve_block(args, target, draft, prompts, kw: dict):
         return args.block_size, None
     from infer.auto_block import choose_block_size, worth_probing
 
-    if draft is None or args.tree_budget or args.verify_lengths is not None:
+    if (draft is None or args.tree_budget or args.verify_lengths is not None
+            or not worth_probing(draft.config.block_size, args.max_new_tokens)):
         return None, None
-    if not worth_probing(draft.config.block_size, args.max_new_tokens):
-        return None, None
-
     try:
         choice = choose_block_size(target, draft, prompts, kw)
     except ValueError as e:

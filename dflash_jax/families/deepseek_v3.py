@@ -46,8 +46,7 @@ from dflash_jax.config import TargetConfig, read_config_json
 from dflash_jax.families import dense, qwen3_moe
 from dflash_jax.families.family import Family
 from dflash_jax.layers import MLP, AttentionProjections, Linear, RMSNorm, apply_rope, initializer
-from dflash_jax.moe import Experts
-from dflash_jax.routing import ROUTER_LEAVES, SigmoidRouter, check_grouped_routing
+from dflash_jax.routing import ROUTER_LEAVES, SigmoidMoE, check_grouped_routing
 from dflash_jax.state import KVSpec
 
 SUB_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepseekV3RMSNorm's default, not rms_norm_eps
@@ -66,30 +65,6 @@ VL_SKIPPED = ((r"^(vision_tower|mm_projector|model\.vision_tower|model\.mm_proje
                "vision tower / projector (vision_tower.*, mm_projector.*)"),)
 # (flax leaf, checkpoint leaf, transposed): experts stored [E, out, in]; the router's bias as it is
 _LEAVES = (("gate_up_proj", "gate_up_proj", True), ("down_proj", "down_proj", True)) + ROUTER_LEAVES
-
-
-def _quantisation(q: dict) -> str:
-    """A ``quantization_config`` in words (its method, format, bits, block)."""
-    method, fmt = q.get("quant_method"), q.get("format")
-    groups = [g.get("weights") or {} for g in (q.get("config_groups") or {}).values()]
-    bits = sorted({f"{w.get('num_bits')}-bit {w.get('type')}" for w in groups if w})
-    return ", ".join(str(s) for s in (f"quant_method {method!r}", fmt and f"format {fmt!r}", *bits,
-                                      q.get("fmt") and f"fmt {q['fmt']!r}",
-                                      q.get("weight_block_size") and f"weight_block_size {q['weight_block_size']}")
-                     if s)
-
-
-def _fp8_block(d: dict) -> tuple[bool, tuple[int, int] | None]:
-    """(FP8 checkpoint, its weight_block_size) from a config.json (top level or its text_config): block-wise FP8
-    e4m3 (DeepSeek-V3's release) is dequantised on load (``dflash_jax.fp8``); any other quantisation (Kimi-K2's
-    INT4 compressed tensors) is a ValueError naming its format."""
-    q = d.get("quantization_config") or (d.get("text_config") or {}).get("quantization_config")
-    if not q:
-        return False, None
-    if q.get("quant_method") == "fp8" and q.get("fmt", "e4m3") == "e4m3":
-        return True, fp8.block_size(q)
-    raise ValueError(f"this {d.get('model_type')} checkpoint is quantised ({_quantisation(q)}); only unquantised "
-                     "(bf16 / fp16 / fp32) and block-wise FP8 e4m3 weights are supported: dequantise it first")
 
 
 def _text_config(d: dict) -> dict:
@@ -170,7 +145,7 @@ class DeepseekV3Config(TargetConfig):
     def from_hf(cls, path_or_dict) -> DeepseekV3Config:
         d = read_config_json(path_or_dict)
         model_type = d.get("model_type")
-        quantised, fp8_block = _fp8_block(d)
+        quantised, fp8_block = fp8.from_config(d)
         text = _text_config(d)
         q_lora = text.get("q_lora_rank", _DEFAULTS["q_lora_rank"])  # an explicit null: a plain q_proj
         text = {**_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
@@ -271,24 +246,20 @@ class Attention(AttentionProjections):
         return self.o_proj(heads.reshape(*heads.shape[:-2], -1))
 
 
-class MoE(nn.Module):
+class MoE(SigmoidMoE):
     """``DeepseekV3MoE``: the routed experts plus the shared experts (one MLP), for every token."""
 
     cfg: DeepseekV3Config
 
     def setup(self):
+        super().setup()
         c = self.cfg
-        self.gate = SigmoidRouter(c.n_routed_experts, c.num_experts_per_tok, c.n_group, c.topk_group,
-                                  c.norm_topk_prob, c.routed_scaling_factor)
-        self.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, gate_up_layout="concat")
         if c.n_shared_experts:
             self.shared_experts = MLP(c, c.moe_intermediate_size * c.n_shared_experts)
 
     def __call__(self, x):
         """[B, T, D] -> [B, T, D]."""
-        flat = x.reshape(-1, x.shape[-1])
-        index, weight = self.gate(flat)
-        out = self.experts(flat, index, weight.astype(x.dtype)).reshape(x.shape)
+        out = super().__call__(x)
         return out + self.shared_experts(x) if self.cfg.n_shared_experts else out
 
 
@@ -337,7 +308,7 @@ def checkpoint(cfg: DeepseekV3Config) -> NameTable:
     skip = skip_tensors(skipped + (VL_SKIPPED if cfg.vision_language else ()), cfg.model_type)
     stack = qwen3_moe.stack_experts(cfg)
     names = _vl_names if cfg.vision_language else (lambda stream: stream)
-    dequantize = fp8.dequantize_stream(cfg.fp8_block_size) if cfg.fp8_checkpoint else (lambda stream: stream)
+    dequantize = fp8.rewrite_for(cfg)
     return dataclasses.replace(dense.checkpoint(cfg), prefix=prefix, leaves=_LEAVES,
                                rewrite=lambda stream: stack(dequantize(skip(names(stream)))))
 

@@ -33,8 +33,7 @@ from dflash_jax.families import dense
 from dflash_jax.families.family import Family
 from dflash_jax.families.qwen3_moe import stack_experts
 from dflash_jax.layers import MLP, AttentionProjections, Linear, apply_rope, initializer
-from dflash_jax.moe import Experts
-from dflash_jax.routing import ROUTER_LEAVES, SigmoidRouter, check_grouped_routing
+from dflash_jax.routing import ROUTER_LEAVES, SigmoidMoE, check_grouped_routing
 from dflash_jax.state import KVSpec
 
 SKIPPED = ((r"^(model\.)?mtp\.", "multi-token prediction (mtp.*)"),)
@@ -105,8 +104,7 @@ class MiMoV2FlashConfig(TargetConfig):
         d = read_config_json(path_or_dict)
         if d.get("model_type") != "mimo_v2_flash":
             raise ValueError(f"not a MiMo-V2-Flash config: model_type {d.get('model_type')!r}")
-        quantised = bool(d.get("quantization_config"))
-        fp8_block = fp8.block_size(d["quantization_config"]) if quantised else None
+        quantised, fp8_block = fp8.from_config(d)
         d = {**_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
         if d["hidden_act"] != "silu":
             raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (silu)")
@@ -169,30 +167,12 @@ class Attention(AttentionProjections):
         return apply_rope(k, positions, c.rope), v * c.attention_value_scale
 
 
-class SparseMoeBlock(nn.Module):
-    """``MiMoV2FlashMoE``: the sigmoid router ``gate`` and the routed ``experts`` (no shared experts)."""
-
-    cfg: MiMoV2FlashConfig
-
-    def setup(self):
-        c = self.cfg
-        self.gate = SigmoidRouter(c.num_experts, c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob,
-                                  c.routed_scaling_factor)
-        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, gate_up_layout="concat")
-
-    def __call__(self, x):
-        """[B, T, D] -> [B, T, D]."""
-        flat = x.reshape(-1, x.shape[-1])
-        index, weight = self.gate(flat)
-        return self.experts(flat, index, weight.astype(x.dtype)).reshape(x.shape)
-
-
 class DecoderLayer(dense.DecoderLayer):
     def token_mixer(self) -> None:
         self.self_attn = Attention(self.cfg.layer_attention(self.index))
 
     def feed_forward(self) -> nn.Module:
-        return SparseMoeBlock(self.cfg) if self.cfg.mlp_layer_types[self.index] == "sparse" else MLP(self.cfg)
+        return SigmoidMoE(self.cfg) if self.cfg.mlp_layer_types[self.index] == "sparse" else MLP(self.cfg)
 
 
 class Decoder(dense.Decoder):
@@ -209,7 +189,7 @@ def checkpoint(cfg: MiMoV2FlashConfig):
     """The dense table plus the expert / router / sink leaves; mtp.* skipped, FP8 dequantised, per-expert tensors
     stacked."""
     skip, stack = skip_tensors(SKIPPED, "mimo_v2_flash"), stack_experts(cfg)
-    dequantize = fp8.dequantize_stream(cfg.fp8_block_size) if cfg.fp8_checkpoint else (lambda stream: stream)
+    dequantize = fp8.rewrite_for(cfg)
     return dataclasses.replace(dense.checkpoint(cfg), leaves=_LEAVES,
                                rewrite=lambda stream: stack(_rename_sinks(dequantize(skip(stream)))))
 

@@ -17,7 +17,7 @@ process loads only ``process_slice(n)`` of the training data (``shard_local_batc
 """
 from dflash_jax.sharding.mesh import (AXES, BATCH_AXES, batch_multiple, make_mesh, maybe_initialize_distributed,
                                       mesh_str, parse_mesh_spec, process_slice)
-from dflash_jax.sharding.placement import (abstract_like, batch_sharding, batch_spec, cache_sharding, cache_spec,
+from dflash_jax.sharding.placement import (abstract_like, batch_sharding, batch_spec, cache_spec,
                                            check_batch_rows, constrain_batch, constrain_cache, constrain_state, mesh_of,
                                            opt_state_shardings, pad_rows, shard_batch, shard_local_batch,
                                            shard_params, to_host)
@@ -26,7 +26,7 @@ from dflash_jax.sharding.rules import (LOGICAL_RULES, check_divisible, logical_f
                                        rules_for)
 
 __all__ = ["AXES", "BATCH_AXES", "LOGICAL_RULES", "abstract_like", "batch_multiple", "batch_sharding", "batch_spec",
-           "cache_sharding", "cache_spec", "check_batch_rows", "check_divisible", "constrain_batch",
+           "cache_spec", "check_batch_rows", "check_divisible", "constrain_batch",
            "constrain_cache", "constrain_state", "logical_fit", "logical_to_mesh", "make_mesh",
            "maybe_initialize_distributed", "mesh_of", "mesh_scope", "mesh_str", "opt_state_shardings",
            "pad_rows", "parse_mesh_spec", "process_slice",

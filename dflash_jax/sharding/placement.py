@@ -87,10 +87,6 @@ def cache_spec(mesh: Mesh, kv_heads: int, rules=LOGICAL_RULES) -> P:
     return P(*spec + (None,) * (len(KV_AXES) - len(spec)))
 
 
-def cache_sharding(mesh: Mesh, kv_heads: int) -> NamedSharding:
-    return NamedSharding(mesh, cache_spec(mesh, kv_heads))
-
-
 def constrain_state(state, mesh: Mesh, rules=LOGICAL_RULES):
     """Inside jit: pin every array of a decode state (a layer's, or a ``DecodeCache``'s own) to the layout its
     class's ``LOGICAL_AXES`` give through ``rules``."""
