@@ -631,9 +631,10 @@ def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int, bloc
 
 def lower_step(target: Target, draft, prompts, *, max_new_tokens: int, attention_impl: str = "auto", **kw):
     """One decode step (draft + verify + commit of every row) lowered after a real prefill of ``prompts`` (the
-    options of ``speculative_generate``, greedy): ``.compile()`` it to read the step's HLO, memory and
-    collectives (``scripts/mesh_step_costs.py``)."""
+    options of ``speculative_generate``, greedy) -> (lowered step, the prefilled ``DecodeState`` it takes, donated):
+    ``.compile()`` it to read the step's HLO, memory and collectives (``dflash_jax.hlo``,
+    ``scripts/mesh_step_costs.py``, ``tests/test_step_copies.py``)."""
     req = _prepare(target, draft, prompts, max_new_tokens=max_new_tokens, sampling=SamplingParams(0.0, 0, 1.0),
                    attention_impl=attention_impl, **kw)
     state = _prefill_jit(req.spec, req.inputs, cache_len=req.cache_len)
-    return _step_jit.lower(req.spec, req.inputs, state)
+    return _step_jit.lower(req.spec, req.inputs, state), state

@@ -111,9 +111,20 @@ class SlidingKV:
     k: jax.Array
     v: jax.Array
     pos: jax.Array
+    window: int = flax.struct.field(pytree_node=False, default=0)  # the layer's sliding window (R - window: the
+    # longest forward that may be rolled back)
 
     def update(self, k_new, v_new, positions):
+        """-> (new state, keys, values, key positions, key exists), as ``FullKV.update``. A forward of at most
+        R - window tokens (decode, verify) writes first and attends to the ring it wrote: no key its queries
+        need is evicted, and the ring is updated in place (reading the old ring beside the write made XLA copy
+        it every step). A longer forward (a prefill) attends to [ring before it | its own new tokens]."""
         valid = positions >= 0
+        if k_new.shape[1] <= self.k.shape[1] - self.window:
+            new = self._put(k_new, v_new, positions, valid)
+            last = jnp.max(jnp.where(valid, positions, -1), axis=1, keepdims=True)
+            # slots past this write's last position hold rolled-back tokens of an earlier forward
+            return new, new.k, new.v, new.pos, (new.pos >= 0) & (new.pos <= last)
         start = jnp.min(jnp.where(valid, positions, _FAR), axis=1, keepdims=True)
         old = (self.pos >= 0) & (self.pos < start)  # rolled-back slots hold positions >= start
         keys = jnp.concatenate([self.k, k_new.astype(self.k.dtype)], axis=1)
@@ -141,7 +152,8 @@ class SlidingKV:
     def _put(self, k, v, positions, keep) -> "SlidingKV":
         """Every write into the ring: the kept positions' K/V at ``ring_slots`` (the newest R of the write)."""
         slots = ring_slots(positions, keep, self.k.shape[1])
-        return SlidingKV(put_rows(self.k, slots, k), put_rows(self.v, slots, v), put_rows(self.pos, slots, positions))
+        return self.replace(k=put_rows(self.k, slots, k), v=put_rows(self.v, slots, v),
+                            pos=put_rows(self.pos, slots, positions))
 
 
 @flax.struct.dataclass
@@ -227,7 +239,7 @@ class KVSpec:
         v = jnp.zeros((batch, slots, self.kv_heads, self.v_head_dim or self.head_dim), dtype)
         if slots == max_len:
             return FullKV(k, v)
-        return SlidingKV(k, v, jnp.full((batch, ring), -1, jnp.int32))
+        return SlidingKV(k, v, jnp.full((batch, ring), -1, jnp.int32), self.window)
 
 
 @dataclasses.dataclass(frozen=True)

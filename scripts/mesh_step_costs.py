@@ -11,29 +11,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-from dflash_jax import load_draft, load_target, speculative  # noqa: E402
+from dflash_jax import hlo, load_draft, load_target, speculative  # noqa: E402
 from dflash_jax import model_sharding as ms  # noqa: E402
 from dflash_jax import sharding as sh  # noqa: E402
 from dflash_jax.demo import DEMO_DRAFT, DEMO_TARGET  # noqa: E402
-
-COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
 
 
 def step_costs(target, draft, prompts, mesh_spec: str, impl: str) -> dict:
     mesh = sh.make_mesh(mesh_spec)
     ts, ds = ms.shard_target(target, mesh), ms.shard_draft(draft, mesh)
-    compiled = speculative.lower_step(ts, ds, prompts, max_new_tokens=32, attention_impl=impl).compile()
-    hlo, mem = compiled.as_text(), compiled.memory_analysis()
-    counts = {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo)) for op in COLLECTIVES}
-    peak = getattr(mem, "peak_memory_in_bytes", 0) or (mem.argument_size_in_bytes + mem.output_size_in_bytes
-                                                       + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
-    return {"mesh": mesh_spec, "impl": impl, "peak_bytes_per_device": int(peak),
-            "temp_bytes": int(mem.temp_size_in_bytes), "argument_bytes": int(mem.argument_size_in_bytes),
-            **counts}
+    compiled = speculative.lower_step(ts, ds, prompts, max_new_tokens=32, attention_impl=impl)[0].compile()
+    mem = hlo.memory(compiled)
+    return {"mesh": mesh_spec, "impl": impl, "peak_bytes_per_device": mem["peak_bytes"],
+            "temp_bytes": mem["temp_bytes"], "argument_bytes": mem["argument_bytes"],
+            **hlo.collective_counts(compiled.as_text())}
 
 
 def main() -> None:

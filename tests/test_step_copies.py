@@ -1,0 +1,100 @@
+"""The compiled decode step updates its caches in place: no copy of a cache buffer, and temporary memory a small
+fraction of the caches, for every state kind (full, sliding ring, recurrent, latent), on one device and on a
+data=2,tensor=2 mesh. Read from the optimized HLO and XLA's memory analysis (deterministic), not from timings:
+a cache copied every step costs on every device and would eat the speculative speedup (issue #34)."""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import pytest
+from hf_models import hf_config
+from pairs import random_draft, tiny_target_config
+
+from dflash_jax import hlo, speculative, state
+from dflash_jax import model_sharding as ms
+from dflash_jax import sharding as sh
+from dflash_jax.families import config_from_hf
+from dflash_jax.target import Target, init_params
+
+MAX_LEN = 8192  # long caches: the step's own temporaries (one layer's attention tiles, logits) stay far below them
+NEW = 7000
+QWEN35 = dict(vocab_size=96, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+DEEPSEEK = {"hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 8, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 4,
+            "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8, "v_head_dim": 12, "qk_nope_head_dim": 16,
+            "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False}
+KINDS = {
+    "full": lambda: tiny_target_config(max_position_embeddings=MAX_LEN),
+    "sliding": lambda: tiny_target_config(max_position_embeddings=MAX_LEN, sliding_window=8,
+                                          layer_types=("sliding_attention", "full_attention") * 2),
+    "recurrent": lambda: config_from_hf(hf_config("qwen3_5", max_position_embeddings=MAX_LEN, **QWEN35).to_dict()),
+    "latent": lambda: config_from_hf(hf_config("deepseek_v3", max_position_embeddings=MAX_LEN, **DEEPSEEK).to_dict()),
+}
+KIND_OF = {"full": state.FullKV, "sliding": state.SlidingKV, "recurrent": state.Recurrent, "latent": state.FullKV}
+
+
+@functools.cache
+def pair(kind: str):
+    cfg = KINDS[kind]()
+    n = cfg.num_hidden_layers
+    return Target(cfg, init_params(cfg, 0)), random_draft(cfg, target_layer_ids=tuple(sorted({0, n // 2, n - 1})))
+
+
+def carried_buffers(cache) -> list:
+    """The buffers a step must update in place: K / V of attention layers (full, ring, latent) and the per-token
+    snapshots of recurrent ones. A recurrent layer's state itself is recomputed by the recurrence every token
+    (its snapshots are T + 1 of them), so a copy of it is the recurrence's own work, not a cache copy."""
+    out = []
+    for layer in cache.layers:
+        if isinstance(layer, (state.FullKV, state.SlidingKV)):
+            out += [layer.k, layer.v]
+        elif isinstance(layer, state.Recurrent):
+            out += jax.tree_util.tree_leaves(layer.snapshots)
+    return out
+
+
+def step_audit(kind: str, mesh_spec: str | None):
+    """(cache-shaped copies in the compiled step, its temp bytes, the cache bytes per device, the state)."""
+    target, draft = pair(kind)
+    if mesh_spec:
+        mesh = sh.make_mesh(mesh_spec, devices=jax.devices()[:4])
+        target, draft = ms.shard_target(target, mesh), ms.shard_draft(draft, mesh)
+    lowered, st = speculative.lower_step(target, draft, [[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14], [5, 6]],
+                                         max_new_tokens=NEW)
+    compiled = lowered.compile()
+    buffers = carried_buffers(st.tcache) + carried_buffers(st.dcache)
+    shapes = {b.sharding.shard_shape(b.shape) for b in buffers}
+    per_device = sum(math.prod(b.sharding.shard_shape(b.shape)) * b.dtype.itemsize for b in buffers)
+    return hlo.copies_of(compiled.as_text(), shapes), hlo.memory(compiled)["temp_bytes"], per_device, st
+
+
+@pytest.mark.parametrize("mesh_spec", [None, "data=2,tensor=2"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_step_updates_caches_in_place(kind, mesh_spec):
+    copies, temp, cache_bytes, st = step_audit(kind, mesh_spec)
+    assert any(isinstance(s, KIND_OF[kind]) for s in st.tcache.layers)  # the kind under test is really there
+    assert copies == [], f"the step copies cache buffers: {copies}"
+    # 0.25: one layer's attention tiles and the block's logits are what a step keeps live beside its caches; a
+    # cache copied per step (or a fresh output cache instead of the donated one) is 1.0 or more.
+    assert temp <= 0.25 * cache_bytes, f"step temp {temp} bytes vs caches {cache_bytes} bytes"
+
+
+def test_the_audit_sees_a_cache_copy(monkeypatch):
+    """Put back the read-beside-write ring update (attend to [old ring | new tokens], write the ring beside it):
+    XLA then copies the carried ring every step, and the audit must say so."""
+    update = state.SlidingKV.update
+
+    def read_beside_write(self, k_new, v_new, positions):
+        new, *rest = update(self.replace(window=self.k.shape[1]), k_new, v_new, positions)  # the prefill's path
+        return (new.replace(window=self.window), *rest)
+
+    monkeypatch.setattr(state.SlidingKV, "update", read_beside_write)
+    jax.clear_caches()  # the step traced with the in-place update must not be reused
+    copies, *_ = step_audit("sliding", None)
+    jax.clear_caches()
+    assert copies, "a ring read beside its own write should be copied by XLA"
