@@ -34,7 +34,7 @@ import numpy as np
 from dflash_jax.machine import machine, warn_if_busy
 from dflash_jax.progress import progress_bar
 from infer import synthetic
-from infer.timing import fastest, first_mismatch, time_forwards
+from infer.timing import fastest, first_mismatch, step_split, time_forwards
 from infer.common import (DEMO_TARGET, adaptive_kwargs, add_model_args, decoding_kwargs, die, encode, load_models,
                           param_dtype, read_prompts_file, resolve_block, tree_kwargs)
 
@@ -228,10 +228,11 @@ def summarize(run: _Run, rows: list[dict], t: _Totals) -> dict:
     summary["plain_step_s"] = t.plain_time / t.plain_tokens
     summary["dflash_step_s"] = t.spec_time / (len(t.acc) + len(run.prompts))
     if not args.no_timing_split:
-        summary.update(time_forwards(run.target, run.draft, block_sizes=sorted({4, 8, 16, block}),
-                                     attention_impl=args.attention))
-        d, v = summary.get(f"draft_forward_s_block{block}", 0.0), summary[f"verify_forward_s_block{block}"]
-        summary["step_split_s"] = {"draft": d, "verify": v, "rest": summary["dflash_step_s"] - d - v}
+        timings = time_forwards(run.target, run.draft, block_sizes=sorted({4, 8, 16, block}),
+                                attention_impl=args.attention, parts_block=block)
+        summary["step_split_s"] = step_split(timings, block, summary["dflash_step_s"])
+        timings.pop("step_parts_s", None)
+        summary.update(timings)
     return summary
 
 

@@ -13,9 +13,11 @@ The preset's target and draft (``dflash_jax.synthetic.PRESETS``) get random weig
 3. prefill alone of both (a run with one new token), so decode-only times can be told apart;
 4. one draft forward and one verify forward of B tokens (and of 1 token) at this batch and cache length.
 
-Reported: plain step, DFlash step = draft + verify + rest, the realised tau, the end-to-end speedup
-(whole calls, prefill included), the decode speedup (prefill subtracted from both) and the engine
-efficiency = decode speedup / tau (1.0: a DFlash step costs no more than a plain one).
+Reported: plain step, DFlash step = draft + verify + rest (its named parts: acceptance, cache writes, commit,
+and the other, unnamed remainder), the realised tau, the end-to-end speedup (whole calls, prefill included), the
+decode speedup (prefill subtracted from both), the engine efficiency = decode speedup / tau (1.0: a DFlash step
+costs no more than a plain one), the limit tau x plain step / (draft + verify) (what these forwards allow with no
+other work) and efficiency_vs_limit = decode speedup / that limit.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import types
 import numpy as np
 
 from infer.common import die, fixed_block_size, parse_ints
-from infer.timing import fastest, first_mismatch, time_forwards
+from infer.timing import fastest, first_mismatch, step_split, time_forwards
 
 TOLERANT_DTYPES = ("bfloat16", "float16")  # a near-tie may flip between block and one-token forwards
 
@@ -144,10 +146,15 @@ def measure(target, draft, probs, args, *, batch: int, context: int, block: int)
         lens = np.full(batch, context)
         limit = args.max_length or target.config.max_position_embeddings
         cache_len = cache_length(lens, np.minimum(args.max_new_tokens, limit - lens), block)
-        row.update(time_forwards(target, draft, block_sizes=(block,), context=context, batch=batch,
-                                 cache_len=cache_len, attention_impl=args.attention))
-        d, v = row[f"draft_forward_s_block{block}"], row[f"verify_forward_s_block{block}"]
-        row["step_split_s"] = {"draft": d, "verify": v, "rest": row["dflash_step_s"] - d - v}
+        timings = time_forwards(target, draft, block_sizes=(block,), context=context, batch=batch,
+                                cache_len=cache_len, attention_impl=args.attention, parts_block=block)
+        row["step_split_s"] = step_split(timings, block, row["dflash_step_s"])
+        timings.pop("step_parts_s")
+        row.update(timings)
+        # the most a step of these forwards can gain: tau tokens for draft + verify, against tau plain steps
+        d, v = row["step_split_s"]["draft"], row["step_split_s"]["verify"]
+        row["speedup_limit"] = tau * row["plain_step_s"] / (d + v)
+        row["efficiency_vs_limit"] = row["decode_speedup"] / row["speedup_limit"]
     return row
 
 
@@ -210,16 +217,22 @@ def print_text(rows, args, desc, dtype, where) -> None:
           f"{desc['requested_tau']:.2f}); {args.max_new_tokens} new tokens per row, block {rows[0]['block_size']}")
     split = not args.no_timing_split
     print(f"{'batch':>5} {'context':>7} {'tau':>5} {'plain step':>10} {'DFlash step':>11}"
-          + (f" {'= draft':>8} {'+ verify':>8} {'+ rest':>7} {'verify 1':>8}" if split else "")
-          + f" {'speedup':>7} {'decode':>7} {'efficiency':>10} same")
+          + (f" {'= draft':>8} {'+ verify':>8} {'+ rest':>7} {'(accept':>7} {'writes':>6} {'commit':>6} "
+             f"{'other)':>6} {'verify 1':>8}" if split else "")
+          + f" {'speedup':>7} {'decode':>7} {'efficiency':>10}" + (f" {'vs limit':>8}" if split else "") + " same")
     for r in rows:
         b = r["block_size"]
         print(f"{r['batch_size']:>5} {r['context']:>7} {r['tau']:>5.2f} {ms(r['plain_step_s']):>10} "
               f"{ms(r['dflash_step_s']):>11}"
               + (f" {ms(r['step_split_s']['draft']):>8} {ms(r['step_split_s']['verify']):>8} "
-                 f"{ms(r['step_split_s']['rest']):>7} {ms(r['verify_forward_s_block1']):>8}" if split else "")
-              + f" {r['speedup']:>6.2f}x {r['decode_speedup']:>6.2f}x {r['engine_efficiency']:>10.2f} {r['identical']}")
+                 f"{ms(r['step_split_s']['rest']):>7} {ms(r['step_split_s']['acceptance']):>7} "
+                 f"{ms(r['step_split_s']['cache_writes']):>6} {ms(r['step_split_s']['commit']):>6} "
+                 f"{ms(r['step_split_s']['other']):>6} {ms(r['verify_forward_s_block1']):>8}" if split else "")
+              + f" {r['speedup']:>6.2f}x {r['decode_speedup']:>6.2f}x {r['engine_efficiency']:>10.2f}"
+              + (f" {r['efficiency_vs_limit']:>8.2f}" if split else "") + f" {r['identical']}")
     print(f"times in ms per loop step (prefill excluded; verify 1: one target forward of 1 token, verify: of {b}); "
-          "speedup: whole calls, prefill included; decode: prefill excluded; efficiency = decode speedup / tau")
+          "speedup: whole calls, prefill included; decode: prefill excluded; efficiency = decode speedup / tau; "
+          "vs limit: decode speedup / (tau x plain step / (draft + verify)); accept / writes / commit: the rest's "
+          "named parts, each timed alone")
     print(f"measured on {where['device']} ({where['backend']}, {where['num_devices']} device(s)), "
           f"{where['cpu_count']} CPUs, load average {where['load_average'][0]}")

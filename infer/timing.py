@@ -10,11 +10,15 @@ import numpy as np
 
 
 def time_forwards(target, draft, block_sizes=(4, 8, 16), *, context: int = 256, iters: int = 20,
-                  repeats: int = 5, batch: int = 1, cache_len: int | None = None, attention_impl: str = "auto") -> dict:
-    """Seconds per draft forward (``propose``) and per target verify forward at block K, with ``context``
-    tokens of cache (of ``cache_len`` slots, default context + 32) for ``batch`` rows, attending as the
-    engine does with ``attention_impl``. Each is timed as ONE jitted loop of ``iters`` forwards, each fed the
-    previous one's output (as inside the decode loop: no per-call dispatch, no cache copies), best of ``repeats``."""
+                  repeats: int = 5, batch: int = 1, cache_len: int | None = None, attention_impl: str = "auto",
+                  parts_block: int | None = None) -> dict:
+    """Seconds per draft forward (``propose``: the forward and its argmax, the chain's proposal) and per target
+    verify forward at block K (with the draft's feature layers, as the engine verifies), with ``context`` tokens
+    committed in caches of ``cache_len`` slots (default context + 32) for ``batch`` rows, attending as the engine
+    does with ``attention_impl``; and, at block ``parts_block`` (None: not timed), the rest of a DFlash step in
+    named parts (``step_parts_s``: acceptance, cache writes, commit; ``step_split``). Each is timed as ONE jitted loop of ``iters`` calls, each
+    fed the previous one's output (as inside the decode loop: no per-call dispatch, no cache copies), best of
+    ``repeats``."""
     import jax
     import jax.numpy as jnp
 
@@ -43,21 +47,80 @@ def time_forwards(target, draft, block_sizes=(4, 8, 16), *, context: int = 256, 
         return ids.at[:, 1:].set(draft_lib.propose(tcfg, tp, draft.config, dp, ids, anchors, dk, dv,
                                                    decode_impl=attention_impl))
 
-    def verify(carry, tp):
+    layer_ids = draft.config.target_layer_ids if draft is not None else ()
+
+    def verify(carry, tp):  # the cache keeps its committed length: each forward re-verifies the same positions
         ids, cache = carry
-        pos = jnp.broadcast_to(context + jnp.arange(ids.shape[1]), ids.shape)
-        logits, _, cache = target_lib.forward(tcfg, tp, ids, pos, cache, attention_impl=attention_impl)
+        pos = cache.lengths[:, None] + jnp.arange(ids.shape[1])
+        logits, _, cache = target_lib.forward(tcfg, tp, ids, pos, cache, layer_ids, attention_impl=attention_impl)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
     cache_len = cache_len or context + 32
-    tcache = target.new_cache(batch, cache_len, max_block=max(block_sizes))
-    dcache = draft_lib.cache_kv(draft.new_cache(batch, cache_len)) if draft is not None else None
+    committed = jnp.full((batch,), context, jnp.int32)
+    tcache = target.new_cache(batch, cache_len, max_block=max(block_sizes)).replace(lengths=committed)
+    dcache = draft.new_cache(batch, cache_len).replace(lengths=committed) if draft is not None else None
     for k in sorted(set(block_sizes) | {1}):
         ids = jnp.zeros((batch, k), jnp.int32)
         if draft is not None and 1 < k <= draft.config.block_size:
-            out[f"draft_forward_s_block{k}"] = timed(draft_fwd, ids, target.params, draft.params, *dcache)
+            out[f"draft_forward_s_block{k}"] = timed(draft_fwd, ids, target.params, draft.params,
+                                                     *draft_lib.cache_kv(dcache))
         out[f"verify_forward_s_block{k}"] = timed(verify, (ids, tcache), target.params)
+    if draft is not None and parts_block is not None and 1 < parts_block <= draft.config.block_size:
+        out["step_parts_s"] = _step_parts(timed, target, draft, tcache, dcache, parts_block, context)
     return out
+
+
+def step_split(timings: dict, block: int, step_s: float) -> dict:
+    """A DFlash step of ``step_s`` seconds at ``block`` split as draft + verify + rest (``time_forwards``'s
+    timings), the rest in its named parts when they were timed, and ``other``: what no part names."""
+    d, v = timings.get(f"draft_forward_s_block{block}", 0.0), timings[f"verify_forward_s_block{block}"]
+    parts = timings.get("step_parts_s", {})
+    rest = step_s - d - v
+    return {"draft": d, "verify": v, "rest": rest, **parts, **({"other": rest - sum(parts.values())} if parts else {})}
+
+
+def _step_parts(timed, target, draft, tcache, dcache, k: int, context: int) -> dict:
+    """Seconds of a DFlash step's non-forward work at block ``k``, each part alone in a jitted loop:
+    acceptance (the target's greedy posterior over the block's logits and the accepted prefix), cache writes (the
+    verified tokens' features -> draft context K/V, into the draft cache) and commit (the committed tokens,
+    acceptance and verify-length records, both caches' rollback)."""
+    import jax.numpy as jnp
+
+    from dflash_jax import draft as draft_lib
+    from dflash_jax.sampling import accepted_length
+    from dflash_jax.state import put_rows
+
+    b, vocab = tcache.lengths.shape[0], target.config.vocab_size
+    offsets = jnp.arange(k, dtype=jnp.int32)
+
+    def acceptance(carry):
+        logits, block = carry
+        posterior = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        a = accepted_length(block[:, 1:], posterior)
+        return logits.at[:, 0, 0].add(a.astype(logits.dtype)), block.at[:, 1:].set(posterior[:, :-1])
+
+    def cache_writes(carry, dp):
+        cache, features = carry
+        cache = draft_lib.materialize(draft.config, dp, cache, features, jnp.broadcast_to(context + offsets, (b, k)))
+        return cache, features.at[:, 0, 0].add(1.0)  # new features each call: nothing to hoist out of the loop
+
+    def commit(carry):
+        tokens, records, tc, dc, a = carry
+        keep = a + 1
+        write = offsets[None] < keep[:, None]
+        tokens = put_rows(tokens, jnp.where(write, context + 1 + offsets[None], tokens.shape[1]), tokens[:, :k] + 1)
+        records = put_rows(records, (a % records.shape[1])[:, None], keep[:, None])
+        tc, dc = tc.commit(keep), dc.commit(keep)  # then back to the context's length: each call commits alike
+        return tokens, records, tc.replace(lengths=tc.lengths - keep), dc.replace(lengths=dc.lengths - keep), (a + 3) % k
+
+    dtype = tcache.lengths.dtype
+    features = jnp.ones((b, k, len(draft.config.target_layer_ids) * target.config.hidden_size),
+                        jnp.float32).astype(draft_lib.cache_kv(dcache)[0][0].dtype)
+    slots = tcache.max_len
+    return {"acceptance": timed(acceptance, (jnp.zeros((b, k, vocab), jnp.float32), jnp.zeros((b, k), jnp.int32))),
+            "cache_writes": timed(cache_writes, (dcache, features), draft.params),
+            "commit": timed(commit, (jnp.zeros((b, slots), dtype), jnp.zeros((b, slots), dtype), tcache, dcache,
+                                     jnp.zeros((b,), dtype)))}
 
 
 def first_mismatch(target, plain, dflash) -> dict | None:

@@ -161,7 +161,12 @@ def test_cli_synthetic_tiny_prints_the_step_split(capsys):
     assert row["replay"]["distribution"] == "truncated geometric" and np.isclose(row["replay"]["requested_tau"], 4)
     assert 1 <= row["tau"] <= 16 and sum(row["acceptance_histogram"]) > 0
     split = row["step_split_s"]
-    assert set(split) == {"draft", "verify", "rest"} and split["draft"] > 0 and split["verify"] > 0
+    assert set(split) == {"draft", "verify", "rest", "acceptance", "cache_writes", "commit", "other"}
+    assert split["draft"] > 0 and split["verify"] > 0
+    assert all(split[p] > 0 for p in ("acceptance", "cache_writes", "commit"))  # each part timed, not a placeholder
+    assert np.isclose(split["other"], split["rest"] - split["acceptance"] - split["cache_writes"] - split["commit"])
+    assert np.isclose(row["speedup_limit"], row["tau"] * row["plain_step_s"] / (split["draft"] + split["verify"]))
+    assert np.isclose(row["efficiency_vs_limit"], row["decode_speedup"] / row["speedup_limit"])
     assert row["verify_forward_s_block1"] > 0 and row["plain_step_s"] > 0 and row["dflash_step_s"] > 0
     assert np.isclose(row["engine_efficiency"], row["decode_speedup"] / row["tau"])
     assert row["machine"]["backend"] == "cpu" and row["dtype"] == "float32"
