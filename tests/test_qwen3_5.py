@@ -135,7 +135,12 @@ def test_incremental_decoding_equals_one_shot(qwen):
     assert [type(s).__name__ for s in cache.layers] == ["Recurrent"] * 3 + ["FullKV"]
     got, got_feats, cache = decode_in_chunks(target, ids, cache, [9, 3], lambda n: 7 if n < 20 else 1, ALL)
     np.testing.assert_array_equal(cache.lengths, [seq, seq])
-    assert max_diff(got, full) <= 1e-5 and max_diff(got_feats, full_feats) <= 1e-5
+    # The chunked and the token-by-token recurrences sum the delta rule in other orders than the one-shot form:
+    # float32 rounding of ~2 ulps per token per layer (30 tokens x 4 layers), relative to each output's scale.
+    # Measured 14 ulps on one CPU and 28 on another (issue #39); a wrong state or rollback is off by O(scale).
+    for a, b in ((got, full), (got_feats, full_feats)):
+        scale = float(np.abs(np.asarray(b)).max())
+        assert max_diff(a, b) <= 2 * seq * c.num_hidden_layers * np.finfo(np.float32).eps * scale
 
 
 def test_rollback_keeps_the_state_of_exactly_the_accepted_tokens(qwen):
