@@ -115,7 +115,7 @@ def _step_parts(timed, target, draft, tcache, dcache, k: int, context: int) -> d
 
     dtype = tcache.lengths.dtype
     features = jnp.ones((b, k, len(draft.config.target_layer_ids) * target.config.hidden_size),
-                        jnp.float32).astype(draft_lib.cache_kv(dcache)[0][0].dtype)
+                        draft_lib.cache_kv(dcache)[0][0].dtype)
     slots = tcache.max_len
     return {"acceptance": timed(acceptance, (jnp.zeros((b, k, vocab), jnp.float32), jnp.zeros((b, k), jnp.int32))),
             "cache_writes": timed(cache_writes, (dcache, features), draft.params),
