@@ -1,7 +1,7 @@
 """dflash_jax: DFlash speculative decoding (block-diffusion draft) in JAX/Flax."""
 from dflash_jax.config import DraftConfig, TargetConfig
 from dflash_jax.draft import Draft, draft_block_logits, draft_block_tokens, load_draft, save_draft
-from dflash_jax.speculative import GenerationResult, generate, speculative_generate, stream_generate
+from dflash_jax.decode import GenerationResult, generate, speculative_generate, stream_generate
 from dflash_jax.target import Target, load_target, target_logits
 
 __all__ = ["DraftConfig", "TargetConfig", "Target", "Draft", "GenerationResult", "load_target", "load_draft",

@@ -27,6 +27,7 @@ from dflash_jax.checkpoints import NameTable, export_params, load_params, resolv
 from dflash_jax.config import DraftConfig
 from dflash_jax.families.dense import DecoderLayer
 from dflash_jax.layers import Linear, RMSNorm, initializer, random_params
+from dflash_jax.sampling import categorical, row_keys
 from dflash_jax.state import DecodeCache, KVSpec
 from dflash_jax.target import Target, check_token_ids
 
@@ -329,20 +330,22 @@ def select(cfg: DraftConfig, params, h, scores, anchor, *, temperature=None, key
     int32, candidates [B, T, k] int32, walk scores [B, T, k] float32). Per position t the top-k logits
     (unary) are the candidates; s_j = unary_j + sum_r A[pred, r] u[t, r] S[cand_j, r] (A, S the predecessor /
     successor codebooks, u the projected hidden), pred the previous token (the anchor first). Greedy
-    (``temperature`` None) takes argmax s; otherwise a draw from softmax(s / temperature) with ``key``."""
+    (``temperature`` None) takes argmax s; otherwise per row ([B] temperatures, ``key`` [B, 2] per-row keys) a draw
+    from softmax(s / temperature), the argmax where a row's temperature is 0."""
     u, pred_book, succ_book = DFlashDraft(cfg).apply({"params": params}, h, method=DFlashDraft.select_inputs)
     unary, cand = jax.lax.top_k(scores, cfg.selector_top_k)
     succ = jnp.take(succ_book, cand, axis=0).astype(jnp.float32)  # [B, T, k, r]
-    keys = jax.random.split(key, scores.shape[1]) if key is not None else jnp.zeros((scores.shape[1], 2), jnp.uint32)
+    b, t = scores.shape[:2]
+    keys = row_keys(key, t) if key is not None else jnp.zeros((t, b, 2), jnp.uint32)
 
     def walk(pred, xs):
         u_t, unary_t, cand_t, succ_t, key_t = xs
         a = jnp.take(pred_book, pred, axis=0).astype(jnp.float32) * u_t.astype(jnp.float32)
         s = unary_t + jnp.einsum("BR,BKR->BK", a, succ_t)
-        if temperature is None:
-            j = jnp.argmax(s, axis=-1)
-        else:
-            j = jax.random.categorical(key_t, s / temperature, axis=-1)
+        j = jnp.argmax(s, axis=-1)
+        if temperature is not None:
+            temp = jnp.broadcast_to(temperature, (b,))
+            j = jnp.where(temp == 0, j, categorical(key_t, s / jnp.maximum(temp, 1e-6)[:, None]))
         token = jnp.take_along_axis(cand_t, j[:, None], axis=1)[:, 0].astype(jnp.int32)
         return token, (token, s)
 

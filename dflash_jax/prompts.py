@@ -5,7 +5,8 @@ per line with ``prompt`` (text) or ``prompt_ids`` (token ids), optionally ``resp
 ``response_ids``; or a conversation, ``messages``: [{"role": "system" | "user" | "assistant", "content":
 text}, ...] (ShareGPT / UltraChat style), always encoded with the chat template. Otherwise it is plain
 text: one prompt per non-empty line, in which the two characters ``\\n`` stand for a newline (JSONL
-carries any text exactly).
+carries any text exactly). A JSONL row may carry decoding settings of its own (``OVERRIDES``: max_new_tokens,
+temperature, top_p, top_k, seed), which ``infer.generate`` / ``infer.benchmark`` take over the command line's.
 
 The special-tokens rule, the same everywhere (as Hugging Face ``generate`` users and vLLM encode): a
 text prompt is ``tokenizer(text)``, with the tokenizer's special tokens (a LLaMA prompt starts with
@@ -16,6 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+
+
+OVERRIDES = {"max_new_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int, "seed": int}
 
 
 class PromptError(ValueError):
@@ -50,6 +54,10 @@ def read_prompts(path: str) -> list[dict]:
         for key in ("prompt_ids", "response_ids"):
             if key in r and not (isinstance(r[key], list) and all(isinstance(t, int) for t in r[key])):
                 raise PromptError(f"{path} line {n}: {key} must be a list of integers")
+        for key, kind in OVERRIDES.items():
+            if key in r and (not isinstance(r[key], kind) or isinstance(r[key], bool)):
+                raise PromptError(f"{path} line {n}: {key} must be {'an integer' if kind is int else 'a number'}, "
+                                  f"got {r[key]!r}")
         records.append(r)
     return records
 

@@ -52,22 +52,46 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def choose(logits, key, temperature, top_k, top_p, *, greedy: bool):
-    """logits [..., V] -> token ids [...]. temperature/top_k/top_p are runtime scalars."""
+def per_row(x, ndim: int):
+    """A per-row setting ([B], or a scalar for every row) shaped to broadcast against a [B, ..., V] array of ``ndim``."""
+    x = jnp.asarray(x)
+    return x.reshape(x.shape + (1,) * (ndim - x.ndim))
+
+
+def row_keys(keys, n: int):
+    """Per-row keys [B, 2] -> [n, B, 2]: n independent keys for every row (each row's draws depend on its own key
+    only, so a request's seed gives the same draws whatever batch it is in)."""
+    return jnp.swapaxes(jax.vmap(lambda k: jax.random.split(k, n))(keys), 0, 1)
+
+
+def categorical(keys, scores):
+    """One draw per row from softmax(scores) [B, ..., V] with that row's key [B, 2] -> int32 [B, ...]."""
+    return jax.vmap(lambda k, s: jax.random.categorical(k, s, axis=-1))(keys, scores).astype(jnp.int32)
+
+
+def choose(logits, keys, temperature, top_k, top_p, *, greedy: bool):
+    """logits [B, ..., V] -> token ids [B, ...]; ``keys`` [B, 2] and the settings (runtime, [B] or scalars) are per
+    row, and a row at temperature 0 takes the argmax. ``greedy`` (static): every row is greedy."""
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, filtered_scores(logits, temperature, top_k, top_p), axis=-1).astype(jnp.int32)
+        return best
+    drawn = categorical(keys, filtered_scores(logits, temperature, top_k, top_p))
+    return jnp.where(per_row(temperature, best.ndim) == 0, best, drawn)
 
 
 def filtered_scores(logits, temperature, top_k, top_p):
-    """logits [..., V] -> tempered scores, -inf outside the top-k / top-p set: the log-weights of the
-    distribution ``choose`` samples from (softmax of them: its probabilities)."""
-    scores = logits.astype(jnp.float32) / temperature
+    """logits [B, ..., V] -> tempered scores, -inf outside the top-k / top-p set: the log-weights of the
+    distribution ``choose`` samples from (softmax of them: its probabilities). Settings per row ([B]) or scalars;
+    a temperature of 0 is taken as 1e-6 (its row is greedy: ``choose`` takes the argmax)."""
+    nd = logits.ndim
+    top_k, top_p = per_row(top_k, nd), per_row(top_p, nd)
+    scores = logits.astype(jnp.float32) / jnp.maximum(per_row(temperature, nd), 1e-6)
 
     def truncate(scores):
         vocab = scores.shape[-1]
         ordered = jnp.sort(scores, axis=-1)[..., ::-1]
-        kth = jnp.take(ordered, jnp.clip(top_k - 1, 0, vocab - 1), axis=-1)[..., None]
+        at_k = jnp.broadcast_to(jnp.clip(top_k - 1, 0, vocab - 1), scores.shape[:-1] + (1,))
+        kth = jnp.take_along_axis(ordered, at_k, axis=-1)
         scores = jnp.where((top_k > 0) & (scores < kth), -jnp.inf, scores)
         # top-p: keep the smallest prefix of the sorted distribution whose mass reaches top_p.
         ordered = jnp.sort(scores, axis=-1)[..., ::-1]
@@ -77,8 +101,8 @@ def filtered_scores(logits, temperature, top_k, top_p):
         cutoff = jnp.take_along_axis(ordered, n_keep - 1, axis=-1)
         return jnp.where(scores < cutoff, -jnp.inf, scores)
 
-    # the two sorts over the vocabulary only when top-k / top-p asks for them (runtime scalars)
-    return jax.lax.cond((top_k > 0) | (top_p < 1), truncate, lambda s: s, scores)
+    # the two sorts over the vocabulary only when some row's top-k / top-p asks for them (runtime settings)
+    return jax.lax.cond(jnp.any(top_k > 0) | jnp.any(top_p < 1), truncate, lambda s: s, scores)
 
 
 def accepted_length(drafts, posterior):
@@ -90,11 +114,11 @@ def accepted_length(drafts, posterior):
     return jnp.sum(jnp.cumprod(match, axis=-1), axis=-1)
 
 
-def rejection_sample(draft_scores, drafts, target_scores, key, verified=None):
+def rejection_sample(draft_scores, drafts, target_scores, keys, verified=None):
     """The ``rejection`` rule (module docstring). draft_scores [B, K-1, V] (q_1..q_{K-1} as log-weights),
     drafts [B, K-1] sampled from them, target_scores [B, K, V] (p_0..p_{K-1}: p_j predicts the token
     after block position j) -> (accepted drafts a [B], tokens [B, K]: d_1..d_a, then the residual or
-    bonus token at index a; entries after it are unused). ``verified`` (default K-1): only d_1..d_verified
+    bonus token at index a; entries after it are unused); ``keys`` [B, 2] per row. ``verified`` (default K-1): only d_1..d_verified
     are verified (an adaptive verify length), the bonus after them drawn from p_verified; exact as long as
     ``verified`` does not depend on the drawn drafts (a speculation cut before it is drawn)."""
     k1 = drafts.shape[1]
@@ -102,14 +126,14 @@ def rejection_sample(draft_scores, drafts, target_scores, key, verified=None):
     p, q = jax.nn.softmax(target_scores, axis=-1), jax.nn.softmax(draft_scores, axis=-1)
     p_d = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
-    k_accept, k_next = jax.random.split(key)
-    accept = jax.random.uniform(k_accept, drafts.shape) * q_d < p_d  # probability min(1, p / q)
+    k_accept, k_next = row_keys(keys, 2)
+    accept = jax.vmap(lambda k: jax.random.uniform(k, (k1,)))(k_accept) * q_d < p_d  # probability min(1, p / q)
     accept &= jnp.arange(k1) < verified
     a = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1)
     residual = jnp.maximum(p[:, :-1] - q, 0.0)
     residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 1e-9, residual, p[:, :-1])  # p == q: never rejects
     at = lambda x, i: jnp.take_along_axis(x, i[:, None, None], axis=1)[:, 0]  # noqa: E731
     dist = jnp.where((a < verified)[:, None], at(residual, jnp.minimum(a, k1 - 1)), at(p, a))
-    nxt = jax.random.categorical(k_next, jnp.log(dist), axis=-1).astype(jnp.int32)
+    nxt = categorical(k_next, jnp.log(dist))
     padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
     return a, jnp.where(jnp.arange(padded.shape[1]) == a[:, None], nxt[:, None], padded)

@@ -23,7 +23,7 @@ import numpy as np
 from dflash_jax.config import DraftConfig, RopeConfig, TargetConfig, choose_target_layer_ids
 from dflash_jax.draft import Draft, draft_param_shapes
 from dflash_jax.layers import device_random_params
-from dflash_jax.proposers import Chain, Proposal, StepView
+from dflash_jax.decode.proposers import Chain, Proposal, StepView
 from dflash_jax.target import Target, param_shapes
 
 

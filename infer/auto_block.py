@@ -90,7 +90,7 @@ def choose_block_size(target, draft, prompts, decoding_kw: dict) -> Choice:
     run's own compiled program (one per block, as the real run needs), timed at a prefill-only budget and at
     ``PROBE_TOKENS``, so a step's cost is the engine's whole step (draft, verify, acceptance, cache updates);
     the acceptance lengths of all probes estimate each position's acceptance. Then choose."""
-    from dflash_jax.speculative import cache_length, speculative_generate
+    from dflash_jax.decode import cache_length, speculative_generate
 
     trained = draft.config.block_size
     budget = decoding_kw["max_new_tokens"]

@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     if args.synthetic:
         return synthetic.run(args)
     synthetic.check_unused(args)
-    from dflash_jax.speculative import generate, speculative_generate
+    from dflash_jax.decode import generate, speculative_generate
 
     check_plot_path(args.plot)  # every option the command line alone can check, before loading
     records, adaptive, tree = prompt_records(args), adaptive_kwargs(args), tree_kwargs(args)

@@ -173,7 +173,7 @@ def param_dtype(model) -> str:
     return str(jax.tree_util.tree_leaves(model.params)[0].dtype)
 
 
-# The options' names in the shared checks' messages (``dflash_jax.speculative.PARAMS``).
+# The options' names in the shared checks' messages (``dflash_jax.decode.PARAMS``).
 FLAGS = {"max_new_tokens": "--max-new-tokens", "seed": "--seed", "block_size": "--block-size",
          "draft": "a draft (--draft)"}
 
@@ -185,7 +185,7 @@ def check_before_loading(args, target_path: str, draft_path: str | None) -> None
     from dflash_jax.config import DraftConfig
     from dflash_jax.families import config_from_hf
     from dflash_jax.sampling import SamplingParams
-    from dflash_jax.speculative import check_budget_and_seed, resolve_block_size
+    from dflash_jax.decode import check_budget_and_seed, resolve_block_size
 
     SamplingParams(args.temperature, args.top_k, args.top_p, args.acceptance)  # raises on bad values
     try:
@@ -252,3 +252,63 @@ def parse_ints(text: str, flag: str) -> list[int]:
     if not out or min(out) < 1:
         die(f"{flag} takes positive integers separated by commas, got {text!r}")
     return out
+
+
+DEFAULT_MAX_BATCH = 16
+
+
+def add_max_batch_arg(g) -> None:
+    g.add_argument("--max-batch", type=int, default=None,
+                   help="decode slots: the prompts stream through N rows, continuously batched (a row that finishes "
+                        f"takes the next prompt at once); default: {DEFAULT_MAX_BATCH}, or fewer where the slots' "
+                        "caches would pass a quarter of the accelerator's free memory, and never more than the prompts")
+
+
+def check_overrides(args, overrides: list[dict]) -> None:
+    """Every prompt's own settings over the command line's, checked before loading (dies naming the prompt)."""
+    from dflash_jax.decode import DecodeOptions
+
+    if args.max_batch is not None and args.max_batch < 1:
+        die(f"--max-batch must be >= 1, got {args.max_batch}")
+    base = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, seed=args.seed, acceptance=args.acceptance)
+    for i, own in enumerate(overrides):
+        if own:
+            try:
+                DecodeOptions(**dict(base, **own))
+            except ValueError as e:
+                die(f"prompt {i}: {e}")
+
+
+def requests_of(prompts: list[list[int]], overrides: list[dict]) -> list:
+    """``decode.Request`` per prompt: its own settings, and its key stream (its index; 0 with its own seed, so a
+    seeded row draws the same tokens wherever it is in the file)."""
+    from dflash_jax.decode import Request
+
+    return [Request(p, stream=0 if "seed" in own else i, **own) for i, (p, own) in enumerate(zip(prompts, overrides))]
+
+
+def max_batch(args, target, draft, prompts, overrides, kw: dict) -> int:
+    """``--max-batch``, or the default: ``DEFAULT_MAX_BATCH`` rows, fewer where their caches would pass a quarter
+    of the device's free memory (TPU / GPU report it; CPU: no cap), never more than the prompts."""
+    if args.max_batch is not None:
+        return args.max_batch
+    import jax
+
+    from dflash_jax import draft as draft_lib
+    from dflash_jax import target as target_lib
+    from dflash_jax.decode import cache_length
+
+    n = min(DEFAULT_MAX_BATCH, len(prompts))
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return n
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    budget = [own.get("max_new_tokens", kw["max_new_tokens"]) for own in overrides]
+    cache_len = cache_length([len(p) for p in prompts], budget, 16)
+    dtype = jax.tree_util.tree_leaves(target.params)[0].dtype
+    caches = [jax.eval_shape(lambda: target_lib.new_cache(target.config, 1, cache_len, dtype))]
+    if draft is not None:
+        caches.append(jax.eval_shape(lambda: draft_lib.new_cache(draft.config, 1, cache_len, dtype)))
+    per_row = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(caches))
+    return max(1, min(n, int(free // 4 // max(per_row, 1))))

@@ -1,8 +1,10 @@
 """Generate with DFlash speculative decoding: ``python -m infer.generate [--target T --draft D] ...``.
 
 With no arguments it runs the embedded demo pair (a small stdlib code model and its draft) offline.
-``--json`` prints one object per prompt per line: output_ids (prompt + generated), acceptance_lengths
-(one per verify step, each counting the bonus token), tokens_per_second, and more.
+``--json`` prints one object per prompt per line, in input order: index, output_ids (prompt + generated),
+acceptance_lengths (one per verify step, each counting the bonus token), tokens_per_second, and more.
+Prompts stream through ``--max-batch`` slots (continuous batching: a finished row takes the next prompt at
+once); a JSONL prompts-file row may set its own max_new_tokens, temperature, top_p, top_k and seed.
 """
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import argparse
 import json
 import sys
 
-from infer.common import (adaptive_kwargs, add_model_args, decoding_kwargs, die, encode, load_models, param_dtype,
-                          read_prompts_file, resolve_block, tree_kwargs)
+from infer.common import (adaptive_kwargs, add_max_batch_arg, add_model_args, check_overrides, decoding_kwargs, die,
+                          encode, load_models, max_batch, param_dtype, read_prompts_file, requests_of, resolve_block,
+                          tree_kwargs)
 
 DEMO_PROMPT = 'import os\n\n\ndef read_lines(path):\n    """Return the lines of the text file at path."""\n'
 
@@ -26,6 +29,7 @@ def parse_args(argv=None):
                                           "(text) or 'prompt_ids' field")
     g.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template")
+    add_max_batch_arg(g)
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     o.add_argument("--stream", action="store_true", help="print tokens as each step accepts them (batch of 1 "
@@ -54,6 +58,14 @@ def prompt_sources(args) -> tuple[list[list[int]], list[dict]]:
     return ids, records
 
 
+def overrides_of(sources) -> list[dict]:
+    """Each prompt's own decoding settings (JSONL rows: ``prompts.OVERRIDES``), in ``prompt_ids``' order."""
+    from dflash_jax.prompts import OVERRIDES
+
+    ids, records = sources
+    return [{}] * len(ids) + [{k: r[k] for k in OVERRIDES if k in r} for r in records] or [{}]
+
+
 def prompt_ids(args, tokenizer, sources=None) -> list[list[int]]:
     """All prompts as ids: the ``--prompt-ids`` rows, then the text records encoded (the demo prompt when
     there are none); ``sources``: ``prompt_sources(args)`` when already read."""
@@ -63,15 +75,15 @@ def prompt_ids(args, tokenizer, sources=None) -> list[list[int]]:
     return ids or encode(tokenizer, [{"prompt": DEMO_PROMPT}])
 
 
-def streamed(args, target, draft, tokenizer, prompts, spec_kw: dict) -> list:
+def streamed(args, target, draft, tokenizer, prompts, overrides, spec_kw: dict) -> list:
     """--stream: each prompt's tokens printed as they are committed (unless --json); the results."""
-    from dflash_jax.speculative import stream_generate
+    from dflash_jax.decode import stream_generate
 
     results = []
-    for p in prompts:
+    for p, own in zip(prompts, overrides):
         if tokenizer is not None and not args.json:
             sys.stdout.write(tokenizer.decode(p))
-        for event in stream_generate(target, draft, [p], **spec_kw):
+        for event in stream_generate(target, draft, [p], **dict(spec_kw, **own)):
             if event and isinstance(event[0], list):
                 if not args.json:
                     new = event[0]
@@ -89,9 +101,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.chat and not (args.prompt or args.prompts_file):
         die("--chat applies to text prompts: pass --prompt or --prompts-file")
-    from dflash_jax.speculative import generate, speculative_generate
+    from dflash_jax.decode import RunStats, continuous_generate
 
     sources = prompt_sources(args)  # every option the command line alone can check, before loading
+    overrides = overrides_of(sources)
+    check_overrides(args, overrides)
     extra = dict(**adaptive_kwargs(args), **tree_kwargs(args))
     target, draft, tokenizer = load_models(args)
     prompts = prompt_ids(args, tokenizer, sources)
@@ -101,12 +115,15 @@ def main(argv=None) -> int:
     kw = decoding_kwargs(args, target)
     block, _ = resolve_block(args, target, draft, prompts, kw)
     spec_kw = dict(kw, block_size=block, **extra)
+    requests = requests_of(prompts, overrides)
+    stats = RunStats()
     try:
+        slots = max_batch(args, target, draft, prompts, overrides, spec_kw)
         if args.stream:
-            results = streamed(args, target, draft, tokenizer, prompts, spec_kw)
+            results = streamed(args, target, draft, tokenizer, prompts, overrides, spec_kw)
         else:
-            results = speculative_generate(target, draft, prompts, **spec_kw)
-        baseline = generate(target, prompts, **kw) if args.baseline else None
+            results = continuous_generate(target, draft, requests, max_batch=slots, stats=stats, **spec_kw)
+        baseline = continuous_generate(target, None, requests, max_batch=slots, **kw) if args.baseline else None
     except ValueError as e:
         die(str(e))
     import jax
@@ -116,8 +133,11 @@ def main(argv=None) -> int:
     if not args.json:
         print("(tokens/s exclude one-time setup: each program is compiled and run once before it is timed)",
               file=sys.stderr)
+    if not args.stream:
+        print(f"continuous batching: {len(prompts)} prompts through {stats.slots} slots in {stats.wall_time_s:.2f} s, "
+              f"slot occupancy {stats.occupancy:.2f}, {stats.programs} programs compiled", file=sys.stderr)
     for i, r in enumerate(results):
-        row = r.to_json()
+        row = dict(index=i, **r.to_json())
         row["dtype"] = param_dtype(target)
         if tokenizer is not None:
             row["text"] = tokenizer.decode(r.generated_ids)

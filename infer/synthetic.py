@@ -92,7 +92,7 @@ def measure(target, draft, probs, args, *, batch: int, context: int, block: int)
     """One configuration: plain, replayed DFlash, prefill alone of both, and the forward timings."""
     import jax
 
-    from dflash_jax.speculative import cache_length, generate, speculative_generate
+    from dflash_jax.decode import cache_length, generate, speculative_generate
     from dflash_jax.synthetic import ReplayProposer
 
     rng = np.random.default_rng([args.seed, batch, context])

@@ -2,7 +2,7 @@
 
     python scripts/mesh_step_costs.py [--impl interpret] [--mesh data=8 --mesh data=2,tensor=4]
 
-The demo pair (``dflash_jax.demo``), 8 prompts; the step is ``speculative.lower_step`` compiled for each
+The demo pair (``dflash_jax.demo``), 8 prompts; the step is ``decode.lower_step`` compiled for each
 mesh. ``--impl``: the decode attention (``interpret``: the Pallas kernel in interpret mode, per shard on a
 mesh; ``auto``: the jnp loop on CPU). Counts are HLO instructions of the compiled (partitioned) step.
 """
@@ -14,7 +14,7 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-from dflash_jax import hlo, load_draft, load_target, speculative  # noqa: E402
+from dflash_jax import decode, hlo, load_draft, load_target  # noqa: E402
 from dflash_jax import model_sharding as ms  # noqa: E402
 from dflash_jax import sharding as sh  # noqa: E402
 from dflash_jax.demo import DEMO_DRAFT, DEMO_TARGET  # noqa: E402
@@ -23,7 +23,7 @@ from dflash_jax.demo import DEMO_DRAFT, DEMO_TARGET  # noqa: E402
 def step_costs(target, draft, prompts, mesh_spec: str, impl: str) -> dict:
     mesh = sh.make_mesh(mesh_spec)
     ts, ds = ms.shard_target(target, mesh), ms.shard_draft(draft, mesh)
-    compiled = speculative.lower_step(ts, ds, prompts, max_new_tokens=32, attention_impl=impl)[0].compile()
+    compiled = decode.lower_step(ts, ds, prompts, max_new_tokens=32, attention_impl=impl)[0].compile()
     mem = hlo.memory(compiled)
     return {"mesh": mesh_spec, "impl": impl, "peak_bytes_per_device": mem["peak_bytes"],
             "temp_bytes": mem["temp_bytes"], "argument_bytes": mem["argument_bytes"],

@@ -62,7 +62,7 @@ def _release_compiled_programs():
     yield
     import jax
 
-    from dflash_jax import speculative
+    from dflash_jax.decode import batch
 
-    speculative._compiled.clear()
+    batch.PROGRAMS.clear()
     jax.clear_caches()

@@ -132,7 +132,7 @@ THRESHOLDS = (0.0, 0.003, 0.01, 0.03, 0.1, 0.3, 2.0)  # adaptive verify: 0 takes
 def adaptive_lossless(target, draft, prompts, want, lengths, **kw) -> dict:
     """Adaptive verify over ``lengths`` at each of ``THRESHOLDS`` gives ``want`` (output ids per prompt), and
     every length is chosen somewhere. -> {threshold: lengths chosen in that run}."""
-    from dflash_jax import speculative as S
+    from dflash_jax import decode as S
 
     chosen = {}
     for threshold in THRESHOLDS:
@@ -151,7 +151,7 @@ def lossless_greedy_with_partial_acceptance(model, target, blocks=(4, 8), new: i
     acceptance (1 < acceptance < block) must occur: for a hybrid target it is what exercises the recurrent
     rollback. Needs a target vocabulary of at least 15 (small, so that a random
     draft is sometimes right)."""
-    from dflash_jax import speculative as S
+    from dflash_jax import decode as S
     from hf_models import torch_greedy
 
     prompts = [[5, 7, 3, 4, 9, 6], [7, 7, 1, 2, 3, 11, 12, 9, 14], [2, 8, 13]]

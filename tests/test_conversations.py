@@ -67,7 +67,7 @@ def _chat(tok, msgs, gen=False):
 
 @pytest.mark.parametrize("turns", ["last", "all"])
 def test_target_regenerates_assistant_turns(setup, turns):
-    from dflash_jax.speculative import generate
+    from dflash_jax.decode import generate
     from train.make_data import make_data
 
     target, pfile, convs, root = setup

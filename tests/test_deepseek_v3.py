@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import dflash_jax as dj
 from dflash_jax import model_sharding as ms
 from dflash_jax import sharding as sh
-from dflash_jax import speculative as S
+from dflash_jax import decode as S
 from dflash_jax import target as target_lib
 from dflash_jax.checkpoints import iter_safetensors, save_safetensors
 from dflash_jax.families.deepseek_v3 import DeepseekV3Config

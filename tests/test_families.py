@@ -8,7 +8,7 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax import families
-from dflash_jax import speculative as S
+from dflash_jax import decode as S
 from dflash_jax.config import TargetConfig, read_config_json
 from dflash_jax.families import dense
 from dflash_jax.target import Target, save_target

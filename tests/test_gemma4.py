@@ -21,7 +21,7 @@ import torch
 import transformers
 
 import dflash_jax as dj
-from dflash_jax import speculative as S
+from dflash_jax import decode as S
 from dflash_jax import target as target_lib
 from dflash_jax.checkpoints import iter_safetensors
 from dflash_jax.families.gemma4 import Gemma4Config

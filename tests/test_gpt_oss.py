@@ -19,7 +19,7 @@ import torch
 import transformers
 
 import dflash_jax as dj
-from dflash_jax import speculative as S
+from dflash_jax import decode as S
 from dflash_jax.checkpoints import iter_safetensors, save_safetensors
 from dflash_jax.families.gpt_oss import GptOssConfig
 from dflash_jax.layers import rope_frequencies

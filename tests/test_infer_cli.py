@@ -214,7 +214,7 @@ def test_auto_dtype_is_the_checkpoints_on_accelerators(pair_dirs, tmp_path, monk
 def test_benchmark_reports_first_mismatch_and_logit_gap(pair_dirs, capsys, tmp_path, monkeypatch):
     """A DFlash output that differs from plain decoding is reported with its first differing token and the
     target's top-2 logit gap there (one forward on the plain output up to it), in JSON and in text."""
-    from dflash_jax import speculative as S
+    from dflash_jax import decode as S
     from infer import benchmark as b
 
     tdir, ddir, target = pair_dirs

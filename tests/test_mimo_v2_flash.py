@@ -18,7 +18,7 @@ import torch
 import transformers
 
 import dflash_jax as dj
-from dflash_jax import speculative as S
+from dflash_jax import decode as S
 from dflash_jax.families.mimo_v2_flash import MiMoV2FlashConfig
 from dflash_jax.target import forward, save_target
 from hf_models import (broken_checkpoint, broken_tensors_are_named, fp8_copies, max_diff, perturb, positions_for, ragged_parity,

@@ -22,7 +22,7 @@ import transformers
 
 import dflash_jax as dj
 from dflash_jax import draft as D
-from dflash_jax import speculative as S
+from dflash_jax import decode as S
 from dflash_jax.checkpoints import iter_safetensors, save_safetensors
 from dflash_jax.config import DraftConfig
 from dflash_jax.families.muse_glimmer import MuseGlimmerConfig

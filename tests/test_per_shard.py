@@ -232,7 +232,7 @@ def test_training_loss_and_grads_per_shard_equal_single_device(train_case, spec)
 
 @pytest.mark.slow  # the whole decode loop with interpret-mode kernels, compiled twice (~60 s)
 def test_speculative_with_kernel_per_shard_equals_single_device():
-    from dflash_jax import speculative as S
+    from dflash_jax import decode as S
 
     target, draft = random_pair(vocab=64, block_size=8, layers=2, draft_layers=1, target_layer_ids=(0, 1),
                                 num_attention_heads=8, num_key_value_heads=4)

@@ -195,7 +195,7 @@ def test_sharded_speculative_equals_one_device(qwen, spec):
     """Rows, KV caches and recurrent states over data, attention weights over tensor: the same tokens."""
     from dflash_jax import model_sharding as ms
     from dflash_jax import sharding as sh
-    from dflash_jax import speculative as S
+    from dflash_jax import decode as S
     from pairs import random_draft
 
     _, _, target = qwen
@@ -218,7 +218,7 @@ def test_training_a_draft_for_qwen3_5_runs_and_the_loss_falls(qwen, tmp_path):
     assert len(losses) == 30 and np.all(np.isfinite(losses))
     assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses
     # the trained draft decodes losslessly through the recurrent rollback
-    from dflash_jax import speculative as S
+    from dflash_jax import decode as S
 
     p = [[3, 5, 7, 2, 9], [4, 4, 1]]
     assert ([r.output_ids for r in S.speculative_generate(target, draft, p, max_new_tokens=16, stop_token_ids=[])]
@@ -228,7 +228,7 @@ def test_training_a_draft_for_qwen3_5_runs_and_the_loss_falls(qwen, tmp_path):
 def test_sampled_decoding_keeps_the_targets_joint_law(qwen):
     """Temperature sampling through the recurrent rollback (rejection rule, block 4): the joint law of the
     first three tokens against the exact one, with tests/test_sampling.py's statistic and threshold."""
-    from dflash_jax import speculative as S
+    from dflash_jax import decode as S
     from pairs import random_draft
     from test_sampling import N, chi_square, exact_joint
 

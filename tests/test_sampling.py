@@ -57,7 +57,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from dflash_jax import speculative as S
+from dflash_jax import decode as S
 from dflash_jax.target import Target, target_logits
 from pairs import random_pair
 from test_draft import make_draft

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import dflash_jax as dj
 from dflash_jax import model_sharding as ms
 from dflash_jax import sharding as sh
-from dflash_jax import speculative as S
+from dflash_jax import decode as S
 from dflash_jax.target import save_target
 from pairs import random_pair, tiny_target_config
 
@@ -171,8 +171,8 @@ def test_speculative_sharded_equals_single_device(pair, prompts, single, spec):
     assert sum(len(r.acceptance_lengths) for r in out) < len(prompts) * MAX_NEW  # the draft was accepted sometimes
 
     # the compiled loop keeps rows over data and KV heads over tensor (4 KV heads: not on tensor=8)
-    req = S._prepare(ts, ds, prompts, max_new_tokens=MAX_NEW, sampling=S.SamplingParams(0.0, 0, 1.0))
-    state = S._executable(req).output_shardings
+    engine = S.Engine(ts, ds, S.DecodeOptions(max_new_tokens=MAX_NEW), max_batch=len(prompts), max_length=64)
+    state = jax.tree_util.tree_map(lambda x: x.sharding, engine.admit(engine.empty(), [S.Request(prompts[0])])[0])
     cache = NamedSharding(mesh, sh.cache_spec(mesh, 4))
     assert state.tcache.layers[0].k.is_equivalent_to(cache, 4) and state.dcache.layers[0].v.is_equivalent_to(cache, 4)
     assert state.tokens.is_equivalent_to(sh.batch_sharding(mesh, 2), 2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash_jax import speculative as S
+from dflash_jax import decode as S
 from dflash_jax.sampling import choose
 from pairs import adaptive_lossless, random_pair
 
@@ -115,7 +115,7 @@ def test_verify_choice(active, threshold, want):
     0.31 from 9 to 16; row 1's (0.1 sure) expects almost none, and halves the batch's gain when active."""
     confidence = np.stack([np.full(15, 0.9), np.full(15, 0.1)]).astype(np.float32)
     lengths = (4, 8, 16)
-    assert lengths[int(S._verify_choice(confidence, np.array(active), lengths, threshold))] == want
+    assert lengths[int(S.verify_choice(confidence, np.array(active), lengths, threshold))] == want
 
 
 @pytest.mark.parametrize("edge", ["none", "max_new_tokens", "stop", "max_length", "one_row"])
@@ -175,7 +175,7 @@ def test_top_k_top_p_restrict_support():
     import jax
 
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32)).repeat(4000, 0)
-    key = jax.random.PRNGKey(0)
+    key = jax.random.split(jax.random.PRNGKey(0), 4000)  # a key per row
     k2 = np.asarray(choose(logits, key, 1.0, 2, 1.0, greedy=False))
     assert set(k2.tolist()) == {0, 1}
     p = np.asarray(choose(logits, key, 1.0, 0, 0.7, greedy=False))  # 0.5 + 0.3 reaches 0.7
@@ -271,17 +271,17 @@ def test_draft_cache_tracks_the_committed_tokens(pair, prompts, proposer):
     target, draft = pair
     if proposer == "dflash2":
         draft = make_draft(target.config, block=8, ids=draft.config.target_layer_ids, **DFLASH2)
-    req = S._prepare(target, draft, prompts, max_new_tokens=20, sampling=S.SamplingParams(), stop_token_ids=[],
-                     tree_budget=16 if proposer == "tree" else 0)
-    state = S._prefill_jit(req.spec, req.inputs, cache_len=req.cache_len)
+    options = S.DecodeOptions(max_new_tokens=20, tree_budget=16 if proposer == "tree" else 0)
+    engine = S.Engine(target, draft, options, max_batch=len(prompts), max_length=max(map(len, prompts)) + 20)
+    state, rows = engine.admit(engine.empty(), [S.Request(p) for p in prompts])
     steps = 0
     while True:
         _assert_draft_context_is_committed(target, draft, state)
         if np.asarray(state.done).all():
             break
-        state = S._step_jit(req.spec, req.inputs, state)
+        state = engine.step(state)
         steps += 1
-    out = S._results(state, req, 1.0)
+    state, out = engine.release(state, rows)
     plain = S.generate(target, prompts, max_new_tokens=20, stop_token_ids=[])
     assert [r.output_ids for r in out] == [r.output_ids for r in plain]
     assert any(a > 1 for r in out for a in r.acceptance_lengths)  # partial acceptance happened

@@ -12,7 +12,7 @@ import pytest
 from hf_models import hf_config
 from pairs import random_draft, tiny_target_config
 
-from dflash_jax import hlo, speculative, state
+from dflash_jax import decode, hlo, state
 from dflash_jax import model_sharding as ms
 from dflash_jax import sharding as sh
 from dflash_jax.families import config_from_hf
@@ -64,7 +64,7 @@ def step_audit(kind: str, mesh_spec: str | None):
     if mesh_spec:
         mesh = sh.make_mesh(mesh_spec, devices=jax.devices()[:4])
         target, draft = ms.shard_target(target, mesh), ms.shard_draft(draft, mesh)
-    lowered, st = speculative.lower_step(target, draft, [[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14], [5, 6]],
+    lowered, st = decode.lower_step(target, draft, [[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14], [5, 6]],
                                          max_new_tokens=NEW)
     compiled = lowered.compile()
     buffers = carried_buffers(st.tcache) + carried_buffers(st.dcache)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import synthetic as syn
-from dflash_jax.speculative import generate, speculative_generate
+from dflash_jax.decode import generate, speculative_generate
 from dflash_jax.synthetic import ReplayProposer
 from pairs import random_pair
 

@@ -22,7 +22,7 @@ import pytest
 from dflash_jax.config import DraftConfig, TargetConfig
 from dflash_jax.draft import Draft, draft_param_shapes, init_draft_params, load_draft, save_draft
 from dflash_jax.layers import random_params
-from dflash_jax.speculative import speculative_generate
+from dflash_jax.decode import speculative_generate
 from dflash_jax.target import Target, load_target, param_shapes, save_target
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig, parse_args

@@ -12,7 +12,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import speculative as S
+from dflash_jax import decode as S
 from dflash_jax import target as target_lib
 from dflash_jax import tree as tree_lib
 from dflash_jax.families.gpt_oss import GptOssConfig

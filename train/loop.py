@@ -230,7 +230,7 @@ def evaluate(target: Target, draft: Draft, prompts: list[list[int]], *, max_new_
              stop_token_ids=None) -> dict:
     """Real acceptance length: greedy speculative decoding of ``prompts``; tau = mean over all verify steps
     of (accepted drafts + 1), as in the paper."""
-    from dflash_jax.speculative import speculative_generate
+    from dflash_jax.decode import speculative_generate
 
     dtype = jax.tree_util.tree_leaves(target.params)[0].dtype
     d = Draft(draft.config, objective.cast_tree(draft.params, dtype), draft.path)

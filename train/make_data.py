@@ -211,7 +211,7 @@ def _generate(target, draft, prompts, *, batch_size, max_new_tokens, temperature
 
     Prompts are batched by length (fewer padded tokens and compiled shapes); a short last batch is
     filled with copies so every batch has the same shape."""
-    from dflash_jax.speculative import speculative_generate
+    from dflash_jax.decode import speculative_generate
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list = [None] * len(prompts)

@@ -2,10 +2,11 @@
 
 A proposer is a frozen (hashable) object, part of the compiled loop's static ``EngineSpec``; its runtime
 inputs, if any (``arrays``), travel with the loop's other inputs. Each step it gets a ``StepView`` (the
-block [pending token, mask...] per row, the committed lengths, the draft cache, a key, the sampling
-scalars) and returns a ``Proposal``: the draft tokens d_1..d_{K-1} and the log-weights of the
+block [pending token, mask...] per row, the committed lengths, the draft cache, per-row keys and sampling
+settings) and returns a ``Proposal``: the draft tokens d_1..d_{K-1} and the log-weights of the
 distribution q they were drawn from, which the rejection rule (``sampling.rejection_sample``) and the
-adaptive verify length (``speculative._verify_choice``) read. Greedy decoding needs only the tokens;
+adaptive verify length (``verify.verify_choice``) read. A sampled proposer still takes the argmax for rows
+at temperature 0 (greedy rows in a mixed batch). Greedy decoding needs only the tokens;
 its ``scores`` are the draft's plain (temperature 1) distribution, for the adaptive rule.
 
   * ``Chain``: DFlash v1, the argmax of the draft logits, or at temperature > 0 (rejection rule) a draw
@@ -19,6 +20,7 @@ Tree verification (``tree_budget``) asks instead for ``propose_tree``: the best 
 the draft's v1 marginals, whatever the proposal rule (``dflash_jax.tree``).
 
 After verification the verified tokens' target features become draft context (``update_context``).
+``for_draft`` picks the proposer of a draft's architecture from one registry (``PROPOSERS``).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 
 from dflash_jax import draft as draft_lib
 from dflash_jax import tree as tree_lib
-from dflash_jax.sampling import filtered_scores
+from dflash_jax.sampling import categorical, filtered_scores
 
 
 @flax.struct.dataclass
@@ -44,8 +46,8 @@ class StepView:
     lengths: jax.Array  # [B] committed tokens (the block's anchor position)
     block_len: jax.Array  # [B] block positions that can still be committed (the rest is left out)
     dcache: Any  # the draft's context cache (``draft.cache_kv``)
-    key: jax.Array
-    sampling: tuple  # (temperature, top_k, top_p) runtime scalars
+    key: jax.Array  # [B, 2] per-row keys
+    sampling: tuple  # (temperature, top_k, top_p) per row [B]
     args: Any = None  # the proposer's runtime arrays (``Proposer.arrays``)
 
 
@@ -94,10 +96,12 @@ class Chain(Proposer):
 
     def propose(self, spec, view: StepView) -> Proposal:
         logits, _ = self.draft_forward(spec, view)
+        best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         if not self.sampled:
-            return Proposal(jnp.argmax(logits, axis=-1).astype(jnp.int32), logits)
+            return Proposal(best, logits)
         scores = filtered_scores(logits, *view.sampling)
-        return Proposal(jax.random.categorical(view.key, scores, axis=-1).astype(jnp.int32), scores)
+        greedy = (view.sampling[0] == 0)[:, None]
+        return Proposal(jnp.where(greedy, best, categorical(view.key, scores)), scores)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,10 +113,17 @@ class Selector(Proposer):
         temperature = view.sampling[0] if self.sampled else None
         tokens, cand, s = draft_lib.select(spec.draft_config, view.dparams, h, logits, view.block[:, 0],
                                            temperature=temperature, key=view.key if self.sampled else None)
-        q = jax.nn.log_softmax(s / (1.0 if temperature is None else temperature), axis=-1)
+        t = 1.0 if temperature is None else jnp.maximum(temperature, 1e-6)[:, None, None]
+        q = jax.nn.log_softmax(s / t, axis=-1)
         return Proposal(tokens, draft_lib.on_vocab(cand, q, logits.shape[-1]))
 
 
+PROPOSERS = {"dflash": Chain, "dflash2": Selector}  # DraftConfig.architecture -> its proposal rule
+
+
 def for_draft(draft_cfg, sampled: bool) -> Proposer:
-    """The proposer a draft's architecture defines."""
-    return (Selector if draft_cfg.architecture == "dflash2" else Chain)(sampled=sampled)
+    """The proposer a draft's architecture defines (``PROPOSERS``)."""
+    if draft_cfg.architecture not in PROPOSERS:
+        raise ValueError(f"no proposer for draft architecture {draft_cfg.architecture!r} "
+                         f"(known: {', '.join(PROPOSERS)})")
+    return PROPOSERS[draft_cfg.architecture](sampled=sampled)

@@ -1,0 +1,161 @@
+"""Every decoding option in one frozen object (``DecodeOptions``), checked once when it is built, and the
+per-request overrides of continuous batching (``Request``)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from dflash_jax.attention import DECODE_IMPLS
+from dflash_jax.families import family_of
+from dflash_jax.sampling import SamplingParams
+from dflash_jax.state import KVSpec, SharedKVSpec
+
+# How the checks name the options in their messages: the library's parameter names (the CLIs pass their
+# flags: ``infer.common.FLAGS``).
+PARAMS = {"max_new_tokens": "max_new_tokens", "seed": "seed", "block_size": "block_size", "draft": "a draft"}
+
+
+def check_budget_and_seed(max_new_tokens, seed, names=PARAMS) -> None:
+    """``max_new_tokens`` >= 1 and ``seed`` in [0, 2**63): checked by every decode call and, before any weight
+    is loaded, by the CLIs (with their flags' ``names``)."""
+    is_int = isinstance(max_new_tokens, (int, np.integer)) and not isinstance(max_new_tokens, bool)
+    if not is_int or max_new_tokens < 1:
+        raise ValueError(f"{names['max_new_tokens']} must be {'' if is_int else 'an integer '}>= 1, "
+                         f"got {max_new_tokens!r}")
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63:
+        raise ValueError(f"{names['seed']} must be an integer in [0, 2**63), got {seed!r}")
+
+
+def resolve_block_size(block_size, trained: int | None, names=PARAMS) -> int:
+    """The block to decode with: ``block_size`` in [1, ``trained``] (the draft's trained block; None: that
+    block), or 1 without a draft (``trained`` None). Shared with the CLIs' checks before loading."""
+    if trained is None:
+        if block_size not in (None, 1):
+            raise ValueError(f"{names['block_size']} {block_size} needs {names['draft']}; plain decoding uses a "
+                             "block of 1")
+        return 1
+    block_size = trained if block_size is None else block_size
+    if not 1 <= block_size <= trained:
+        raise ValueError(f"{names['block_size']} must be in [1, {trained}] (the draft was trained with block_size "
+                         f"{trained}), got {block_size}")
+    return block_size
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """How to decode (the keyword options of ``speculative_generate``), every value checked when built.
+
+    ``acceptance``: "match" or "rejection" (speculative sampling; ``dflash_jax.sampling``) at temperature > 0.
+    ``max_length`` caps prompt + generated tokens per row (default: the target's max_position_embeddings).
+    ``proposer``: what each step drafts (``decode.proposers``; default: the draft architecture's own rule).
+    ``attention_impl``: the decode attention (``attention.decode_attention``). ``cache_len``: at least this many
+    cache slots per row. ``verify_lengths`` (e.g. (4, 8, 16)): adaptive verify at ``verify_threshold``.
+    ``tree_budget`` N > 0: tree verification of the N most probable draft prefixes (attention-only targets)."""
+
+    max_new_tokens: int
+    block_size: int | None = None
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+    max_length: int | None = None
+    acceptance: str = "rejection"
+    proposer: Any = None
+    attention_impl: str = "auto"
+    cache_len: int | None = None
+    verify_lengths: tuple[int, ...] | None = None
+    verify_threshold: float = 0.1
+    tree_budget: int = 0
+
+    def __post_init__(self):
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (normalising a frozen field)
+        set_("stop_token_ids", tuple(sorted({int(s) for s in (self.stop_token_ids or ())})))
+        check_budget_and_seed(self.max_new_tokens, self.seed)
+        self.sampling  # raises on a bad temperature / top-k / top-p / acceptance
+        if self.attention_impl not in DECODE_IMPLS:
+            raise ValueError(f"attention_impl must be one of {', '.join(DECODE_IMPLS)}, got {self.attention_impl!r}")
+        t = self.verify_threshold
+        if not isinstance(t, (int, float, np.floating)) or isinstance(t, bool) or not np.isfinite(t):
+            raise ValueError(f"verify_threshold must be a finite number, got {t!r}")
+        if self.verify_lengths is not None:
+            set_("verify_lengths", tuple(sorted({int(x) for x in self.verify_lengths})))
+        tb = self.tree_budget
+        if not isinstance(tb, (int, np.integer)) or isinstance(tb, bool) or tb < 0:
+            raise ValueError(f"tree_budget must be an integer >= 0, got {tb!r}")
+        if tb and self.verify_lengths is not None:
+            raise ValueError("tree_budget cannot be combined with verify_lengths")
+        for name in ("max_length", "cache_len"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.acceptance)
+
+    def replace(self, **kw) -> "DecodeOptions":
+        return dataclasses.replace(self, **kw)
+
+    def block_for(self, draft) -> int:
+        """The block to decode with this draft (None: plain decoding), checked."""
+        block = resolve_block_size(self.block_size, draft.config.block_size if draft is not None else None)
+        if self.proposer is not None and (draft is None or block == 1):
+            raise ValueError("a proposer needs a draft")
+        if self.tree_budget and block == 1:
+            raise ValueError("tree_budget needs a draft and a block size > 1")
+        return block
+
+    def verify_lengths_for(self, block: int) -> tuple[int, ...] | None:
+        """The adaptive verify lengths as the engine takes them (None: always the whole block), checked."""
+        lengths = self.verify_lengths
+        if lengths is None:
+            return None
+        if block == 1:
+            raise ValueError("verify_lengths needs a draft and a block size > 1")
+        if not lengths or lengths[0] < 1 or lengths[-1] > block:
+            raise ValueError(f"verify_lengths must be in [1, {block}] (the block size), got {list(lengths)}")
+        return None if lengths == (block,) else lengths
+
+    def limit(self, target_config) -> int:
+        """The most tokens (prompt + generated) a row may hold."""
+        return self.max_length or target_config.max_position_embeddings
+
+
+def check_tree_target(cfg, block_size: int) -> None:
+    """Tree verification needs attention layers (full, or sliding with a window >= the block: the tree's own
+    keys get no window): a ValueError names what is not (recurrent Gated DeltaNet layers, narrow windows)."""
+    for i, s in enumerate(family_of(cfg).state_specs(cfg)):
+        if isinstance(s, SharedKVSpec):  # attends to an earlier attention layer's keys
+            continue
+        if not isinstance(s, KVSpec):
+            raise ValueError(f"tree_budget > 0 is not supported for {cfg.model_type} targets: layer {i} is "
+                             "recurrent (Gated DeltaNet); use the chain (tree_budget=0)")
+        if s.window is not None and s.window < block_size:
+            raise ValueError(f"tree_budget > 0 needs sliding windows >= the block size {block_size}: layer {i} "
+                             f"has a sliding window of {s.window}; use the chain (tree_budget=0) or a smaller block")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One prompt for continuous batching (``decode.Engine.admit``, ``continuous_generate``), with settings of its
+    own; None takes the engine's ``DecodeOptions``. ``seed`` with ``stream``: the row's key is
+    fold_in(PRNGKey(seed), stream) (row i of a batch call with seed s is (s, i)), so a request draws the same
+    tokens whatever batch it lands in."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stream: int = 0
+    stop_token_ids: Sequence[int] | None = None
+
+    def settings(self, options: DecodeOptions) -> DecodeOptions:
+        """The options this request decodes with (its own values over ``options``), checked."""
+        own = {f: getattr(self, f) for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed",
+                                             "stop_token_ids") if getattr(self, f) is not None}
+        return options.replace(**own) if own else options

@@ -1,0 +1,43 @@
+"""A bounded table of compiled programs: a long-lived process (a server, an RL loop) decoding many shapes keeps at
+most ``capacity`` executables, dropping the least recently used."""
+from __future__ import annotations
+
+import collections
+
+import jax
+import numpy as np
+
+CAPACITY = 32
+
+
+def signature(*trees) -> str:
+    """What an executable is specialised to: the trees' structure and every leaf's shape, dtype and sharding."""
+    leaves = jax.tree_util.tree_map(lambda x: (np.shape(x), str(getattr(x, "dtype", type(x))),
+                                               str(getattr(x, "sharding", None))), trees)
+    return f"{jax.tree_util.tree_structure(trees)}{leaves}"
+
+
+class Programs:
+    """``get(key, build)``: the executable cached under ``key``, or ``build()``'s, kept (LRU, ``capacity`` at most)."""
+
+    def __init__(self, capacity: int = CAPACITY):
+        self.capacity = capacity
+        self._table: collections.OrderedDict = collections.OrderedDict()
+        self.compiled = 0  # programs built so far (a run's compile count)
+
+    def get(self, key, build):
+        if key in self._table:
+            self._table.move_to_end(key)
+            return self._table[key]
+        program = build()
+        self.compiled += 1
+        self._table[key] = program
+        while len(self._table) > self.capacity:
+            self._table.popitem(last=False)
+        return program
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def clear(self) -> None:
+        self._table.clear()

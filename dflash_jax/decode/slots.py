@@ -1,0 +1,263 @@
+"""Continuous batching: ``Engine`` holds S decode slots over one target (and draft); requests are admitted into free
+rows while the other rows keep decoding, and released when they finish. ``continuous_generate`` streams a list of
+requests through the slots.
+
+The state is a ``DecodeState`` of S rows (every cache kind: full, sliding rings, recurrent snapshots, shared KV,
+latent), functional like the rest: ``admit`` / ``step`` / ``run`` / ``release`` take a state and return the next
+(the old one is donated). ``run`` is one ``lax.while_loop`` that returns to the host when a row finishes (or after
+``max_steps`` steps, for streaming). Programs compiled: one ``run`` (and ``step``), and one ``admit`` per (group
+size, prompt bucket): groups of 1, 2, 4, .. S rows, prompts padded to powers of two from 32 (``Engine.programs``
+counts them).
+
+Exactness: a row's tokens depend on its prompt, its settings and its key only (per-row sampling settings and keys;
+every layer is row-local), so its greedy output equals decoding that prompt alone, and a sampled row draws the same
+tokens whatever batch it is in. Adaptive verify (``verify_lengths``) is the exception for acceptance: one verify
+length for the batch, chosen from every running row's confidence, so a row's verify (and acceptance) lengths, and a
+sampled row's tokens, depend on its company (the output law, and greedy output, stay exact)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterable, Iterator, Sequence
+
+import jax
+import numpy as np
+
+from dflash_jax import sharding
+from dflash_jax.decode import prepare, steps
+from dflash_jax.decode.options import DecodeOptions, Request
+from dflash_jax.decode.programs import Programs, signature
+from dflash_jax.decode.types import DecodeState, Finish, GenerationResult, row_result
+from dflash_jax.target import Target
+
+FOREVER = 2 ** 31 - 1  # ``run``'s step limit when only a finishing row should return
+
+
+class Engine:
+    """S = ``max_batch`` slots decoding with ``options`` (the defaults of every request). ``max_length``: the most
+    tokens (prompt + generated) a row may hold, which sizes every slot's cache (default: ``options.max_length``).
+    ``sampled``: requests may sample (temperature > 0); default: only when ``options.temperature`` > 0 (a greedy
+    engine compiles argmax only and refuses sampled requests)."""
+
+    def __init__(self, target: Target, draft, options: DecodeOptions, *, max_batch: int, max_length: int | None = None,
+                 sampled: bool | None = None, stop_width: int = 8, capacity: int = 64):
+        if not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        max_length = max_length or options.max_length
+        if max_length is None:
+            raise ValueError("Engine needs max_length (the most prompt + generated tokens a row holds: it sizes "
+                             "every slot's cache)")
+        limit = min(max_length, target.config.max_position_embeddings)
+        self.target, self.draft, self.options, self.max_length = target, draft, options, limit
+        self.sampled = options.temperature > 0 if sampled is None else bool(sampled)
+        if options.temperature > 0 and not self.sampled:
+            raise ValueError("options.temperature > 0 needs a sampled engine (sampled=True)")
+        block = options.block_for(draft)
+        max_block = max(block, options.tree_budget + 1)
+        cache_len = prepare.cache_length([1], [limit - 1], max_block, options.cache_len)
+        self.rows = int(max_batch) + sharding.pad_rows(int(max_batch), sharding.mesh_of(target.params))
+        self.spec, self.inputs = prepare.engine(target, draft, options, cache_len, greedy=not self.sampled,
+                                                rows=self.rows, stop_width=stop_width)
+        if self.inputs.proposer_args is not None:
+            raise ValueError("this proposer's arrays are per batch (a replay draft): use speculative_generate")
+        self.programs = Programs(capacity)
+        self._admitted_at: dict[int, float] = {}
+
+    # --- programs -------------------------------------------------------------------------------------------
+    def _compiled(self, name: str, fn, *args, **static):
+        key = (name, signature(*args))
+        return self.programs.get(key, lambda: fn.lower(self.spec, self.inputs, *args, **static).compile())
+
+    def empty(self) -> DecodeState:
+        """A state of S free rows."""
+        rows = self._rows([Request([0])], [self.options], [1], pad_to=self.rows, bucket=1)
+        return steps.empty_jit(self.spec, self.inputs, rows)
+
+    def _rows(self, requests, settings, budget, pad_to, bucket=None):
+        prompts = [np.asarray(r.prompt_ids, np.int32) for r in requests]
+        longest = max(len(p) for p in prompts)
+        bucket = bucket or prepare.prompt_bucket(longest, self.spec.cache_len)
+        rows = prepare.make_rows(self.spec, prompts, budget, settings, [r.stream for r in requests], pad_to=pad_to,
+                                 bucket=bucket)
+        return prepare.place_rows(self.spec, rows)
+
+    def groups(self) -> list[int]:
+        """The admission group sizes (a group of k requests is padded to the smallest that holds it)."""
+        sizes, g = [], 1
+        while g < self.rows:
+            sizes.append(g)
+            g *= 2
+        return sizes + [self.rows]
+
+    def warm(self, prompt_lengths: Iterable[int]) -> None:
+        """Compile, and run once on a scratch state, every program a run over prompts of these lengths can use
+        (each admission group x prompt bucket, ``run``, ``release``), so that timings exclude compilation and
+        first-run setup (on CPU a cold first run is several times slower)."""
+        buckets = sorted({prepare.prompt_bucket(n, self.spec.cache_len) for n in prompt_lengths})
+        for b in buckets:
+            for g in self.groups():
+                dummy = [Request([0] * min(b, self.max_length - 1))] * g
+                state, rows = self.admit(self.empty(), dummy)
+                state, _ = self.run(state, 1)
+                jax.block_until_ready(self.release(state, rows)[0])
+
+    # --- the public steps -----------------------------------------------------------------------------------
+    def check(self, requests: Sequence[Request], first: int = 0) -> list[DecodeOptions]:
+        """Each request's settings, checked (prompt ids, length, budget, sampling) before any compute."""
+        settings = []
+        for i, r in enumerate(requests):
+            if not isinstance(r, Request):
+                raise ValueError(f"request {first + i}: expected a decode.Request, got {type(r).__name__}")
+            prepare.check_prompts(self.target, [list(r.prompt_ids)])  # raises naming the bad id
+            s = r.settings(self.options)
+            if s.temperature > 0 and not self.sampled:
+                raise ValueError(f"request {first + i} samples (temperature {s.temperature}) but this engine is greedy: "
+                                 "build it with sampled=True")
+            if len(s.stop_token_ids) > self.spec.stop_width:
+                raise ValueError(f"request {first + i} has {len(s.stop_token_ids)} stop ids; this engine holds "
+                                 f"{self.spec.stop_width} per row (stop_width)")
+            prepare.budgets([len(r.prompt_ids)], [s], self.max_length, first + i)
+            settings.append(s)
+        return settings
+
+    def free_rows(self, state: DecodeState) -> list[int]:
+        """Rows holding no request."""
+        finish = np.asarray(sharding.to_host(state.finish))
+        return [i for i in range(self.rows) if finish[i] == Finish.FREE]
+
+    def finished_rows(self, state: DecodeState) -> list[int]:
+        """Rows whose request is done (length or stop) and not yet released."""
+        finish = np.asarray(sharding.to_host(state.finish))
+        return [i for i in range(self.rows) if finish[i] in (Finish.LENGTH, Finish.STOP)]
+
+    def admit(self, state: DecodeState, requests: Sequence[Request],
+              rows: Sequence[int] | None = None) -> tuple[DecodeState, list[int]]:
+        """Prefill ``requests`` into free rows (``rows``, or the lowest free ones) -> (state, the rows they took).
+        The other rows keep their caches; one prefill per group of at most S requests."""
+        requests = list(requests)
+        if not requests:
+            return state, []
+        settings = self.check(requests)
+        free = self.free_rows(state)
+        rows = free[:len(requests)] if rows is None else [int(r) for r in rows]
+        if len(rows) < len(requests):
+            raise ValueError(f"{len(requests)} requests, {len(free)} free rows")
+        if len(rows) != len(requests) or any(r not in free for r in rows) or len(set(rows)) != len(rows):
+            raise ValueError(f"rows {rows} must be {len(requests)} distinct free rows (free: {free})")
+        limit = self.max_length
+        budget = prepare.budgets([len(r.prompt_ids) for r in requests], settings, limit)
+        group = min(1 << (len(requests) - 1).bit_length(), self.rows)
+        at = np.full((group,), self.rows, np.int32)  # padding rows go past the state: dropped
+        at[:len(rows)] = rows
+        new = self._rows(requests, settings, budget, pad_to=group)
+        admit = self._compiled("admit", steps.admit_jit, state, new, at)
+        state = admit(self.inputs, state, new, at)
+        now = time.perf_counter()
+        self._admitted_at.update({r: now for r in rows})
+        return state, rows
+
+    def step(self, state: DecodeState) -> DecodeState:
+        """One draft + verify + commit of every running row."""
+        return self._compiled("step", steps.step_jit, state)(self.inputs, state)
+
+    def run(self, state: DecodeState, max_steps: int = FOREVER) -> tuple[DecodeState, int]:
+        """Steps on the device until a running row finishes, none runs, or ``max_steps`` steps -> (state, steps)."""
+        n = np.int32(max_steps)
+        state, taken = self._compiled("run", steps.run_jit, state, n)(self.inputs, state, n)
+        return state, int(taken)
+
+    def release(self, state: DecodeState, rows: Sequence[int]) -> tuple[DecodeState, list[GenerationResult]]:
+        """The results of ``rows`` (timed from their admission by this engine) -> (state with them free, results)."""
+        rows = [int(r) for r in rows]
+        if not rows:
+            return state, []
+        at = np.asarray(rows, np.int32)
+        host = sharding.to_host(steps.take_jit(state, at))
+        now = time.perf_counter()
+        results = [row_result(host, j, int(host["prompt_length"][j]), now - self._admitted_at.pop(r, now))
+                   for j, r in enumerate(rows)]
+        free = np.full((self.rows,), self.rows, np.int32)  # one program: padding indices past the state are dropped
+        free[:len(rows)] = rows
+        return steps.release_jit(self.spec, state, free), results
+
+
+@dataclasses.dataclass
+class RunStats:
+    """What a continuous run did: loop steps, verify steps of every row, slot occupancy, programs compiled."""
+
+    loop_steps: int = 0
+    row_steps: int = 0
+    slots: int = 0
+    programs: int = 0
+    wall_time_s: float = 0.0
+
+    @property
+    def occupancy(self) -> float:
+        """Mean fraction of the slots running a request per loop step."""
+        return self.row_steps / max(self.loop_steps * self.slots, 1)
+
+
+def stream_requests(engine: Engine, requests: Iterable[Request],
+                    stats: RunStats | None = None) -> Iterator[tuple[int, GenerationResult]]:
+    """(index, result) of every request of ``requests`` (any iterable, read as slots free up) as it finishes: S rows
+    kept busy, the next requests admitted whenever rows finish."""
+    stats = stats if stats is not None else RunStats()
+    stats.slots = engine.rows
+    start = time.perf_counter()
+    pending = iter(enumerate(requests))
+    state, active, queued = engine.empty(), {}, {}  # row -> request index; row -> its time in the queue
+    while True:
+        free = [r for r in range(engine.rows) if r not in active]
+        batch = [x for _, x in zip(free, pending)]
+        if batch:
+            state, rows = engine.admit(state, [r for _, r in batch], free[:len(batch)])
+            waited = time.perf_counter() - start
+            for row, (index, _) in zip(rows, batch):
+                active[row], queued[row] = index, waited
+        if not active:
+            break
+        state, taken = engine.run(state)
+        stats.loop_steps += taken
+        done = engine.finished_rows(state)
+        state, results = engine.release(state, done)
+        for row, result in zip(done, results):
+            stats.row_steps += len(result.acceptance_lengths)
+            yield active.pop(row), dataclasses.replace(result, queue_time_s=queued.pop(row))
+    stats.wall_time_s = time.perf_counter() - start
+    stats.programs = engine.programs.compiled
+
+
+def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequence[int]], *, max_batch: int,
+                        max_new_tokens: int | None = None, stats: RunStats | None = None, warm: bool = True,
+                        **options) -> list[GenerationResult]:
+    """Decode ``requests`` (``Request``s, or prompts as lists of ids) through ``max_batch`` slots, continuously
+    batched -> one ``GenerationResult`` per request, in input order. ``options``: ``DecodeOptions``' (the defaults a
+    request's own settings override; ``max_new_tokens`` may be left out when every request sets its own). A plain
+    prompt i samples with the key of (seed, i), as row i of ``speculative_generate`` does; the slots' cache holds
+    the longest prompt + budget of the requests. ``warm``: compile and run every program once before the clock
+    starts (``Engine.warm``), so that timings exclude compilation."""
+    requests = [r if isinstance(r, Request) else Request(list(r), stream=i) for i, r in enumerate(requests)]
+    if not requests:
+        raise ValueError("requests must be a non-empty list")
+    if max_new_tokens is None:
+        missing = [i for i, r in enumerate(requests) if r.max_new_tokens is None]
+        if missing:
+            raise ValueError(f"request {missing[0]} has no max_new_tokens, and no default was given")
+        max_new_tokens = max(r.max_new_tokens for r in requests)
+    opts = DecodeOptions(max_new_tokens=max_new_tokens, **options)
+    limit = opts.limit(target.config)
+    settings = [r.settings(opts) for r in requests]
+    lens = [len(r.prompt_ids) for r in requests]
+    if min(lens) == 0:
+        raise ValueError(f"prompt {lens.index(0)} is empty")
+    budget = prepare.budgets(lens, settings, limit)
+    engine = Engine(target, draft, opts, max_batch=max_batch, max_length=int(max(np.add(lens, budget))),
+                    sampled=any(s.temperature > 0 for s in settings),
+                    stop_width=prepare.stop_width(settings))
+    engine.check(requests)
+    if warm:
+        engine.warm(lens)
+    out: list = [None] * len(requests)
+    for index, result in stream_requests(engine, requests, stats):
+        out[index] = result
+    return out

@@ -1,0 +1,184 @@
+"""What a compiled decode program is bound to (``EngineSpec``), what it carries (``DecodeState``), and what it
+returns per row (``GenerationResult``, ``Finish``)."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import flax.struct
+import jax
+import numpy as np
+
+from dflash_jax import sharding
+from dflash_jax.config import DraftConfig
+
+
+class Finish(enum.IntEnum):
+    """Why a row stopped (its ``DecodeState.finish``): every value but RUNNING is a row that no step changes."""
+
+    RUNNING = 0
+    LENGTH = 1  # its token budget (max_new_tokens, or the max length) is spent
+    STOP = 2  # it committed a stop token
+    FREE = 3  # a slot holding no request (never admitted, or released)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """Everything static about a compiled decode program (the one frozen object its functions are bound to)."""
+
+    target_config: Any  # the target's config (any family)
+    draft_config: DraftConfig | None
+    block_size: int
+    greedy: bool  # every row is greedy (argmax everywhere, no keys used); else per row: temperature 0 = greedy
+    mesh: Any = None  # jax.sharding.Mesh the params live on (None: one device); rows and caches go over data
+    acceptance: str = "rejection"  # "match" | "rejection" (sampling.py); greedy rows always match
+    proposer: Any = None  # what a step drafts (``decode.proposers``); None: plain decoding
+    attention_impl: str = "auto"  # target decode / verify and draft attention (``attention.decode_attention``)
+    verify_lengths: tuple[int, ...] | None = None  # adaptive verify: the lengths a step may verify (None: the block)
+    tree_budget: int = 0  # tree verification with this many draft nodes (``verify.tree_verify``); 0: the chain
+    cache_len: int = 0  # cache slots per row (positions 0..cache_len-1)
+    stop_width: int = 8  # stop ids per row (padded with -1)
+
+    def place(self, state: "DecodeState") -> "DecodeState":
+        """Pin the decode state's layout on the mesh (rows over data*fsdp, KV heads over tensor)."""
+        if self.mesh is None:
+            return state
+        names = ROW_FIELDS
+        rows = sharding.constrain_batch(tuple(getattr(state, n) for n in names), self.mesh)
+        return state.replace(**dict(zip(names, rows)),
+                             tcache=sharding.constrain_cache(state.tcache, self.mesh),
+                             dcache=sharding.constrain_cache(state.dcache, self.mesh))
+
+    @property
+    def speculative(self) -> bool:
+        return self.draft_config is not None and self.block_size > 1
+
+    @property
+    def rejection(self) -> bool:
+        return self.speculative and not self.greedy and self.acceptance == "rejection" and not self.tree_budget
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """The verify lengths a step chooses from (one static forward each)."""
+        return self.verify_lengths or (self.block_size,)
+
+    @property
+    def max_block(self) -> int:
+        """The most tokens one verify forward writes (a sliding ring holds them beside its window)."""
+        return max(self.block_size, self.tree_budget + 1)
+
+    @property
+    def feature_layer_ids(self) -> tuple[int, ...]:
+        return self.draft_config.target_layer_ids if self.speculative else ()
+
+
+@flax.struct.dataclass
+class Inputs:
+    """A program's runtime inputs shared by every row."""
+
+    tparams: Any
+    dparams: Any  # None for plain decoding
+    mask_token_id: jax.Array
+    threshold: jax.Array  # the adaptive verify rule's (``verify.verify_choice``; unused with one verify length)
+    proposer_args: Any = None  # the proposer's runtime arrays (``Proposer.arrays``; rows first)
+
+
+@flax.struct.dataclass
+class Rows:
+    """New rows for a prefill (``steps.prefill``; rows first): prompts, budgets and per-row settings."""
+
+    prompts: jax.Array  # [A, P] int32, padded to a bucket
+    lens: jax.Array  # [A] prompt lengths
+    budget: jax.Array  # [A] most tokens each row may generate
+    stop_ids: jax.Array  # [A, W] int32 stop ids, padded with -1
+    temperature: jax.Array  # [A] float32 (0: greedy)
+    top_k: jax.Array  # [A] int32 (0: off)
+    top_p: jax.Array  # [A] float32 (1: off)
+    key: jax.Array  # [A, 2] uint32: each row's own key
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """S rows of decoding (rows first, every leaf): caches, committed tokens, per-row settings and counters."""
+
+    tokens: jax.Array  # [B, S] tokens by position; tokens[b, n_b] is the pending (not yet cached) token
+    tcache: Any  # target layer states (``state.DecodeCache``); lengths = n, the committed tokens they hold
+    dcache: Any  # draft context K/V (None: plain decoding); lengths == tcache.lengths at every step
+    prompt_len: jax.Array  # [B] the row's prompt length
+    generated: jax.Array  # [B] tokens generated so far, the pending one included
+    budget: jax.Array  # [B] most tokens the row may generate
+    finish: jax.Array  # [B] int32 ``Finish``
+    acceptance: jax.Array  # [B, S] acceptance length of each verify step
+    verified: jax.Array  # [B, S] tokens each verify step's target forward ran on (its verify length)
+    steps: jax.Array  # [B] verify steps taken
+    key: jax.Array  # [B, 2] each row's key
+    stop_ids: jax.Array  # [B, W]
+    temperature: jax.Array  # [B]
+    top_k: jax.Array  # [B]
+    top_p: jax.Array  # [B]
+
+    @property
+    def done(self):
+        return self.finish != Finish.RUNNING
+
+    @property
+    def sampling(self):
+        return self.temperature, self.top_k, self.top_p
+
+
+ROW_FIELDS = ("tokens", "prompt_len", "generated", "budget", "finish", "acceptance", "verified", "steps", "key",
+              "stop_ids", "temperature", "top_k", "top_p")
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """One row's output. ``output_ids`` = prompt + generated ids (after a stop token: nothing)."""
+
+    output_ids: list[int]
+    prompt_length: int
+    acceptance_lengths: list[int]
+    verify_lengths: list[int]  # tokens each verify step's target forward ran on (the block, or the adaptive choice)
+    target_forwards: int  # prefill + verify steps
+    finish_reason: str
+    wall_time_s: float  # the request's decode: its prefill until its last token reached the host
+    tokens_per_second: float
+    time_to_first_token_s: float | None = None  # streaming only: prefill until the first token reached the host
+    queue_time_s: float | None = None  # continuous batching: the run's start until the request was admitted
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.output_ids[self.prompt_length:]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) - self.prompt_length
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
+
+    def to_json(self) -> dict:
+        return {"output_ids": self.output_ids, "prompt_length": self.prompt_length,
+                "generated_ids": self.generated_ids, "num_generated": self.num_generated,
+                "acceptance_lengths": self.acceptance_lengths, "verify_lengths": self.verify_lengths,
+                "tau": self.mean_acceptance_length,
+                "target_forwards": self.target_forwards, "finish_reason": self.finish_reason,
+                "wall_time_s": self.wall_time_s, "tokens_per_second": self.tokens_per_second,
+                "time_to_first_token_s": self.time_to_first_token_s, "queue_time_s": self.queue_time_s}
+
+
+def row_result(host: dict, i: int, prompt_length: int, wall: float, **timing) -> GenerationResult:
+    """Row ``i`` of a state read to the host (``host``: tokens, generated, acceptance, verified, steps, finish)."""
+    g, s = int(host["generated"][i]), int(host["steps"][i])
+    return GenerationResult(
+        output_ids=host["tokens"][i, :prompt_length + g].tolist(), prompt_length=int(prompt_length),
+        acceptance_lengths=host["acceptance"][i, :s].tolist(), verify_lengths=host["verified"][i, :s].tolist(),
+        target_forwards=s + 1, finish_reason=Finish(int(host["finish"][i])).name.lower(), wall_time_s=wall,
+        tokens_per_second=g / wall if wall > 0 else float("inf"), **timing)
+
+
+def to_host(state: DecodeState) -> dict:
+    """The fields ``row_result`` reads, on the host."""
+    names = ("tokens", "generated", "acceptance", "verified", "steps", "finish")
+    return dict(zip(names, sharding.to_host(tuple(getattr(state, n) for n in names))))
