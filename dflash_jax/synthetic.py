@@ -24,6 +24,7 @@ from dflash_jax.config import DraftConfig, RopeConfig, TargetConfig, choose_targ
 from dflash_jax.draft import Draft, draft_param_shapes
 from dflash_jax.layers import device_random_params
 from dflash_jax.decode.proposers import Chain, Proposal, StepView
+from dflash_jax.sampling import categorical
 from dflash_jax.target import Target, param_shapes
 
 
@@ -211,7 +212,7 @@ class ReplayProposer(Chain):
         real = super().propose(spec, view)
         reference, probs = view.args
         b, k1 = real.tokens.shape
-        length = jax.random.categorical(view.key, jnp.log(probs), axis=-1) + 1
+        length = categorical(view.key, jnp.log(probs)) + 1
         pos = view.lengths[:, None] + 1 + jnp.arange(k1)
         ref = jnp.take_along_axis(reference, jnp.minimum(pos, reference.shape[1] - 1), axis=1)
         out = jnp.where(jnp.arange(k1)[None] < length[:, None] - 1, ref, (ref + 1) % spec.target_config.vocab_size)

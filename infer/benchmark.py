@@ -16,6 +16,10 @@ chain runs beside it: the summary's ``tau`` is the tree's, plus ``tree_budget``,
 (N + 1), ``chain_tau``, ``tree_vs_chain_tau``, ``chain_tokens_per_s``, ``tree_vs_chain_speed`` and both
 acceptance-depth histograms.
 
+``--max-batch S`` instead compares continuous batching through S slots with static batches of S and one prompt at
+a time, plain and DFlash, on a workload of per-request budgets (``--mixed-budgets LO,HI`` or the prompts file's
+``max_new_tokens``): see ``infer/batching.py``.
+
 ``--synthetic NAME`` benchmarks a preset at real model shapes (Qwen3-4B / 8B, LLaMA-3.1-8B, a tiny CPU one)
 with random weights and a SIMULATED acceptance length (``--replay-tau`` / ``--replay-histogram``), per
 ``--batch-size`` and ``--context``: see ``infer/synthetic.py``.
@@ -35,8 +39,8 @@ from dflash_jax.machine import machine, warn_if_busy
 from dflash_jax.progress import progress_bar
 from infer import synthetic
 from infer.timing import fastest, first_mismatch, step_split, time_forwards
-from infer.common import (DEMO_TARGET, adaptive_kwargs, add_model_args, decoding_kwargs, die, encode, load_models,
-                          param_dtype, read_prompts_file, resolve_block, tree_kwargs)
+from infer.common import (DEMO_TARGET, adaptive_kwargs, add_model_args, check_overrides, decoding_kwargs, die, encode,
+                          load_models, param_dtype, read_prompts_file, resolve_block, tree_kwargs)
 
 
 def parse_args(argv=None):
@@ -54,6 +58,12 @@ def parse_args(argv=None):
                    help="timed runs per prompt and method, alternating, after one untimed warm-up run; "
                         "the fastest counts (default 3)")
     p.add_argument("--no-timing-split", action="store_true", help="skip timing single draft / verify forwards")
+    b = p.add_argument_group("batching (continuous vs static vs one at a time: infer/batching.py)")
+    b.add_argument("--max-batch", type=int, default=None,
+                   help="run the batching comparison with S slots (instead of the per-prompt batch-1 benchmark)")
+    b.add_argument("--mixed-budgets", default=None,
+                   help="LO,HI: each request's max_new_tokens drawn uniformly from [LO, HI] (fixed seed), where its "
+                        "prompts-file row sets none (default: --max-new-tokens for all)")
     synthetic.add_args(p)
     p.set_defaults(max_new_tokens=128)
     return p.parse_args(argv)
@@ -294,17 +304,35 @@ def main(argv=None) -> int:
 
     check_plot_path(args.plot)  # every option the command line alone can check, before loading
     records, adaptive, tree = prompt_records(args), adaptive_kwargs(args), tree_kwargs(args)
+    if args.max_batch is None and args.mixed_budgets:
+        die("--mixed-budgets needs --max-batch (the batching comparison)")
+    if args.max_batch is not None and args.max_batch < 1:
+        die(f"--max-batch must be >= 1, got {args.max_batch}")
+    from dflash_jax.prompts import OVERRIDES
+
+    overrides = [{k: r[k] for k in OVERRIDES if k in r} for r in records]
+    check_overrides(args, overrides)
     target, draft, tokenizer = load_models(args)
     if draft is None:
         die("the benchmark compares plain and DFlash decoding: pass --draft")
     prompts = encode(tokenizer, records)
     kw = decoding_kwargs(args, target)
+    if args.max_batch is not None:
+        from infer import batching
+
+        block = args.block_size if args.block_size != "auto" else None
+        where = machine()
+        warn_if_busy(where)
+        return batching.run(args, target, draft, prompts, overrides, kw, dict(block_size=block, **adaptive, **tree),
+                            where)
     block, choice = resolve_block(args, target, draft, prompts[:1], kw)  # probed at batch 1, as the runs below
     block = block or draft.config.block_size
-    methods = [lambda p: generate(target, [p], **kw)[0],
-               lambda p: speculative_generate(target, draft, [p], block_size=block, **kw, **adaptive, **tree)[0]]
+    own = {tuple(p): dict(kw, **o) for p, o in zip(prompts, overrides)}  # a row's own settings over the flags'
+    methods = [lambda p: generate(target, [p], **own[tuple(p)])[0],
+               lambda p: speculative_generate(target, draft, [p], block_size=block, **own[tuple(p)], **adaptive,
+                                              **tree)[0]]
     if adaptive or tree:  # the fixed block (the chain) side by side
-        methods.append(lambda p: speculative_generate(target, draft, [p], block_size=block, **kw)[0])
+        methods.append(lambda p: speculative_generate(target, draft, [p], block_size=block, **own[tuple(p)])[0])
     where = machine()
     warn_if_busy(where)
     run = _Run(args, target, draft, prompts, block, choice, adaptive, tree, where)

@@ -52,7 +52,7 @@ def test_rows_equal_their_prompt_decoded_alone(trained):
     assert out[3].finish_reason == "stop"
     assert any(a > 1 for r in out for a in r.acceptance_lengths)  # the draft was accepted: rollback exercised
     assert 0 < stats.occupancy <= 1 and stats.loop_steps > 0
-    assert stats.programs == 3 + 1  # an admit per group size (1, 2, 3 rows) for the one prompt bucket, and run
+    assert stats.programs == 2 + 1  # an admit of one row and one of all 3 for the one prompt bucket, and run
 
 
 def _kind(kind: str):
@@ -74,7 +74,8 @@ def kind_pair(kind: str):
     return _kind(kind)
 
 
-@pytest.mark.parametrize("kind", ["sliding", "recurrent", "latent", "shared_kv"])
+@pytest.mark.parametrize("kind", ["sliding", "recurrent", pytest.param("latent", marks=pytest.mark.slow),
+                                  pytest.param("shared_kv", marks=pytest.mark.slow)])
 def test_every_cache_kind_admits_rows_beside_running_ones(kind):
     """Rings, recurrent snapshots, latent K/V and kv-shared layers: rows admitted while others run keep both
     caches row-local, so each row's greedy output equals its prompt decoded alone (plain), speculative included."""
@@ -122,14 +123,14 @@ def test_a_seeded_request_draws_the_same_tokens_in_any_batch(trained):
     others = [Request(prompts[1], max_new_tokens=3, temperature=1.3, seed=1),
               Request(prompts[2], max_new_tokens=20),
               Request(prompts[3], max_new_tokens=2, temperature=0.5, top_p=0.7, seed=2)]
-    for d in (None, draft):
-        alone = decode.continuous_generate(target, d, [mine], max_batch=1, stop_token_ids=[])[0]
+    for d in (None, draft):  # 2 slots throughout: one engine (and its programs) for the alone and the mixed runs
+        alone = decode.continuous_generate(target, d, [mine], max_batch=2, stop_token_ids=[])[0]
         mixed = decode.continuous_generate(target, d, others + [mine], max_batch=2, stop_token_ids=[])
         assert mixed[-1].output_ids == alone.output_ids
         assert mixed[1].output_ids == solo(target, None, prompts[2], 20, stop_token_ids=[]).output_ids  # greedy row
     batch_row = decode.speculative_generate(target, draft, [prompts[1], prompts[0]], max_new_tokens=16,
                                             temperature=0.8, top_k=20, seed=7, stop_token_ids=[])[1]
-    as_stream = decode.continuous_generate(target, draft, [Request(prompts[0], stream=1)], max_batch=1,
+    as_stream = decode.continuous_generate(target, draft, [Request(prompts[0], stream=1)], max_batch=2,
                                            max_new_tokens=16, temperature=0.8, top_k=20, seed=7, stop_token_ids=[])
     assert as_stream[0].output_ids == batch_row.output_ids  # row i of a batch call is the stream (seed, i)
 

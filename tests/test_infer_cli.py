@@ -251,3 +251,71 @@ def test_benchmark_reports_first_mismatch_and_logit_gap(pair_dirs, capsys, tmp_p
     assert f"prompt 0: first difference at generated token 3 (plain {plain[6]}, DFlash {(plain[6] + 1) % 300})" \
         in out.out and f"top-2 logit gap there {m['top2_logit_gap']:.4g}" in out.out
     assert "prompt 1: first difference" not in out.out
+
+
+def test_generate_streams_a_prompts_file_through_slots(pair_dirs, capsys, tmp_path):
+    """The outside check of continuous batching: a prompts file with per-row budgets (and a row with its own
+    sampling settings) through ``--max-batch 2``: lines in input order with their index, every greedy row equal to
+    plain decoding of its prompt alone and its acceptance lengths those of its prompt decoded alone (same block)."""
+    from infer import generate as g
+
+    tdir, ddir, target = pair_dirs
+    draft = dj.load_draft(ddir)
+    rows = [([5, 17, 3], 9), ([9], 2), ([4, 4, 8, 1], 14), ([7, 2], 5), ([3, 3], 11)]
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt_ids": p, "max_new_tokens": n}) + "\n" for p, n in rows)
+                 + json.dumps({"prompt_ids": [6, 1], "max_new_tokens": 4, "temperature": 0.8, "top_k": 5,
+                               "seed": 3}) + "\n")
+    code, out = run(g, ["--target", tdir, "--draft", ddir, "--prompts-file", str(f), "--max-batch", "2",
+                        "--block-size", "4", "--ignore-eos", "--json", "--no-baseline"], capsys)
+    assert code == 0
+    lines = [json.loads(x) for x in out.out.strip().splitlines()]
+    assert [r["index"] for r in lines] == list(range(len(rows) + 1))
+    for row, (p, n) in zip(lines, rows):
+        alone = dj.generate(target, [p], max_new_tokens=n, stop_token_ids=[])[0]
+        spec = dj.speculative_generate(target, draft, [p], max_new_tokens=n, block_size=4, stop_token_ids=[])[0]
+        assert row["output_ids"] == alone.output_ids and row["num_generated"] == n
+        assert row["acceptance_lengths"] == spec.acceptance_lengths
+        assert row["queue_time_s"] >= 0 and row["wall_time_s"] > 0
+    sampled = lines[-1]
+    assert sampled["num_generated"] == 4  # its own budget; its tokens: test_continuous (the seed's own stream)
+    assert "2 slots" in out.err and "programs compiled" in out.err
+
+
+def test_prompts_file_settings_are_checked_before_loading(tmp_path, monkeypatch, capsys):
+    from infer import generate as g
+
+    monkeypatch.setattr(g, "load_models", lambda args: pytest.fail("models loaded before the options were checked"))
+    for row, match in (({"prompt": "x", "max_new_tokens": "9"}, "max_new_tokens must be an integer"),
+                       ({"prompt": "x", "top_p": 1.5}, "prompt 0: top_p must be in (0, 1]"),
+                       ({"prompt": "x", "max_new_tokens": 0}, "prompt 0: max_new_tokens must be >= 1")):
+        f = tmp_path / "p.jsonl"
+        f.write_text(json.dumps(row) + "\n")
+        with pytest.raises(SystemExit):
+            g.main(["--prompts-file", str(f)])
+        assert match in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        g.main(["--prompt", "x", "--max-batch", "0"])
+    assert "--max-batch must be >= 1" in capsys.readouterr().err
+
+
+def test_benchmark_compares_continuous_static_and_one_at_a_time(pair_dirs, capsys, tmp_path):
+    """``--max-batch``: six runs (three ways x plain / DFlash) of one workload, identical outputs, and the ratios."""
+    from infer import benchmark as b
+
+    tdir, ddir, _ = pair_dirs
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt_ids": [i + 1, 5, 7]}) + "\n" for i in range(5)))
+    code, out = run(b, ["--target", tdir, "--draft", ddir, "--prompts-file", str(f), "--max-batch", "2",
+                        "--mixed-budgets", "2,12", "--ignore-eos", "--block-size", "4", "--json"], capsys)
+    assert code == 0
+    lines = [json.loads(x) for x in out.out.strip().splitlines()]
+    rows, summary = lines[:-1], lines[-1]
+    assert {(r["way"], r["method"]) for r in rows} == {(w, m) for w in ("continuous", "static", "one_at_a_time")
+                                                       for m in ("plain", "dflash")}
+    assert summary["identical"] is True and summary["num_prompts"] == 5 and 2 <= summary["budgets"]["min"]
+    assert summary["budgets"]["max"] <= 12 and summary["tau"] >= 1 and summary["speedup"] > 0
+    assert set(summary["continuous_vs_static"]) == {"plain", "dflash"}
+    for r in rows:
+        assert r["tokens"] == rows[0]["tokens"] and 0 < r["occupancy"] <= 1 and r["p90_request_s"] > 0
+        assert r["slots"] == (1 if r["way"] == "one_at_a_time" else 2)

@@ -15,11 +15,9 @@ import numpy as np
 from dflash_jax import sharding
 from dflash_jax.decode import prepare, steps
 from dflash_jax.decode.options import DecodeOptions
-from dflash_jax.decode.programs import Programs, signature
+from dflash_jax.decode.programs import PROGRAMS, signature
 from dflash_jax.decode.types import GenerationResult, row_result, to_host
 from dflash_jax.target import Target
-
-PROGRAMS = Programs()  # closed-batch executables of this process (bounded)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,3 +41,6 @@ class Programs:
 
     def clear(self) -> None:
         self._table.clear()
+
+
+PROGRAMS = Programs()  # every decode executable of this process (closed batches and slots alike)

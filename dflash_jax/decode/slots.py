@@ -5,9 +5,10 @@ requests through the slots.
 The state is a ``DecodeState`` of S rows (every cache kind: full, sliding rings, recurrent snapshots, shared KV,
 latent), functional like the rest: ``admit`` / ``step`` / ``run`` / ``release`` take a state and return the next
 (the old one is donated). ``run`` is one ``lax.while_loop`` that returns to the host when a row finishes (or after
-``max_steps`` steps, for streaming). Programs compiled: one ``run`` (and ``step``), and one ``admit`` per (group
-size, prompt bucket): groups of 1, 2, 4, .. S rows, prompts padded to powers of two from 32 (``Engine.programs``
-counts them).
+``max_steps`` steps, for streaming). Programs compiled: one ``run`` (and ``step``), and two ``admit`` per prompt
+bucket (prompts padded to powers of two from 32): one row, or all S (a group of k > S / 2 requests is padded to S,
+fewer are admitted one by one). ``RunStats.programs`` counts them; every engine shares one bounded table
+(``programs.PROGRAMS``), so engines of the same spec and shapes compile once.
 
 Exactness: a row's tokens depend on its prompt, its settings and its key only (per-row sampling settings and keys;
 every layer is row-local), so its greedy output equals decoding that prompt alone, and a sampled row draws the same
@@ -26,7 +27,7 @@ import numpy as np
 from dflash_jax import sharding
 from dflash_jax.decode import prepare, steps
 from dflash_jax.decode.options import DecodeOptions, Request
-from dflash_jax.decode.programs import Programs, signature
+from dflash_jax.decode.programs import PROGRAMS, signature
 from dflash_jax.decode.types import DecodeState, Finish, GenerationResult, row_result
 from dflash_jax.target import Target
 
@@ -40,7 +41,7 @@ class Engine:
     engine compiles argmax only and refuses sampled requests)."""
 
     def __init__(self, target: Target, draft, options: DecodeOptions, *, max_batch: int, max_length: int | None = None,
-                 sampled: bool | None = None, stop_width: int = 8, capacity: int = 64):
+                 sampled: bool | None = None, stop_width: int = 8):
         if not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         max_length = max_length or options.max_length
@@ -60,12 +61,14 @@ class Engine:
                                                 rows=self.rows, stop_width=stop_width)
         if self.inputs.proposer_args is not None:
             raise ValueError("this proposer's arrays are per batch (a replay draft): use speculative_generate")
-        self.programs = Programs(capacity)
+        self.programs = PROGRAMS
+        self.used: set = set()  # the programs this engine ran (each compiled once per process, shared)
         self._admitted_at: dict[int, float] = {}
 
     # --- programs -------------------------------------------------------------------------------------------
     def _compiled(self, name: str, fn, *args, **static):
-        key = (name, signature(*args))
+        key = (name, self.spec, signature(self.inputs, *args))
+        self.used.add(key)
         return self.programs.get(key, lambda: fn.lower(self.spec, self.inputs, *args, **static).compile())
 
     def empty(self) -> DecodeState:
@@ -82,12 +85,8 @@ class Engine:
         return prepare.place_rows(self.spec, rows)
 
     def groups(self) -> list[int]:
-        """The admission group sizes (a group of k requests is padded to the smallest that holds it)."""
-        sizes, g = [], 1
-        while g < self.rows:
-            sizes.append(g)
-            g *= 2
-        return sizes + [self.rows]
+        """The admission group sizes: one row, or every row (``admit``)."""
+        return sorted({1, self.rows})
 
     def warm(self, prompt_lengths: Iterable[int]) -> None:
         """Compile, and run once on a scratch state, every program a run over prompts of these lengths can use
@@ -96,7 +95,7 @@ class Engine:
         buckets = sorted({prepare.prompt_bucket(n, self.spec.cache_len) for n in prompt_lengths})
         for b in buckets:
             for g in self.groups():
-                dummy = [Request([0] * min(b, self.max_length - 1))] * g
+                dummy = [Request([0] * min(b, self.max_length - 1))] * (g if g == 1 else g // 2 + 1)
                 state, rows = self.admit(self.empty(), dummy)
                 state, _ = self.run(state, 1)
                 jax.block_until_ready(self.release(state, rows)[0])
@@ -133,7 +132,8 @@ class Engine:
     def admit(self, state: DecodeState, requests: Sequence[Request],
               rows: Sequence[int] | None = None) -> tuple[DecodeState, list[int]]:
         """Prefill ``requests`` into free rows (``rows``, or the lowest free ones) -> (state, the rows they took).
-        The other rows keep their caches; one prefill per group of at most S requests."""
+        The other rows keep their caches; more than S / 2 requests are one prefill of S rows (padded), fewer one
+        prefill each (two programs per prompt bucket, whatever S)."""
         requests = list(requests)
         if not requests:
             return state, []
@@ -144,14 +144,15 @@ class Engine:
             raise ValueError(f"{len(requests)} requests, {len(free)} free rows")
         if len(rows) != len(requests) or any(r not in free for r in rows) or len(set(rows)) != len(rows):
             raise ValueError(f"rows {rows} must be {len(requests)} distinct free rows (free: {free})")
-        limit = self.max_length
-        budget = prepare.budgets([len(r.prompt_ids) for r in requests], settings, limit)
-        group = min(1 << (len(requests) - 1).bit_length(), self.rows)
-        at = np.full((group,), self.rows, np.int32)  # padding rows go past the state: dropped
-        at[:len(rows)] = rows
-        new = self._rows(requests, settings, budget, pad_to=group)
-        admit = self._compiled("admit", steps.admit_jit, state, new, at)
-        state = admit(self.inputs, state, new, at)
+        budget = prepare.budgets([len(r.prompt_ids) for r in requests], settings, self.max_length)
+        groups = [range(len(rows))] if 2 * len(rows) > self.rows else [[i] for i in range(len(rows))]
+        for group in groups:
+            size = 1 if len(group) == 1 else self.rows
+            at = np.full((size,), self.rows, np.int32)  # padding rows go past the state: dropped
+            at[:len(group)] = [rows[i] for i in group]
+            new = self._rows([requests[i] for i in group], [settings[i] for i in group], budget[list(group)],
+                             pad_to=size)
+            state = self._compiled("admit", steps.admit_jit, state, new, at)(self.inputs, state, new, at)
         now = time.perf_counter()
         self._admitted_at.update({r: now for r in rows})
         return state, rows
@@ -183,7 +184,8 @@ class Engine:
 
 @dataclasses.dataclass
 class RunStats:
-    """What a continuous run did: loop steps, verify steps of every row, slot occupancy, programs compiled."""
+    """What a continuous run did: loop steps, verify steps of every row, slot occupancy, and the programs its engine
+    ran (admit per group size and prompt bucket, run; each compiled once per process)."""
 
     loop_steps: int = 0
     row_steps: int = 0
@@ -197,10 +199,16 @@ class RunStats:
         return self.row_steps / max(self.loop_steps * self.slots, 1)
 
 
-def stream_requests(engine: Engine, requests: Iterable[Request],
-                    stats: RunStats | None = None) -> Iterator[tuple[int, GenerationResult]]:
-    """(index, result) of every request of ``requests`` (any iterable, read as slots free up) as it finishes: S rows
-    kept busy, the next requests admitted whenever rows finish."""
+POLICIES = ("continuous", "static")
+
+
+def stream_requests(engine: Engine, requests: Iterable[Request], stats: RunStats | None = None,
+                    policy: str = "continuous") -> Iterator[tuple[int, GenerationResult]]:
+    """(index, result) of every request of ``requests`` (any iterable, read as slots free up) as it finishes.
+    ``policy`` "continuous": S rows kept busy, the next requests admitted whenever rows finish; "static": the next S
+    admitted only when every row of the last batch is done (closed batches, the baseline of the comparison)."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     stats = stats if stats is not None else RunStats()
     stats.slots = engine.rows
     start = time.perf_counter()
@@ -208,7 +216,7 @@ def stream_requests(engine: Engine, requests: Iterable[Request],
     state, active, queued = engine.empty(), {}, {}  # row -> request index; row -> its time in the queue
     while True:
         free = [r for r in range(engine.rows) if r not in active]
-        batch = [x for _, x in zip(free, pending)]
+        batch = [x for _, x in zip(free, pending)] if policy == "continuous" or not active else []
         if batch:
             state, rows = engine.admit(state, [r for _, r in batch], free[:len(batch)])
             waited = time.perf_counter() - start
@@ -224,18 +232,18 @@ def stream_requests(engine: Engine, requests: Iterable[Request],
             stats.row_steps += len(result.acceptance_lengths)
             yield active.pop(row), dataclasses.replace(result, queue_time_s=queued.pop(row))
     stats.wall_time_s = time.perf_counter() - start
-    stats.programs = engine.programs.compiled
+    stats.programs = len(engine.used)
 
 
 def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequence[int]], *, max_batch: int,
                         max_new_tokens: int | None = None, stats: RunStats | None = None, warm: bool = True,
-                        **options) -> list[GenerationResult]:
+                        policy: str = "continuous", **options) -> list[GenerationResult]:
     """Decode ``requests`` (``Request``s, or prompts as lists of ids) through ``max_batch`` slots, continuously
     batched -> one ``GenerationResult`` per request, in input order. ``options``: ``DecodeOptions``' (the defaults a
     request's own settings override; ``max_new_tokens`` may be left out when every request sets its own). A plain
     prompt i samples with the key of (seed, i), as row i of ``speculative_generate`` does; the slots' cache holds
     the longest prompt + budget of the requests. ``warm``: compile and run every program once before the clock
-    starts (``Engine.warm``), so that timings exclude compilation."""
+    starts (``Engine.warm``), so that timings exclude compilation. ``policy``: ``stream_requests``'."""
     requests = [r if isinstance(r, Request) else Request(list(r), stream=i) for i, r in enumerate(requests)]
     if not requests:
         raise ValueError("requests must be a non-empty list")
@@ -258,6 +266,6 @@ def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequ
     if warm:
         engine.warm(lens)
     out: list = [None] * len(requests)
-    for index, result in stream_requests(engine, requests, stats):
+    for index, result in stream_requests(engine, requests, stats, policy):
         out[index] = result
     return out
