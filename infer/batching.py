@@ -54,7 +54,7 @@ def run_way(target, draft, requests, slots: int, policy: str, kw: dict) -> dict:
             "tau": float(np.mean(acc)) if acc else None, "outputs": [r.output_ids for r in out]}
 
 
-def run(args, target, draft, prompts, overrides, kw: dict, spec_kw: dict, where: dict) -> int:
+def run(args, target, draft, prompts, overrides, *, kw: dict, spec_kw: dict, where: dict) -> int:
     """The comparison (module docstring; ``kw`` plain decoding's options, ``spec_kw`` DFlash's extra ones); prints
     one row per way and method, then the summary (``--json``)."""
     from dflash_jax.progress import progress_bar

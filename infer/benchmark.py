@@ -323,8 +323,8 @@ def main(argv=None) -> int:
         block = args.block_size if args.block_size != "auto" else None
         where = machine()
         warn_if_busy(where)
-        return batching.run(args, target, draft, prompts, overrides, kw, dict(block_size=block, **adaptive, **tree),
-                            where)
+        return batching.run(args, target, draft, prompts, overrides, kw=kw,
+                            spec_kw=dict(block_size=block, **adaptive, **tree), where=where)
     block, choice = resolve_block(args, target, draft, prompts[:1], kw)  # probed at batch 1, as the runs below
     block = block or draft.config.block_size
     own = {tuple(p): dict(kw, **o) for p, o in zip(prompts, overrides)}  # a row's own settings over the flags'

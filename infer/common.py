@@ -300,7 +300,7 @@ def max_batch(args, target, draft, prompts, overrides, kw: dict) -> int:
     from dflash_jax.decode import cache_length
 
     n = min(DEFAULT_MAX_BATCH, len(prompts))
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return n
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)

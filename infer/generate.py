@@ -75,7 +75,7 @@ def prompt_ids(args, tokenizer, sources=None) -> list[list[int]]:
     return ids or encode(tokenizer, [{"prompt": DEMO_PROMPT}])
 
 
-def streamed(args, target, draft, tokenizer, prompts, overrides, spec_kw: dict) -> list:
+def streamed(args, target, draft, tokenizer, prompts, overrides, *, spec_kw: dict) -> list:
     """--stream: each prompt's tokens printed as they are committed (unless --json); the results."""
     from dflash_jax.decode import stream_generate
 
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     try:
         slots = max_batch(args, target, draft, prompts, overrides, spec_kw)
         if args.stream:
-            results = streamed(args, target, draft, tokenizer, prompts, overrides, spec_kw)
+            results = streamed(args, target, draft, tokenizer, prompts, overrides, spec_kw=spec_kw)
         else:
             results = continuous_generate(target, draft, requests, max_batch=slots, stats=stats, **spec_kw)
         baseline = continuous_generate(target, None, requests, max_batch=slots, **kw) if args.baseline else None

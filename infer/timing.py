@@ -82,13 +82,14 @@ def step_split(timings: dict, block: int, step_s: float) -> dict:
 def _step_parts(timed, target, draft, tcache, dcache, k: int, context: int) -> dict:
     """Seconds of a DFlash step's non-forward work at block ``k``, each part alone in a jitted loop:
     acceptance (the target's greedy posterior over the block's logits and the accepted prefix), cache writes (the
-    verified tokens' features -> draft context K/V, into the draft cache) and commit (the committed tokens,
-    acceptance and verify-length records, both caches' rollback)."""
+    verified tokens' features -> draft context K/V, into the draft cache) and commit (the engine's
+    ``decode.verify.commit``: the committed tokens, acceptance and verify-length records, both caches' rollback)."""
     import jax.numpy as jnp
 
     from dflash_jax import draft as draft_lib
+    from dflash_jax.decode import verify
+    from dflash_jax.decode.types import DecodeState, EngineSpec
     from dflash_jax.sampling import accepted_length
-    from dflash_jax.state import put_rows
 
     b, vocab = tcache.lengths.shape[0], target.config.vocab_size
     offsets = jnp.arange(k, dtype=jnp.int32)
@@ -104,23 +105,28 @@ def _step_parts(timed, target, draft, tcache, dcache, k: int, context: int) -> d
         cache = draft_lib.materialize(draft.config, dp, cache, features, jnp.broadcast_to(context + offsets, (b, k)))
         return cache, features.at[:, 0, 0].add(1.0)  # new features each call: nothing to hoist out of the loop
 
-    def commit(carry):
-        tokens, records, tc, dc, a = carry
-        keep = a + 1
-        write = offsets[None] < keep[:, None]
-        tokens = put_rows(tokens, jnp.where(write, context + 1 + offsets[None], tokens.shape[1]), tokens[:, :k] + 1)
-        records = put_rows(records, (a % records.shape[1])[:, None], keep[:, None])
-        tc, dc = tc.commit(keep), dc.commit(keep)  # then back to the context's length: each call commits alike
-        return tokens, records, tc.replace(lengths=tc.lengths - keep), dc.replace(lengths=dc.lengths - keep), (a + 3) % k
+    spec = EngineSpec(target.config, draft.config, k, greedy=True, cache_len=tcache.max_len)
+    state = DecodeState(tokens=jnp.zeros((b, spec.cache_len), jnp.int32), tcache=tcache, dcache=dcache,
+                        prompt_len=tcache.lengths, generated=jnp.ones((b,), jnp.int32),
+                        budget=jnp.full((b,), spec.cache_len, jnp.int32), finish=jnp.zeros((b,), jnp.int32),
+                        acceptance=jnp.zeros((b, spec.cache_len), jnp.int32),
+                        verified=jnp.zeros((b, spec.cache_len), jnp.int32), steps=jnp.zeros((b,), jnp.int32),
+                        key=jnp.zeros((b, 2), jnp.uint32), stop_ids=jnp.full((b, spec.stop_width), -1, jnp.int32),
+                        temperature=jnp.zeros((b,)), top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,)))
 
-    dtype = tcache.lengths.dtype
+    def commit(carry):  # the engine's own commit (decode.verify.commit), then back to the context's length
+        st, a = carry
+        st = verify.commit(spec, st, st.tokens[:, :k] + 1, a, jnp.int32(k), st.tcache, st.dcache, st.key)
+        keep = a + 1
+        return st.replace(tcache=st.tcache.replace(lengths=st.tcache.lengths - keep),
+                          dcache=st.dcache.replace(lengths=st.dcache.lengths - keep),
+                          generated=st.generated - keep, steps=st.steps % 64), (a + 3) % k
+
     features = jnp.ones((b, k, len(draft.config.target_layer_ids) * target.config.hidden_size),
                         draft_lib.cache_kv(dcache)[0][0].dtype)
-    slots = tcache.max_len
     return {"acceptance": timed(acceptance, (jnp.zeros((b, k, vocab), jnp.float32), jnp.zeros((b, k), jnp.int32))),
             "cache_writes": timed(cache_writes, (dcache, features), draft.params),
-            "commit": timed(commit, (jnp.zeros((b, slots), dtype), jnp.zeros((b, slots), dtype), tcache, dcache,
-                                     jnp.zeros((b,), dtype)))}
+            "commit": timed(commit, (state, jnp.zeros((b,), jnp.int32)))}
 
 
 def first_mismatch(target, plain, dflash) -> dict | None:

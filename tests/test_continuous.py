@@ -156,3 +156,23 @@ def test_engine_refuses_bad_requests(trained):
         Engine(target, draft, DecodeOptions(max_new_tokens=4), max_batch=2)
     with pytest.raises(ValueError, match="top_p"):
         decode.continuous_generate(target, draft, [Request(prompts[0], top_p=0.0)], max_batch=1, max_new_tokens=3)
+
+
+def test_slots_on_a_mesh_equal_one_device(trained):
+    """Rows and caches over data=2 (admission groups of a row per data shard, or all 4 rows), params over tensor=2:
+    every row's output and acceptance equal the single-device continuous run's."""
+    import jax
+
+    from dflash_jax import model_sharding as ms
+    from dflash_jax import sharding as sh
+
+    target, draft, prompts = trained
+    requests = [Request(p, max_new_tokens=b) for p, b in zip((list(prompts) * 2)[:6], BUDGETS)]
+    single = decode.continuous_generate(target, draft, requests, max_batch=4, stop_token_ids=[])
+    mesh = sh.make_mesh("data=2,tensor=2", devices=jax.devices()[:4])
+    ts, ds = ms.shard_target(target, mesh), ms.shard_draft(draft, mesh)
+    stats = decode.RunStats()
+    out = decode.continuous_generate(ts, ds, requests, max_batch=4, stop_token_ids=[], stats=stats)
+    assert [r.output_ids for r in out] == [r.output_ids for r in single]
+    assert [r.acceptance_lengths for r in out] == [r.acceptance_lengths for r in single]
+    assert stats.slots == 4 and stats.programs == 3

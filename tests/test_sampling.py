@@ -193,3 +193,29 @@ def test_joint_law_of_first_three_tokens_is_the_targets(peaked, temperature, top
         print(f"{name}: chi-square {stat:.1f} / threshold {threshold:.1f}, total variation {tv:.3f}")
     assert all(stat < threshold for _, stat, threshold, _ in report), report
     assert accepted > 0.1  # drafts were accepted often, not just bonus tokens
+
+
+def test_mixed_settings_in_one_batch_keep_each_rows_law(peaked):
+    """Continuous batching: rows of two sampling settings and greedy rows, interleaved in one batch of slots (the
+    rejection rule): each setting's rows follow the exact law of that setting, and the greedy rows equal greedy
+    decoding. Per-row temperature / top-k / top-p must not leak between rows (a batch-wide setting fails one
+    group's statistic: the two laws differ far beyond the threshold, checked below)."""
+    target, (draft, _), logits = peaked
+    a, b = CASES[0], CASES[2]
+    want = {case: exact_joint(logits, *case) for case in (a, b)}
+    for x, y in ((a, b), (b, a)):  # power: rows of one setting drawn with the other's would fail its statistic
+        assert expected_chi_square(want[y], want[x]) > 20 * chi_square(np.zeros_like(want[x]), want[x])[1]
+    cases = [a, b] * N + [None] * 8  # greedy rows at the end: admitted as sampled rows finish
+    requests = [S.Request(PROMPT, stream=i, **({} if c is None else dict(zip(("temperature", "top_k", "top_p"), c))))
+                for i, c in enumerate(cases)]
+    out = S.continuous_generate(target, draft, requests, max_batch=N, max_new_tokens=NEW, block_size=4, seed=11,
+                                stop_token_ids=[])
+    greedy = S.generate(target, [PROMPT], max_new_tokens=NEW, stop_token_ids=[])[0]
+    assert all(r.output_ids == greedy.output_ids for r, c in zip(out, cases) if c is None)
+    for case in (a, b):
+        toks = np.array([r.generated_ids for r, c in zip(out, cases) if c == case])
+        assert toks.shape == (N, NEW)
+        counts = np.bincount(toks @ np.array([V * V, V, 1]), minlength=V ** 3).reshape(V, V, V)
+        stat, thr = chi_square(counts, want[case])
+        print(f"mixed batch, T={case[0]} top_k={case[1]} top_p={case[2]}: chi-square {stat:.1f} / threshold {thr:.1f}")
+        assert stat < thr

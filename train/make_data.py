@@ -1,7 +1,7 @@
 """``python -m train.make_data --target T --prompts FILE --out DIR``: training data for a DFlash draft.
 
 By default the TARGET answers the prompts (as in the paper: the draft learns the target's own
-distribution), batched through the project's decode engine (``dflash_jax.speculative``; plain
+distribution), batched through the project's decode engine (``dflash_jax.decode``; plain
 decoding, or speculative with ``--draft`` -- lossless, so the same tokens, just faster), greedy or
 sampled. A prompt file with ready responses (JSONL ``prompt`` + ``response`` text, or
 ``prompt_ids`` + ``response_ids``) is tokenized instead; ``--chat`` applies the tokenizer's chat

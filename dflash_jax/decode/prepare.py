@@ -100,7 +100,7 @@ def row_key(seed: int, stream: int) -> np.ndarray:
 
 
 def make_rows(spec: EngineSpec, prompts: Sequence[np.ndarray], budget, settings: Sequence[DecodeOptions],
-              streams: Sequence[int], pad_to: int | None = None, bucket: int | None = None) -> Rows:
+              streams: Sequence[int], *, pad_to: int | None = None, bucket: int | None = None) -> Rows:
     """New rows as host arrays, padded to ``pad_to`` rows (1-token rows of budget 1, finished at prefill) and to a
     prompt ``bucket`` (default: the longest prompt rounded up to 32)."""
     n = len(prompts)

@@ -56,7 +56,9 @@ class Engine:
         block = options.block_for(draft)
         max_block = max(block, options.tree_budget + 1)
         cache_len = prepare.cache_length([1], [limit - 1], max_block, options.cache_len)
-        self.rows = int(max_batch) + sharding.pad_rows(int(max_batch), sharding.mesh_of(target.params))
+        mesh = sharding.mesh_of(target.params)
+        self.unit = sharding.batch_multiple(mesh)  # rows split over data*fsdp: every group a multiple of it
+        self.rows = int(max_batch) + sharding.pad_rows(int(max_batch), mesh)
         self.spec, self.inputs = prepare.engine(target, draft, options, cache_len, greedy=not self.sampled,
                                                 rows=self.rows, stop_width=stop_width)
         if self.inputs.proposer_args is not None:
@@ -85,8 +87,8 @@ class Engine:
         return prepare.place_rows(self.spec, rows)
 
     def groups(self) -> list[int]:
-        """The admission group sizes: one row, or every row (``admit``)."""
-        return sorted({1, self.rows})
+        """The admission group sizes: one row (a row per data shard on a mesh), or every row (``admit``)."""
+        return sorted({self.unit, self.rows})
 
     def warm(self, prompt_lengths: Iterable[int]) -> None:
         """Compile, and run once on a scratch state, every program a run over prompts of these lengths can use
@@ -95,7 +97,7 @@ class Engine:
         buckets = sorted({prepare.prompt_bucket(n, self.spec.cache_len) for n in prompt_lengths})
         for b in buckets:
             for g in self.groups():
-                dummy = [Request([0] * min(b, self.max_length - 1))] * (g if g == 1 else g // 2 + 1)
+                dummy = [Request([0] * min(b, self.max_length - 1))] * (1 if g == self.unit else g // 2 + 1)
                 state, rows = self.admit(self.empty(), dummy)
                 state, _ = self.run(state, 1)
                 jax.block_until_ready(self.release(state, rows)[0])
@@ -147,7 +149,7 @@ class Engine:
         budget = prepare.budgets([len(r.prompt_ids) for r in requests], settings, self.max_length)
         groups = [range(len(rows))] if 2 * len(rows) > self.rows else [[i] for i in range(len(rows))]
         for group in groups:
-            size = 1 if len(group) == 1 else self.rows
+            size = self.unit if len(group) == 1 else self.rows
             at = np.full((size,), self.rows, np.int32)  # padding rows go past the state: dropped
             at[:len(group)] = [rows[i] for i in group]
             new = self._rows([requests[i] for i in group], [settings[i] for i in group], budget[list(group)],
@@ -172,7 +174,8 @@ class Engine:
         rows = [int(r) for r in rows]
         if not rows:
             return state, []
-        at = np.asarray(rows, np.int32)
+        at = np.zeros((min(1 << (len(rows) - 1).bit_length(), self.rows),), np.int32)  # a few gather shapes
+        at[:len(rows)] = rows
         host = sharding.to_host(steps.take_jit(state, at))
         now = time.perf_counter()
         results = [row_result(host, j, int(host["prompt_length"][j]), now - self._admitted_at.pop(r, now))
