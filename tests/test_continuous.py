@@ -117,17 +117,18 @@ def test_public_steps_keep_rows_busy(trained):
 
 def test_a_seeded_request_draws_the_same_tokens_in_any_batch(trained):
     """A sampled request's tokens depend on its own seed only: alone, or admitted late into a batch of other
-    sampled and greedy requests with other settings, plain and speculative (the rejection rule)."""
+    sampled and greedy requests with other settings (speculative, the rejection rule: its draws are the draft's,
+    the acceptance test's and the residual's, all from the row's own key)."""
     target, draft, prompts = trained
     mine = Request(prompts[0], max_new_tokens=16, temperature=0.8, top_k=20, seed=7)
     others = [Request(prompts[1], max_new_tokens=3, temperature=1.3, seed=1),
               Request(prompts[2], max_new_tokens=20),
               Request(prompts[3], max_new_tokens=2, temperature=0.5, top_p=0.7, seed=2)]
-    for d in (None, draft):  # 2 slots throughout: one engine (and its programs) for the alone and the mixed runs
-        alone = decode.continuous_generate(target, d, [mine], max_batch=2, stop_token_ids=[])[0]
-        mixed = decode.continuous_generate(target, d, others + [mine], max_batch=2, stop_token_ids=[])
-        assert mixed[-1].output_ids == alone.output_ids
-        assert mixed[1].output_ids == solo(target, None, prompts[2], 20, stop_token_ids=[]).output_ids  # greedy row
+    # 2 slots throughout: one engine (and its programs) for the alone and the mixed runs
+    alone = decode.continuous_generate(target, draft, [mine], max_batch=2, stop_token_ids=[])[0]
+    mixed = decode.continuous_generate(target, draft, others + [mine], max_batch=2, stop_token_ids=[])
+    assert mixed[-1].output_ids == alone.output_ids
+    assert mixed[1].output_ids == solo(target, None, prompts[2], 20, stop_token_ids=[]).output_ids  # greedy row
     batch_row = decode.speculative_generate(target, draft, [prompts[1], prompts[0]], max_new_tokens=16,
                                             temperature=0.8, top_k=20, seed=7, stop_token_ids=[])[1]
     as_stream = decode.continuous_generate(target, draft, [Request(prompts[0], stream=1)], max_batch=2,
