@@ -157,6 +157,8 @@ def test_engine_refuses_bad_requests(trained):
         Engine(target, draft, DecodeOptions(max_new_tokens=4), max_batch=2)
     with pytest.raises(ValueError, match="top_p"):
         decode.continuous_generate(target, draft, [Request(prompts[0], top_p=0.0)], max_batch=1, max_new_tokens=3)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        decode.continuous_generate(target, draft, [Request(prompts[0])], max_batch=1, max_new_tokens=3, policy="x")
 
 
 def test_slots_on_a_mesh_equal_one_device(trained):

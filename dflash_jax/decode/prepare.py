@@ -11,7 +11,7 @@ import numpy as np
 from dflash_jax import draft as draft_lib
 from dflash_jax import sharding
 from dflash_jax.decode import proposers
-from dflash_jax.decode.options import DecodeOptions, Request, check_tree_target
+from dflash_jax.decode.options import DecodeOptions, check_tree_target
 from dflash_jax.decode.types import EngineSpec, Inputs, Rows
 from dflash_jax.target import Target, check_token_ids
 
@@ -127,7 +127,3 @@ def make_rows(spec: EngineSpec, prompts: Sequence[np.ndarray], budget, settings:
 def place_rows(spec: EngineSpec, rows: Rows) -> Rows:
     """``rows`` on the spec's mesh (split over data*fsdp), or as they are on one device."""
     return rows if spec.mesh is None else sharding.shard_batch(rows, spec.mesh)
-
-
-def request_settings(requests: Sequence[Request], options: DecodeOptions) -> list[DecodeOptions]:
-    return [r.settings(options) for r in requests]

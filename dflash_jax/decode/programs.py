@@ -23,21 +23,16 @@ class Programs:
     def __init__(self, capacity: int = CAPACITY):
         self.capacity = capacity
         self._table: collections.OrderedDict = collections.OrderedDict()
-        self.compiled = 0  # programs built so far (a run's compile count)
 
     def get(self, key, build):
         if key in self._table:
             self._table.move_to_end(key)
             return self._table[key]
         program = build()
-        self.compiled += 1
         self._table[key] = program
         while len(self._table) > self.capacity:
             self._table.popitem(last=False)
         return program
-
-    def __len__(self) -> int:
-        return len(self._table)
 
     def clear(self) -> None:
         self._table.clear()

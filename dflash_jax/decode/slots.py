@@ -68,10 +68,10 @@ class Engine:
         self._admitted_at: dict[int, float] = {}
 
     # --- programs -------------------------------------------------------------------------------------------
-    def _compiled(self, name: str, fn, *args, **static):
+    def _compiled(self, name: str, fn, *args):
         key = (name, self.spec, signature(self.inputs, *args))
         self.used.add(key)
-        return self.programs.get(key, lambda: fn.lower(self.spec, self.inputs, *args, **static).compile())
+        return self.programs.get(key, lambda: fn.lower(self.spec, self.inputs, *args).compile())
 
     def empty(self) -> DecodeState:
         """A state of S free rows."""
@@ -209,10 +209,16 @@ def stream_requests(engine: Engine, requests: Iterable[Request], stats: RunStats
                     policy: str = "continuous") -> Iterator[tuple[int, GenerationResult]]:
     """(index, result) of every request of ``requests`` (any iterable, read as slots free up) as it finishes.
     ``policy`` "continuous": S rows kept busy, the next requests admitted whenever rows finish; "static": the next S
-    admitted only when every row of the last batch is done (closed batches, the baseline of the comparison)."""
+    admitted only when every row of the last batch is done (closed batches, the baseline of the comparison). A bad
+    ``policy`` raises at the call, before any work."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-    stats = stats if stats is not None else RunStats()
+    return _stream(engine, requests, stats if stats is not None else RunStats(), policy)
+
+
+def _stream(engine: Engine, requests: Iterable[Request], stats: RunStats,
+            policy: str) -> Iterator[tuple[int, GenerationResult]]:
+    """``stream_requests``' loop (its options checked)."""
     stats.slots = engine.rows
     start = time.perf_counter()
     pending = iter(enumerate(requests))
@@ -266,9 +272,10 @@ def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequ
                     sampled=any(s.temperature > 0 for s in settings),
                     stop_width=prepare.stop_width(settings))
     engine.check(requests)
+    stream = stream_requests(engine, requests, stats, policy)  # checks the policy; its clock starts at the first row
     if warm:
         engine.warm(lens)
     out: list = [None] * len(requests)
-    for index, result in stream_requests(engine, requests, stats, policy):
+    for index, result in stream:
         out[index] = result
     return out

@@ -117,7 +117,9 @@ def chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_t
     logits, tcache, dcache = _verify_chosen(spec, choice, inp.tparams, inp.dparams, state.tcache, state.dcache, block,
                                             positions, active)
     length = jnp.asarray(spec.lengths, jnp.int32)[choice]
-    posterior = choose(logits, k_target, *state.sampling, greedy=spec.greedy)  # p_0..p_{k-1}
+    # p_0..p_{k-1}; with the rejection rule only greedy rows use these (the argmax), sampled rows draw below
+    posterior = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if spec.rejection
+                 else choose(logits, k_target, *state.sampling, greedy=spec.greedy))
     a = jnp.minimum(accepted_length(block[:, 1:], posterior), length - 1) if k > 1 else jnp.zeros((b,), jnp.int32)
     if spec.rejection:  # sampled rows: d_1..d_a, then the residual / bonus token; greedy rows keep the match rule
         a_r, posterior_r = rejection_sample(proposal.scores, proposal.tokens, filtered_scores(logits, *state.sampling),
