@@ -69,13 +69,21 @@ def categorical(keys, scores):
     return jax.vmap(lambda k, s: jax.random.categorical(k, s, axis=-1))(keys, scores).astype(jnp.int32)
 
 
+def if_sampling(temperature, sample, otherwise):
+    """``sample()`` when some row's temperature is > 0, else ``otherwise`` (an array of the same shape): a batch of
+    greedy rows in a program that can sample (a server's) skips the draws over the vocabulary (a random number
+    per vocabulary entry and position, the dominant cost of a sampled step on a CPU)."""
+    return jax.lax.cond(jnp.any(jnp.asarray(temperature) > 0), sample, lambda: otherwise)
+
+
 def choose(logits, keys, temperature, top_k, top_p, *, greedy: bool):
     """logits [B, ..., V] -> token ids [B, ...]; ``keys`` [B, 2] and the settings (runtime, [B] or scalars) are per
     row, and a row at temperature 0 takes the argmax. ``greedy`` (static): every row is greedy."""
     best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if greedy:
         return best
-    drawn = categorical(keys, filtered_scores(logits, temperature, top_k, top_p))
+    drawn = if_sampling(temperature, lambda: categorical(keys, filtered_scores(logits, temperature, top_k, top_p)),
+                        best)
     return jnp.where(per_row(temperature, best.ndim) == 0, best, drawn)
 
 

@@ -290,22 +290,28 @@ def requests_of(prompts: list[list[int]], overrides: list[dict]) -> list:
 
 def max_batch(args, target, draft, prompts, overrides, kw: dict) -> int:
     """``--max-batch``, or the default: ``DEFAULT_MAX_BATCH`` rows, fewer where their caches would pass a quarter
-    of the device's free memory (TPU / GPU report it; CPU: no cap), never more than the prompts."""
+    of the device's free memory (``slots_that_fit``), never more than the prompts."""
     if args.max_batch is not None:
         return args.max_batch
+    from dflash_jax.decode import cache_length
+
+    budget = [own.get("max_new_tokens", kw["max_new_tokens"]) for own in overrides]
+    cache_len = cache_length([len(p) for p in prompts], budget, 16)
+    return slots_that_fit(target, draft, cache_len, min(DEFAULT_MAX_BATCH, len(prompts)))
+
+
+def slots_that_fit(target, draft, cache_len: int, n: int) -> int:
+    """At most ``n`` rows of ``cache_len`` cache slots: fewer where their caches would pass a quarter of the
+    device's free memory (TPU / GPU report it; CPU: no cap)."""
     import jax
 
     from dflash_jax import draft as draft_lib
     from dflash_jax import target as target_lib
-    from dflash_jax.decode import cache_length
 
-    n = min(DEFAULT_MAX_BATCH, len(prompts))
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return n
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    budget = [own.get("max_new_tokens", kw["max_new_tokens"]) for own in overrides]
-    cache_len = cache_length([len(p) for p in prompts], budget, 16)
     dtype = jax.tree_util.tree_leaves(target.params)[0].dtype
     caches = [jax.eval_shape(lambda: target_lib.new_cache(target.config, 1, cache_len, dtype))]
     if draft is not None:

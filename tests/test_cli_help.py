@@ -24,7 +24,7 @@ def test_train_help_marks_required_flags_and_says_defaults_once():
     assert "{float32,bfloat16,float16}" in text and "{auto,kernel,reference,interpret}" in text
 
 
-@pytest.mark.parametrize("module", ["generate", "benchmark"])
+@pytest.mark.parametrize("module", ["generate", "benchmark", "serve.__main__", "serve_benchmark"])
 def test_infer_options_all_have_help(module, monkeypatch, capsys):
     import importlib
 

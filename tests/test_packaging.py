@@ -78,7 +78,7 @@ def test_console_scripts_are_the_clis():
     import tomllib
 
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert {"dflash-generate", "dflash-benchmark", "dflash-train"} <= set(scripts)
+    assert {"dflash-generate", "dflash-benchmark", "dflash-train", "dflash-serve"} <= set(scripts)
     for name, target in scripts.items():
         module, func = target.split(":")
         assert callable(getattr(importlib.import_module(module), func)), name
@@ -96,3 +96,13 @@ def test_console_script_runs_from_a_folder_that_shadows_the_packages(tmp_path):
     (tmp_path / "train.py").write_text("raise SystemExit('the local train.py was imported')\n")
     r = subprocess.run([str(exe), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "--tree-budget" in r.stdout, r.stderr
+
+
+def test_test_extra_holds_the_serve_extra():
+    """The server's tests run from the test extra alone: it repeats every requirement of the serve extra."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"fastapi", "uvicorn", "sse-starlette", "prometheus_client", "openai"} <= {
+        r.split(">")[0].split("=")[0] for r in extras["serve"]}
+    assert set(extras["serve"]) <= set(extras["test"])

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from dflash_jax import draft as draft_lib
 from dflash_jax import tree as tree_lib
-from dflash_jax.sampling import categorical, filtered_scores
+from dflash_jax.sampling import categorical, filtered_scores, if_sampling
 
 
 @flax.struct.dataclass
@@ -101,7 +101,8 @@ class Chain(Proposer):
             return Proposal(best, logits)
         scores = filtered_scores(logits, *view.sampling)
         greedy = (view.sampling[0] == 0)[:, None]
-        return Proposal(jnp.where(greedy, best, categorical(view.key, scores)), scores)
+        drawn = if_sampling(view.sampling[0], lambda: categorical(view.key, scores), best)
+        return Proposal(jnp.where(greedy, best, drawn), scores)
 
 
 @dataclasses.dataclass(frozen=True)

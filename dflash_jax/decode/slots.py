@@ -64,12 +64,13 @@ class Engine:
         if self.inputs.proposer_args is not None:
             raise ValueError("this proposer's arrays are per batch (a replay draft): use speculative_generate")
         self.programs = PROGRAMS
+        self._inputs_signature = signature(self.inputs)  # the params' tree: fixed for the engine's life
         self.used: set = set()  # the programs this engine ran (each compiled once per process, shared)
         self._admitted_at: dict[int, float] = {}
 
     # --- programs -------------------------------------------------------------------------------------------
     def _compiled(self, name: str, fn, *args):
-        key = (name, self.spec, signature(self.inputs, *args))
+        key = (name, self.spec, self._inputs_signature, signature(*args))
         self.used.add(key)
         return self.programs.get(key, lambda: fn.lower(self.spec, self.inputs, *args).compile())
 
@@ -168,6 +169,13 @@ class Engine:
         n = np.int32(max_steps)
         state, taken = self._compiled("run", steps.run_jit, state, n)(self.inputs, state, n)
         return state, int(taken)
+
+    def progress(self, state: DecodeState) -> dict:
+        """Every row's counters on the host (``generated``, ``finish``, ``steps``, ``acceptance`` of its last step)
+        and ``tail`` [S, W]: its last W tokens, ending at its newest committed one (W = max block + 1, the most an
+        admission and one step commit), so that a host streaming after every ``step`` / ``run(state, 1)`` reads
+        each row's new tokens without copying its whole token row."""
+        return sharding.to_host(steps.recent_jit(state, self.spec.max_block + 1))
 
     def release(self, state: DecodeState, rows: Sequence[int]) -> tuple[DecodeState, list[GenerationResult]]:
         """The results of ``rows`` (timed from their admission by this engine) -> (state with them free, results)."""

@@ -56,8 +56,12 @@ def admit(spec: EngineSpec, inp: Inputs, state: DecodeState, rows: Rows, at) -> 
 
 
 def release(spec: EngineSpec, state: DecodeState, at) -> DecodeState:
-    """``state`` with its rows ``at`` [A] marked free (out of range: ignored); their caches stay until overwritten."""
-    return state.replace(finish=state.finish.at[at].set(Finish.FREE, mode="drop"))
+    """``state`` with its rows ``at`` [A] marked free (out of range: ignored); their caches stay until overwritten.
+    A free row's sampling settings are reset to greedy, so that a batch with no sampling row skips the draws and
+    the sorts over the vocabulary (``sampling.if_sampling``, ``filtered_scores``)."""
+    put = lambda x, v: x.at[at].set(v, mode="drop")  # noqa: E731
+    return state.replace(finish=put(state.finish, Finish.FREE), temperature=put(state.temperature, 0.0),
+                         top_k=put(state.top_k, 0), top_p=put(state.top_p, 1.0))
 
 
 def step(spec: EngineSpec, inp: Inputs, state: DecodeState) -> DecodeState:
@@ -107,7 +111,8 @@ def empty(spec: EngineSpec, inp: Inputs, rows: Rows) -> DecodeState:
     """A state of ``rows``' row count with every row free (zeros: an admission overwrites a whole row)."""
     shapes = jax.eval_shape(functools.partial(prefill, spec), inp, rows)
     state = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    return spec.place(state.replace(finish=jnp.full(state.finish.shape, Finish.FREE, jnp.int32)))
+    return spec.place(state.replace(finish=jnp.full(state.finish.shape, Finish.FREE, jnp.int32),
+                                    top_p=jnp.ones_like(state.top_p)))  # free rows: greedy settings (``release``)
 
 
 def take(state: DecodeState, at):
@@ -118,5 +123,16 @@ def take(state: DecodeState, at):
                 prompt_length=pick(state.prompt_len))
 
 
+def recent(state: DecodeState, width: int):
+    """Per row: its counters and its last ``width`` tokens ending at the newest committed one (what a streaming host
+    reads after a step: a step commits at most a block, so ``width`` = max block + 1 covers an admission too)."""
+    end = state.prompt_len + state.generated
+    at = jnp.clip(end[:, None] - width + jnp.arange(width, dtype=end.dtype), 0, state.tokens.shape[1] - 1)
+    last = jnp.take_along_axis(state.acceptance, jnp.maximum(state.steps - 1, 0)[:, None], axis=1)[:, 0]
+    return dict(tail=jnp.take_along_axis(state.tokens, at, axis=1), generated=state.generated, finish=state.finish,
+                steps=state.steps, acceptance=last)
+
+
 empty_jit = jax.jit(_on_mesh(empty), static_argnames=("spec",))
 take_jit = jax.jit(take)
+recent_jit = jax.jit(recent, static_argnames=("width",))

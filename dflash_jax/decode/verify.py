@@ -36,7 +36,7 @@ from dflash_jax import target as target_lib
 from dflash_jax import tree as tree_lib
 from dflash_jax.decode.proposers import StepView
 from dflash_jax.decode.types import DecodeState, EngineSpec, Finish, Inputs
-from dflash_jax.sampling import accepted_length, choose, filtered_scores, rejection_sample
+from dflash_jax.sampling import accepted_length, choose, filtered_scores, if_sampling, rejection_sample
 from dflash_jax.state import put_rows
 
 
@@ -122,9 +122,11 @@ def chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_t
                  else choose(logits, k_target, *state.sampling, greedy=spec.greedy))
     a = jnp.minimum(accepted_length(block[:, 1:], posterior), length - 1) if k > 1 else jnp.zeros((b,), jnp.int32)
     if spec.rejection:  # sampled rows: d_1..d_a, then the residual / bonus token; greedy rows keep the match rule
-        a_r, posterior_r = rejection_sample(proposal.scores, proposal.tokens, filtered_scores(logits, *state.sampling),
-                                            k_target, verified=length - 1)
         sampled = state.temperature > 0
+        a_r, posterior_r = if_sampling(
+            jnp.where(active, state.temperature, 0),
+            lambda: rejection_sample(proposal.scores, proposal.tokens, filtered_scores(logits, *state.sampling),
+                                     k_target, verified=length - 1), (a, posterior))
         a, posterior = jnp.where(sampled, a_r, a), jnp.where(sampled[:, None], posterior_r, posterior)
     return posterior, a, length, tcache, dcache
 

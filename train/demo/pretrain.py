@@ -47,6 +47,10 @@ from dflash_jax.progress import progress_bar
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, MASK_TOKEN)  # ids 0 and 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# The demo's chat template: a code model, so a conversation is written as comments and the answer continues after
+# the assistant's; it lets the server's chat route (and --chat) run on the demo pair.
+CHAT_TEMPLATE = ("{%- for message in messages %}# {{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+                 "{%- if add_generation_prompt %}# assistant:\n{% endif %}")
 
 
 # ----------------------------------------------------------------------------------------------- tokenizer
@@ -79,6 +83,7 @@ def train_tokenizer(texts: Sequence[str], out_dir: str, vocab_size: int = 4096, 
     with open(cfg_path) as f:
         tok_cfg = json.load(f)
     tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_cfg["chat_template"] = CHAT_TEMPLATE
     with open(cfg_path, "w") as f:
         json.dump(tok_cfg, f, indent=2)
     return out_dir

@@ -1,0 +1,127 @@
+"""Serve a target (and its DFlash draft) over the OpenAI API: ``python -m infer.serve [--target T --draft D]``.
+
+With no arguments it serves the embedded demo pair on http://127.0.0.1:8000 (model name ``dflash-demo``).
+Routes: POST /v1/completions, POST /v1/chat/completions (stream: true gives server-sent events ending in
+[DONE]), GET /v1/models, GET /health, GET /metrics (Prometheus text). Requests queue (--queue-size) for
+--max-batch decode slots, continuously batched; the decoding flags are the defaults of requests that do not set
+their own (temperature 0 = greedy unless a request asks otherwise; max_tokens: --max-new-tokens). --block-size
+auto serves with the draft's trained block (there are no prompts to probe). SIGTERM / Ctrl-C: the server stops
+listening, lets the requests in flight finish for up to --shutdown-timeout seconds, cancels the rest, exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from infer.common import (DEFAULT_MAX_BATCH, adaptive_kwargs, add_max_batch_arg, add_model_args, decoding_kwargs, die,
+                          fixed_block_size, load_models, slots_that_fit, tree_kwargs)
+
+DEFAULT_PORT = 8000
+DEFAULT_MAX_LENGTH = 4096  # the default --max-length cap: every slot's cache holds this many tokens
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m infer.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every "
+                                                       "interface)")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    add_max_batch_arg(s)
+    s.add_argument("--queue-size", type=int, default=256,
+                   help="requests that may wait for a slot; past it: 503 with Retry-After (default 256)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name requests give (default: dflash-demo for the demo, else --target as given)")
+    s.add_argument("--plain", action="store_true", help="serve plain decoding of the target (no draft; the "
+                                                        "baseline of the serving benchmark)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="at SIGTERM, seconds the requests in flight may take to finish before they are cancelled "
+                        "(default 30)")
+    s.add_argument("--no-warm", action="store_true", help="skip compiling the short-prompt programs before serving")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p.parse_args(argv)
+
+
+def check_args(args) -> None:
+    """The server's own options, before anything loads."""
+    if not 0 <= args.port < 65536:
+        die(f"--port must be in [0, 65535], got {args.port}")
+    if args.queue_size < 1:
+        die(f"--queue-size must be >= 1, got {args.queue_size}")
+    if args.max_batch is not None and args.max_batch < 1:
+        die(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_length is not None and args.max_length < 2:
+        die(f"--max-length must be >= 2, got {args.max_length}")
+    if args.shutdown_timeout < 0:
+        die(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.plain and args.draft:
+        die("--plain serves the target alone: drop --draft")
+
+
+def build_service(args):
+    """Load the models and build the ``Service`` the options describe (the engine is not started)."""
+    from dflash_jax.decode import DecodeOptions, cache_length
+    from infer.serve.service import Limits, Service, model_name
+
+    target, draft, tokenizer = load_models(args)
+    if args.plain:
+        draft = None
+    max_length = min(args.max_length or DEFAULT_MAX_LENGTH, target.config.max_position_embeddings)
+    kw = dict(decoding_kwargs(args, target), max_length=max_length, block_size=fixed_block_size(args),
+              **adaptive_kwargs(args), **tree_kwargs(args))
+    try:
+        options = DecodeOptions(**kw)
+        block = options.block_for(draft)
+        slots = args.max_batch or slots_that_fit(target, draft, cache_length([1], [max_length - 1], block),
+                                                 DEFAULT_MAX_BATCH)
+        name, aliases = model_name(args.target, target.path)
+        service = Service(target, draft, tokenizer, options, Limits(slots, max_length, args.queue_size),
+                          args.served_model_name or name, aliases)
+    except ValueError as e:
+        die(str(e))
+    return service
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    check_args(args)
+    import uvicorn
+    from sse_starlette.sse import AppStatus
+
+    import jax
+
+    from infer.serve.app import create_app
+
+    service = build_service(args)
+    if jax.process_count() > 1:
+        die("infer.serve runs on one host (a --mesh over its local devices); multi-host serving is not supported")
+    spec = service.engine.spec
+    what = f"DFlash, block {spec.block_size}" if spec.speculative else "plain decoding"
+    print(f"serving {service.name!r}: {what}, {service.engine.rows} slots of {service.max_length} tokens, queue "
+          f"{args.queue_size}" + ("" if args.no_warm else "; compiling the short-prompt programs..."), file=sys.stderr)
+    service.start(warm=not args.no_warm)
+    AppStatus.disable_automatic_graceful_drain()  # SIGTERM: let streams in flight finish (--shutdown-timeout)
+    logging.basicConfig(level=args.log_level.upper())
+    config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
+    server = uvicorn.Server(config)
+    # uvicorn handles SIGTERM during run() and raises it again afterwards for the handler it found: a handler of
+    # ours turns that into a clean exit (status 0) after the drain, not a death by the signal
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if not server.started:
+        service.stop(drain=False)
+        die(f"could not listen on {args.host}:{args.port} (see the message above)")
+    service.stop(drain=False, timeout=10)
+    print("server stopped", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

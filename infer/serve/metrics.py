@@ -1,0 +1,55 @@
+"""The server's Prometheus metrics (``GET /metrics``, the text exposition format), in a registry of its own so that
+several servers in one process (tests, the serving benchmark) keep separate counts."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 (re-exported for the app)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    """Requests by endpoint and outcome, tokens in / out, queue depth, slot occupancy, acceptance lengths (a
+    histogram and their running mean), time to first token, time per output token, queue time, latency."""
+
+    def __init__(self, slots: int, max_block: int):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("dflash_requests", "Requests answered, by endpoint and outcome "
+                                "(ok, error, cancelled: the client went away)", ["endpoint", "outcome"], registry=r)
+        self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("dflash_generation_tokens", "Tokens generated", registry=r)
+        self.queue_depth = Gauge("dflash_queue_depth", "Requests waiting for a slot", registry=r)
+        self.slots_busy = Gauge("dflash_slots_busy", "Decode slots holding a request", registry=r)
+        self.slots_total = Gauge("dflash_slots_total", "Decode slots (--max-batch)", registry=r)
+        self.slots_total.set(slots)
+        self.steps = Counter("dflash_engine_steps", "Decode steps of the engine (each drafts and verifies every "
+                             "busy slot)", registry=r)
+        self.acceptance = Histogram("dflash_acceptance_length", "Tokens committed per verify step of a request "
+                                    "(the bonus token included)", buckets=tuple(range(1, max_block + 2)), registry=r)
+        self.tau = Gauge("dflash_mean_acceptance_length", "Mean acceptance length over every verify step so far",
+                         registry=r)
+        self.tau.set_function(self._tau)
+        self.ttft = Histogram("dflash_time_to_first_token_seconds", "Request arrival until its first token left the "
+                              "engine", buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("dflash_time_per_output_token_seconds", "Decode time per output token after the first",
+                              buckets=TOKEN_BUCKETS, registry=r)
+        self.queue_time = Histogram("dflash_queue_time_seconds", "Request arrival until it took a slot",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("dflash_request_latency_seconds", "Request arrival until its last token",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self._accepted = self._verify_steps = 0
+
+    def _tau(self) -> float:
+        return self._accepted / self._verify_steps if self._verify_steps else 0.0
+
+    def step(self, acceptance_lengths) -> None:
+        """One engine step: the acceptance length of each row that verified in it."""
+        self.steps.inc()
+        for a in acceptance_lengths:
+            self.acceptance.observe(a)
+            self._accepted += int(a)
+            self._verify_steps += 1
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

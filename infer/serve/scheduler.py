@@ -1,0 +1,215 @@
+"""The engine thread: requests wait in a bounded queue, are admitted into the free slots of one ``decode.Engine``
+between steps, and leave as soon as they finish (a stop id, their budget, a stop string) or their client goes
+away; every step's new tokens go out to each request's channel as text at once (streaming).
+
+One thread owns the engine and its state (JAX calls block; the HTTP side never touches the device). It reads each
+row's counters and newest tokens after every step (``Engine.progress``: a few bytes per row, not the caches)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+from dflash_jax.decode import Engine, Finish, Request
+from infer.serve.metrics import Metrics
+from infer.serve.text import TextStream
+
+log = logging.getLogger("infer.serve")
+FINISHED = (int(Finish.LENGTH), int(Finish.STOP))
+
+
+@dataclasses.dataclass
+class Delta:
+    """New text of choice ``index`` (``ids``: the tokens it came from; the text may lag them by a held-back tail)."""
+
+    index: int
+    text: str
+    ids: list[int]
+
+
+@dataclasses.dataclass
+class Done:
+    """Choice ``index`` finished: its whole text and ids, why ("stop" | "length" | "cancelled"), and its numbers."""
+
+    index: int
+    text: str
+    ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    acceptance_lengths: list[int]
+    time_to_first_token_s: float | None
+    queue_time_s: float
+
+
+@dataclasses.dataclass
+class Failed:
+    index: int
+    message: str
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One prompt of a request: its decode ``Request``, stop strings, and ``emit`` (thread-safe; events above)."""
+
+    request: Request
+    index: int
+    text: TextStream
+    emit: Callable
+    arrived: float = dataclasses.field(default_factory=time.perf_counter)
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    admitted: float | None = None
+    first_token: float | None = None
+    sent: int = 0  # generated tokens already read off the engine
+    steps: int = 0  # verify steps already read off the engine
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Scheduler:
+    """Runs ``engine`` in a thread over requests ``submit``ted to a queue of at most ``queue_size`` jobs."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, queue_size: int):
+        self.engine, self.metrics = engine, metrics
+        self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._submit = threading.Lock()
+        self._stop = threading.Event()
+        self._drain = True
+        self._thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
+        self.active: dict[int, Job] = {}
+        self.alive = False
+
+    def start(self) -> None:
+        self.alive = True
+        self._thread.start()
+
+    def stop(self, drain: bool, timeout: float | None = None) -> None:
+        """Stop the thread: ``drain`` lets the queued and running requests finish first; else they are cancelled."""
+        self._drain = drain
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue every job of one request, or none (``QueueFull``)."""
+        with self._submit:
+            if self._stop.is_set() or not self.alive:
+                raise QueueFull("the server is shutting down")
+            if self.queue.maxsize - self.queue.qsize() < len(jobs):
+                raise QueueFull(f"the request queue is full ({self.queue.maxsize} waiting)")
+            for j in jobs:
+                self.queue.put_nowait(j)
+        self.metrics.queue_depth.set(self.queue.qsize())
+
+    # --- the thread -----------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        state = self.engine.empty()
+        while True:
+            if self._stop.is_set() and not (self._drain and (self.active or not self.queue.empty())):
+                break
+            try:
+                state = self._turn(state)
+            except Exception as e:  # never a dead server: fail the running requests, start from an empty state
+                log.exception("engine step failed")
+                for job in list(self.active.values()) + self._take_queue():
+                    job.emit(Failed(job.index, f"the engine failed: {type(e).__name__}: {e}"))
+                self.active.clear()
+                state = self.engine.empty()
+        for job in list(self.active.values()) + self._take_queue():
+            job.emit(Done(job.index, job.text.text, job.text.ids, "cancelled", len(job.request.prompt_ids), [],
+                          None, 0.0))
+        self.active.clear()
+        self.alive = False
+
+    def _take_queue(self) -> list[Job]:
+        jobs = []
+        while True:
+            try:
+                jobs.append(self.queue.get_nowait())
+            except queue.Empty:
+                return jobs
+
+    def _admit(self, state):
+        free = [r for r in range(self.engine.rows) if r not in self.active]
+        new = []
+        while len(new) < len(free):
+            try:  # wait for work only when there is nothing to step
+                job = self.queue.get(block=not self.active and not new, timeout=0.05)
+            except queue.Empty:
+                break
+            if job.cancelled.is_set():
+                job.emit(Done(job.index, "", [], "cancelled", len(job.request.prompt_ids), [], None,
+                              time.perf_counter() - job.arrived))
+                continue
+            new.append(job)
+        self.metrics.queue_depth.set(self.queue.qsize())
+        if not new:
+            return state
+        state, rows = self.engine.admit(state, [j.request for j in new], free[:len(new)])
+        now = time.perf_counter()
+        for row, job in zip(rows, new):
+            job.admitted = now
+            self.metrics.queue_time.observe(now - job.arrived)
+            self.active[row] = job
+        return state
+
+    def _turn(self, state):
+        """Admit, drop the cancelled, one step, send every row's new text, release the finished."""
+        state = self._admit(state)
+        gone = [r for r, j in self.active.items() if j.cancelled.is_set()]
+        if gone:
+            state, _ = self.engine.release(state, gone)
+            for r in gone:
+                job = self.active.pop(r)
+                job.emit(Done(job.index, job.text.text, job.text.ids, "cancelled", len(job.request.prompt_ids), [],
+                              None, job.admitted - job.arrived))
+        self.metrics.slots_busy.set(len(self.active))
+        if not self.active:
+            return state
+        state, taken = self.engine.run(state, 1)
+        p = self.engine.progress(state)
+        width = p["tail"].shape[1]
+        done, accepted = [], []
+        for r, job in self.active.items():
+            if int(p["steps"][r]) > job.steps:  # this row verified in the step just taken
+                job.steps = int(p["steps"][r])
+                accepted.append(int(p["acceptance"][r]))
+            n = int(p["generated"][r])
+            new = p["tail"][r, width - (n - job.sent):].tolist() if n > job.sent else []
+            job.sent = n
+            if new and job.first_token is None:
+                job.first_token = time.perf_counter()
+            delta, stopped = job.text.push(new)
+            if delta:
+                job.emit(Delta(job.index, delta, new))
+            if stopped or int(p["finish"][r]) in FINISHED:
+                done.append((r, "stop" if stopped or int(p["finish"][r]) == Finish.STOP else "length"))
+        if taken:
+            self.metrics.step(accepted)
+        if done:
+            state, results = self.engine.release(state, [r for r, _ in done])
+            now = time.perf_counter()
+            for (r, reason), result in zip(done, results):
+                job = self.active.pop(r)
+                tail = job.text.finish()
+                if tail:
+                    job.emit(Delta(job.index, tail, []))
+                out = len(job.text.ids)
+                self.metrics.generation_tokens.inc(out)
+                self.metrics.prompt_tokens.inc(len(job.request.prompt_ids))
+                self.metrics.latency.observe(now - job.arrived)
+                if job.first_token is not None:
+                    self.metrics.ttft.observe(job.first_token - job.arrived)
+                    if out > 1:
+                        self.metrics.tpot.observe((now - job.first_token) / (out - 1))
+                job.emit(Done(job.index, job.text.text, job.text.ids, reason, len(job.request.prompt_ids),
+                              result.acceptance_lengths, None if job.first_token is None else
+                              job.first_token - job.arrived, job.admitted - job.arrived))
+        self.metrics.slots_busy.set(len(self.active))
+        return state

@@ -1,0 +1,144 @@
+"""What a server serves: the models, one ``decode.Engine`` of ``max_batch`` slots and its scheduler, the names it
+answers to, and the turning of an API request into checked engine requests (prompt ids, budget, settings)."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import time
+
+from dflash_jax.decode import DecodeOptions, Engine, Request
+from dflash_jax.prompts import PromptError, chat_ids, encode_prompt
+from dflash_jax.target import Target
+from infer.serve.metrics import Metrics
+from infer.serve.protocol import APIError, ChatRequest, CompletionRequest, Sampling
+from infer.serve.scheduler import Job, QueueFull, Scheduler
+from infer.serve.text import TextStream
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_batch: int  # decode slots
+    max_length: int  # prompt + generated tokens per request (sizes the slots' caches)
+    queue_size: int  # requests waiting for a slot before 503
+
+
+class Service:
+    """``options``: the defaults of every request (the command line's decoding flags); ``name``: the model name
+    requests must give (``aliases`` are accepted too)."""
+
+    def __init__(self, target: Target, draft, tokenizer, options: DecodeOptions, limits: Limits, name: str,
+                 aliases: tuple[str, ...] = ()):
+        self.target, self.draft, self.tokenizer, self.options, self.limits = target, draft, tokenizer, options, limits
+        self.name, self.names = name, {name, *aliases}
+        self.engine = Engine(target, draft, options, max_batch=limits.max_batch, max_length=limits.max_length,
+                             sampled=True)
+        self.metrics = Metrics(self.engine.rows, self.engine.spec.max_block)
+        self.scheduler = Scheduler(self.engine, self.metrics, limits.queue_size)
+        self.created = int(time.time())
+        self._streams = itertools.count(1)  # the key stream of a request that gives no seed
+
+    @property
+    def max_length(self) -> int:
+        return self.engine.max_length
+
+    def start(self, warm: bool = True) -> None:
+        """Compile (and run once) the programs of short prompts, then start the engine thread."""
+        if warm:
+            self.engine.warm([1])
+        self.scheduler.start()
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        self.scheduler.stop(drain, timeout)
+
+    def check_model(self, model: str) -> None:
+        if model not in self.names:
+            raise APIError(404, f"The model {model!r} does not exist; this server serves {self.name!r}",
+                           param="model", code="model_not_found")
+
+    # --- prompts --------------------------------------------------------------------------------------------
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        out = []
+        for i, p in enumerate(body.prompts()):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise APIError(400, "text prompts need the target's tokenizer, and its directory has none: send "
+                                   "token ids", param="prompt")
+                p = encode_prompt({"prompt": p}, self.tokenizer)  # the rule infer.generate encodes text by
+                if not p:
+                    raise APIError(400, f"prompt {i} encodes to no tokens", param="prompt")
+            out.append(list(p))
+        return out
+
+    def chat_prompt(self, body: ChatRequest) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "chat needs the target's tokenizer, and its directory has none", param="messages")
+        try:
+            return chat_ids(self.tokenizer, [m.as_template() for m in body.messages], body.chat_template_kwargs,
+                            add_generation_prompt=True)
+        except PromptError as e:
+            raise APIError(400, str(e), param="messages") from None
+        except Exception as e:  # a template that raises on these messages (e.g. roles out of order)
+            raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
+
+    # --- requests -------------------------------------------------------------------------------------------
+    def jobs(self, body: Sampling, prompts: list[list[int]], budget: int | None, emit) -> list[Job]:
+        """One checked job per prompt (400 on a bad id, a prompt past the max length, a budget that does not fit)."""
+        stops = body.stop_strings()
+        jobs = []
+        for i, ids in enumerate(prompts):
+            room = self.max_length - len(ids)
+            where = f"prompt {i} " if len(prompts) > 1 else "the prompt "
+            if room < 1:
+                raise APIError(400, f"{where}has {len(ids)} tokens; this server's maximum length is {self.max_length}"
+                               " tokens (prompt + completion; --max-length), so nothing can be generated",
+                               param="prompt" if isinstance(body, CompletionRequest) else "messages",
+                               code="context_length_exceeded")
+            if budget is not None and budget > room:
+                raise APIError(400, f"{where}has {len(ids)} tokens and max_tokens is {budget}: more than this "
+                               f"server's maximum length of {self.max_length} tokens (--max-length)",
+                               param="max_tokens", code="context_length_exceeded")
+            request = Request(
+                ids, max_new_tokens=budget if budget is not None else min(self.options.max_new_tokens, room),
+                temperature=None if body.temperature is None else float(body.temperature),
+                top_k=None if body.top_k is None else max(body.top_k, 0),
+                top_p=None if body.top_p is None else float(body.top_p),
+                seed=body.seed, stream=0 if body.seed is not None else next(self._streams),
+                stop_token_ids=() if body.ignore_eos else None)
+            try:
+                self.engine.check([request])
+            except ValueError as e:
+                raise APIError(400, f"{where.strip()}: {e}", param="prompt") from None
+            jobs.append(Job(request, i, TextStream(self.tokenizer, stops) if self.tokenizer else NoText(), emit))
+        return jobs
+
+    def submit(self, jobs: list[Job]) -> None:
+        try:
+            self.scheduler.submit(jobs)
+        except QueueFull as e:
+            raise APIError(503, f"{e}; retry shortly", code="server_overloaded", type="server_error",
+                           headers={"Retry-After": "1"}) from None
+
+    def health(self) -> tuple[bool, dict]:
+        ok = self.scheduler.alive
+        return ok, {"status": "ok" if ok else "stopped", "model": self.name,
+                    "slots": self.engine.rows, "slots_busy": len(self.scheduler.active),
+                    "queue_depth": self.scheduler.queue.qsize(), "max_length": self.max_length,
+                    "speculative": self.engine.spec.speculative, "block_size": self.engine.spec.block_size}
+
+
+class NoText(TextStream):
+    """A target without a tokenizer: token ids only (the text stays empty)."""
+
+    def __init__(self):
+        super().__init__(None, ())
+
+    def _decode(self, ids) -> str:
+        return ""
+
+
+def model_name(target_arg: str | None, target_path: str) -> tuple[str, tuple[str, ...]]:
+    """(the served name, other names accepted): the demo's, or ``--target`` as given and its folder name."""
+    if target_arg is None:
+        return "dflash-demo", ()
+    return target_arg, tuple({os.path.basename(os.path.normpath(target_arg)), target_path} - {target_arg})

@@ -1,0 +1,236 @@
+"""Serving benchmark: ``python -m infer.serve_benchmark [--target T --draft D] [--concurrency 1,4,16]``.
+
+Starts the server in this process twice, DFlash and then plain decoding of the same target (``--plain``), each on
+a free localhost port, and drives both with the same streamed greedy completions through the official ``openai``
+client at each concurrency (a fixed number of requests, at most C in flight). Reported per concurrency and
+server: output tokens/s (all requests' tokens over the level's wall time), time to first token and time per output
+token after it (p50 / p90), the mean acceptance length, DFlash's speedup over plain, and whether every answer is
+identical between the two. Every response is checked (complete, a finish reason, usage equal to its tokens).
+``--url`` drives one server that is already running instead (no comparison). The machine's load average is
+printed beside the numbers: publish only what a quiet rerun reproduces.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from infer.common import add_model_args, die, parse_ints
+
+DEFAULT_CONCURRENCY = "1,4,16"
+
+
+@dataclasses.dataclass
+class Sample:
+    """One streamed response as the client saw it."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    completion_tokens: int
+    acceptance_lengths: list[int]
+    start: float
+    first: float | None
+    end: float
+    chunks: int
+
+    @property
+    def ttft(self) -> float:
+        return (self.first if self.first is not None else self.end) - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        n = self.completion_tokens
+        return (self.end - self.first) / (n - 1) if self.first is not None and n > 1 else None
+
+
+async def drive(url: str, model: str, prompts: list, max_tokens, concurrency: int, *, timeout: float = 600,
+                **extra) -> list[Sample]:
+    """Stream a greedy completion of every prompt (``max_tokens``: one for all, or one per prompt), at most
+    ``concurrency`` at a time -> a ``Sample`` per prompt, in order. ``extra``: more request fields (``ignore_eos``,
+    ``stop``)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=timeout)
+    gate = asyncio.Semaphore(concurrency)
+    budgets = max_tokens if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
+    known = {"stop"}
+    fields = {k: v for k, v in extra.items() if k in known}
+    body = {k: v for k, v in extra.items() if k not in known}
+
+    async def one(i: int, prompt) -> Sample:
+        async with gate:
+            start, first, parts, chunks = time.perf_counter(), None, [], 0
+            finish, usage, ids, acc = None, None, [], []
+            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=budgets[i],
+                                                     temperature=0, stream=True, extra_body=body or None, **fields)
+            async for chunk in stream:
+                if chunk.choices:
+                    c = chunk.choices[0]
+                    if c.text:
+                        first = first or time.perf_counter()
+                        parts.append(c.text)
+                    chunks += 1
+                    if c.finish_reason:
+                        finish = c.finish_reason
+                        extra_fields = c.model_extra or {}
+                        ids, acc = extra_fields.get("token_ids", []), extra_fields.get("acceptance_lengths", [])
+                if chunk.usage is not None:
+                    usage = chunk.usage
+            return Sample(i, "".join(parts), ids, finish, usage.completion_tokens if usage else -1, acc, start, first,
+                          time.perf_counter(), chunks)
+
+    try:
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    finally:
+        await client.close()
+
+
+def check_samples(samples: list[Sample]) -> None:
+    """Every response complete: a finish reason, and usage equal to the tokens it carried."""
+    for s in samples:
+        if s.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"request {s.index}: finish_reason {s.finish_reason!r}")
+        if s.completion_tokens != len(s.token_ids):
+            raise RuntimeError(f"request {s.index}: usage says {s.completion_tokens} tokens, the answer has "
+                               f"{len(s.token_ids)}")
+
+
+def summarize(samples: list[Sample], wall: float) -> dict:
+    ttft = [s.ttft for s in samples]
+    tpot = [s.tpot for s in samples if s.tpot is not None]
+    acc = [a for s in samples for a in s.acceptance_lengths]
+    tokens = sum(s.completion_tokens for s in samples)
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
+    return {"requests": len(samples), "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "tpot_p50_s": pct(tpot, 50),
+            "tpot_p90_s": pct(tpot, 90), "tau": float(np.mean(acc)) if acc else None}
+
+
+def run_levels(url: str, model: str, prompts: list, levels: list[int], max_tokens: int, num_requests: int) -> dict:
+    """Each concurrency level over the first ``num_requests`` prompts -> {level: (summary, samples)}."""
+    out = {}
+    for c in levels:
+        start = time.perf_counter()
+        samples = asyncio.run(drive(url, model, prompts[:num_requests], max_tokens, c))
+        wall = time.perf_counter() - start
+        check_samples(samples)
+        out[c] = (dict(concurrency=c, **summarize(samples, wall)), samples)
+        print(f"  concurrency {c}: {out[c][0]['output_tokens_per_s']:.1f} output tokens/s", file=sys.stderr)
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m infer.serve_benchmark", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    g = p.add_argument_group("serving benchmark")
+    g.add_argument("--url", default=None, help="drive this running server (e.g. http://127.0.0.1:8000/v1) instead "
+                                               "of starting DFlash and plain servers here")
+    g.add_argument("--model", default=None, help="with --url: the model name (default: the server's first)")
+    g.add_argument("--concurrency", default=DEFAULT_CONCURRENCY,
+                   help=f"requests in flight, comma-separated levels (default {DEFAULT_CONCURRENCY})")
+    g.add_argument("--num-requests", type=int, default=32, help="requests per level (default 32)")
+    g.add_argument("--max-batch", type=int, default=16, help="the servers' decode slots (default 16)")
+    g.add_argument("--prompts-file", default=None, help="text prompts (default: the demo's held-out code prompts)")
+    g.add_argument("--json", action="store_true", help="one JSON object per level and server, then a summary")
+    p.set_defaults(max_new_tokens=128, max_length=1024)
+    return p.parse_args(argv)
+
+
+def prompts_of(args) -> list[str]:
+    from infer.benchmark import default_prompts
+    from infer.common import read_prompts_file
+
+    if args.prompts_file:
+        records = read_prompts_file(args.prompts_file)
+        if any("prompt" not in r for r in records):
+            die("--prompts-file: the serving benchmark sends text prompts (a \"prompt\" field on every row)")
+        prompts = [r["prompt"] for r in records]
+    else:
+        prompts = default_prompts(args.num_requests)
+    if len(prompts) < args.num_requests:
+        die(f"--num-requests {args.num_requests}: the prompts file has only {len(prompts)} prompts")
+    return prompts
+
+
+def serve_both(args, prompts, levels) -> dict:
+    """DFlash, then plain decoding, each served here and driven at every level -> {kind: levels' results}."""
+    from infer.common import decoding_kwargs, fixed_block_size, load_models
+    from infer.serve.launch import Running
+    from infer.serve.service import Limits, Service
+    from dflash_jax.decode import DecodeOptions
+
+    target, draft, tokenizer = load_models(args)
+    if draft is None:
+        die("the comparison needs a draft (--draft), or drive one server with --url")
+    if tokenizer is None:
+        die("the serving benchmark sends text prompts: the target needs a tokenizer")
+    max_length = min(args.max_length, target.config.max_position_embeddings)
+    options = DecodeOptions(**dict(decoding_kwargs(args, target), max_length=max_length,
+                                   block_size=fixed_block_size(args)))
+    lens = [len(tokenizer(p)["input_ids"]) for p in prompts]
+    if max(lens) >= max_length:
+        die(f"a prompt has {max(lens)} tokens, past --max-length {max_length}")
+    out = {}
+    for kind, d in (("dflash", draft), ("plain", None)):
+        print(f"{kind}: compiling, then serving...", file=sys.stderr)
+        service = Service(target, d, tokenizer, options, Limits(args.max_batch, max_length, 4 * args.num_requests),
+                          "bench")
+        service.engine.warm(lens)  # every prompt bucket compiled before the clock starts
+        with Running(service, warm=False) as server:
+            asyncio.run(drive(server.url, "bench", prompts[:2], 4, 2))  # the HTTP path once, untimed
+            out[kind] = run_levels(server.url, "bench", prompts, levels, args.max_new_tokens, args.num_requests)
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    levels = parse_ints(args.concurrency, "--concurrency")
+    if args.num_requests < 1:
+        die(f"--num-requests must be >= 1, got {args.num_requests}")
+    prompts = prompts_of(args)
+    load = os.getloadavg()
+    if args.url:
+        import openai
+
+        model = args.model or openai.OpenAI(base_url=args.url, api_key="none").models.list().data[0].id
+        results = {"server": run_levels(args.url, model, prompts, levels, args.max_new_tokens, args.num_requests)}
+    else:
+        results = serve_both(args, prompts, levels)
+    rows = [dict(server=kind, **summary) for kind, by in results.items() for summary, _ in by.values()]
+    summary = {"load_average_start": load, "load_average_end": os.getloadavg(), "max_new_tokens": args.max_new_tokens,
+               "num_requests": args.num_requests}
+    if "plain" in results:
+        d, pl = results["dflash"], results["plain"]
+        summary["speedup"] = {c: d[c][0]["output_tokens_per_s"] / pl[c][0]["output_tokens_per_s"] for c in levels}
+        summary["identical"] = all(a.token_ids == b.token_ids for c in levels for a, b in zip(d[c][1], pl[c][1]))
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        print(json.dumps(summary))
+        return 0
+    print(f"| server | concurrency | output tok/s | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) | tau |")
+    print("|---|---:|---:|---:|---:|---:|")
+    ms = lambda x: "-" if x is None else f"{x * 1e3:.1f}"  # noqa: E731
+    for r in rows:
+        tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+        print(f"| {r['server']} | {r['concurrency']} | {r['output_tokens_per_s']:.1f} | {ms(r['ttft_p50_s'])} / "
+              f"{ms(r['ttft_p90_s'])} | {ms(r['tpot_p50_s'])} / {ms(r['tpot_p90_s'])} | {tau} |")
+    if "speedup" in summary:
+        print("speedup (DFlash / plain output tokens/s): " + ", ".join(
+            f"{x:.2f}x at concurrency {c}" for c, x in summary["speedup"].items())
+              + f"; identical answers: {'yes' if summary['identical'] else 'NO'}")
+    print(f"load average {load[0]:.2f} at the start, {summary['load_average_end'][0]:.2f} at the end")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""``python -m infer.serve`` on the demo pair, driven by the official ``openai`` client: completions and chat,
+streamed and whole, equal to plain greedy decoding of the same prompt; 32 concurrent streams; stop strings;
+every bad request answered with an OpenAI-style error and the right status; a full queue; a client that leaves
+mid-stream frees its slot; /metrics parses as Prometheus text; SIGTERM lets the stream in flight finish and
+exits 0. One server process for the module (the CLI as a user starts it), on a free port."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import dflash_jax as dj
+from dflash_jax.demo import DEMO_TARGET
+from infer.serve.launch import free_port
+from infer.serve_benchmark import check_samples, drive
+
+SLOTS, QUEUE, MAX_LENGTH = 4, 40, 512
+PROMPTS = ["def add(a, b):\n", "import os\n\n\ndef read_lines(path):\n", "class Stack:\n    def __init__(self):\n",
+           "def fib(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "infer.serve", "--port", str(port), "--max-batch", str(SLOTS),
+                             "--queue-size", str(QUEUE), "--max-length", str(MAX_LENGTH), "--max-new-tokens", "24",
+                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}: {proc.stdout.read()}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the server did not come up")
+        time.sleep(0.5)
+    yield proc, base
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from transformers import AutoTokenizer
+
+    target = dj.load_target(DEMO_TARGET)  # float32, as the server loads it on a CPU (--dtype auto)
+    return target, AutoTokenizer.from_pretrained(DEMO_TARGET)
+
+
+def plain(demo, prompts_ids, budgets, stop=True):
+    """Plain greedy decoding of each prompt alone -> its generated ids."""
+    target, _ = demo
+    stops = list(target.config.eos_token_id) if stop else []
+    return [dj.generate(target, [ids], max_new_tokens=n, stop_token_ids=stops)[0].generated_ids
+            for ids, n in zip(prompts_ids, budgets)]
+
+
+def text_of(demo, ids) -> str:
+    return demo[1].decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def metrics(base) -> dict:
+    """{(name, labels): value} of the server's /metrics, parsed by the Prometheus text parser."""
+    r = httpx.get(base + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["dflash-demo"]
+    h = httpx.get(server[1] + "/health").json()
+    assert h["status"] == "ok" and h["speculative"] and h["slots"] == SLOTS and h["max_length"] == MAX_LENGTH
+
+
+def test_completions_equal_plain_decoding(client, demo):
+    tok = demo[1]
+    ids = [tok(p)["input_ids"] for p in PROMPTS[:2]]
+    want = plain(demo, ids, [20, 20])
+    whole = client.completions.create(model="dflash-demo", prompt=PROMPTS[0], max_tokens=20, temperature=0)
+    c = whole.choices[0]
+    assert c.model_extra["token_ids"] == want[0] and c.text == text_of(demo, want[0])
+    assert c.finish_reason == ("stop" if len(want[0]) < 20 else "length")
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids[0]), len(want[0]))
+    assert whole.usage.total_tokens == len(ids[0]) + len(want[0])
+    by_ids = client.completions.create(model="dflash-demo", prompt=ids[1], max_tokens=20, temperature=0)
+    assert by_ids.choices[0].model_extra["token_ids"] == want[1]
+    chunks = list(client.completions.create(model="dflash-demo", prompt=PROMPTS[1], max_tokens=20, temperature=0,
+                                            stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == text_of(demo, want[1])
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length") and chunks[-1].usage.completion_tokens == len(
+        want[1])
+    assert len(chunks) < len(want[1])  # a chunk per step, several tokens each (the draft's acceptance)
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
+    both = client.completions.create(model="dflash-demo", prompt=ids, max_tokens=20, temperature=0)
+    assert [ch.model_extra["token_ids"] for ch in sorted(both.choices, key=lambda c: c.index)] == want
+
+
+def test_chat_equals_plain_decoding(client, demo):
+    tok = demo[1]
+    messages = [{"role": "system", "content": "answer in Python"}, {"role": "user", "content": "a stack class"}]
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    want = plain(demo, [ids], [24])[0]
+    whole = client.chat.completions.create(model="dflash-demo", messages=messages, max_tokens=24, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == text_of(demo, want)
+    assert whole.usage.prompt_tokens == len(ids) and whole.usage.completion_tokens == len(want)
+    chunks = list(client.chat.completions.create(model="dflash-demo", messages=messages, temperature=0,
+                                                 max_completion_tokens=24, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text_of(demo, want)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want)
+
+
+def test_concurrent_streams_each_equal_its_solo_output(server, demo):
+    """32 streams with mixed budgets through 4 slots: every one complete, equal to its prompt decoded alone."""
+    tok = demo[1]
+    prompts = [PROMPTS[i % len(PROMPTS)] + "    " * (i // len(PROMPTS)) for i in range(32)]
+    budgets = [1 + (7 * i) % 40 for i in range(32)]
+    samples = asyncio.run(drive(server[1] + "/v1", "dflash-demo", prompts, budgets, 32, ignore_eos=True))
+    check_samples(samples)
+    want = plain(demo, [tok(p)["input_ids"] for p in prompts], budgets, stop=False)
+    for s, w, n in zip(samples, want, budgets):
+        assert len(w) == n and s.token_ids == w and s.text == text_of(demo, w) and s.finish_reason == "length"
+
+
+def test_stop_strings_cut_the_text_streamed_or_not(client, demo):
+    tok = demo[1]
+    want = text_of(demo, plain(demo, [tok(PROMPTS[2])["input_ids"]], [24], stop=False)[0])
+    stop = want[len(want) // 2: len(want) // 2 + 3]
+    assert stop and stop in want
+    cut = want[:want.index(stop)]
+    whole = client.completions.create(model="dflash-demo", prompt=PROMPTS[2], max_tokens=24, temperature=0,
+                                      stop=[stop, "\x00never"], extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == cut and whole.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model="dflash-demo", prompt=PROMPTS[2], max_tokens=24, temperature=0,
+                                            stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == cut  # never shown, even in part: held back
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_sampled_requests_are_reproducible_by_seed(client):
+    ask = lambda seed: client.completions.create(model="dflash-demo", prompt=PROMPTS[0], max_tokens=16,  # noqa
+                                                 temperature=1.0, top_p=0.9, seed=seed,
+                                                 extra_body={"top_k": 50, "ignore_eos": True})
+    a, b, c = ask(7), ask(7), ask(8)
+    assert a.choices[0].model_extra["token_ids"] == b.choices[0].model_extra["token_ids"]
+    assert len(c.choices[0].model_extra["token_ids"]) == 16
+
+
+BAD = [  # (body or raw text, status, the param the error names (None: not checked))
+    ('{"model": "dflash-demo", "prompt": "x"', 400, None),  # malformed JSON
+    ({"model": "dflash-demo", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": "dflash-demo", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": "dflash-demo", "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"model": "dflash-demo", "prompt": 5}, 400, "prompt"),
+    ({"model": "dflash-demo"}, 400, "prompt"),
+    ({"model": "dflash-demo", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "dflash-demo", "prompt": "x", "logprobs": 1}, 400, "logprobs"),
+    ({"model": "dflash-demo", "prompt": "x", "best_of": 3}, 400, "best_of"),
+    ({"model": "dflash-demo", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "dflash-demo", "prompt": "x", "temperature": 3}, 400, "temperature"),
+    ({"model": "dflash-demo", "prompt": "x", "made_up": 1}, 400, "made_up"),
+    ({"model": "dflash-demo", "prompt": [5, 10 ** 6]}, 400, "prompt"),  # an id outside the vocabulary
+    ({"model": "dflash-demo", "prompt": list(range(2, 2 + MAX_LENGTH))}, 400, "prompt"),  # longer than the max
+    ({"model": "dflash-demo", "prompt": [5, 6], "max_tokens": MAX_LENGTH}, 400, "max_tokens"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_bad_requests_get_openai_errors(server, body, status, param):
+    raw = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(server[1] + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_bad_chat_requests_and_routes(server, client):
+    base = server[1]
+    for body, param in [({"model": "dflash-demo", "messages": []}, "messages"),
+                        ({"model": "dflash-demo", "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+                        ({"model": "dflash-demo", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+                         "logprobs"),
+                        ({"model": "dflash-demo", "messages": [{"role": "user", "content": "x"}], "n": 3}, "n")]:
+        r = httpx.post(base + "/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.get(base + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert client.completions.create(model="dflash-demo", prompt="x", max_tokens=2).choices  # still answering
+
+
+def test_full_queue_is_503_with_retry_after(server, demo):
+    """More long requests at once than slots + queue: the extra ones get 503 and Retry-After; the rest finish."""
+    base = server[1]
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=300) as c:
+            body = {"model": "dflash-demo", "prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0,
+                    "ignore_eos": True}
+            return await asyncio.gather(*(c.post(base + "/v1/completions", json=body)
+                                          for _ in range(SLOTS + QUEUE + 16)))
+
+    replies = asyncio.run(flood())
+    full = [r for r in replies if r.status_code == 503]
+    ok = [r for r in replies if r.status_code == 200]
+    assert full and len(full) + len(ok) == len(replies)
+    assert all(r.headers.get("retry-after") and r.json()["error"]["code"] == "server_overloaded" for r in full)
+    assert len({json.dumps(r.json()["choices"][0]["token_ids"]) for r in ok}) == 1  # one prompt, one answer
+    assert all(len(r.json()["choices"][0]["token_ids"]) == 200 for r in ok)
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    base = server[1]
+    before = metrics(base)
+    cancelled = lambda m: m.get(("dflash_requests_total", (("endpoint", "completions"), ("outcome", "cancelled"))), 0)  # noqa
+    with httpx.stream("POST", base + "/v1/completions", timeout=60,
+                      json={"model": "dflash-demo", "prompt": PROMPTS[0], "max_tokens": MAX_LENGTH - 16,
+                            "temperature": 0, "stream": True, "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(3)]
+        assert any(line.startswith("data: ") for line in got)
+    deadline = time.monotonic() + 30
+    while True:
+        m = metrics(base)
+        if m[("dflash_slots_busy", ())] == 0 and cancelled(m) == cancelled(before) + 1:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.2)
+    generated = m[("dflash_generation_tokens_total", ())] - before[("dflash_generation_tokens_total", ())]
+    assert generated == 0  # a cancelled request's tokens are not counted as served
+
+
+def test_metrics_are_prometheus_text(server):
+    m = metrics(server[1])
+    names = {k[0] for k in m}
+    for name in ("dflash_requests_total", "dflash_prompt_tokens_total", "dflash_generation_tokens_total",
+                 "dflash_queue_depth", "dflash_slots_busy", "dflash_slots_total", "dflash_acceptance_length_bucket",
+                 "dflash_mean_acceptance_length", "dflash_time_to_first_token_seconds_count",
+                 "dflash_time_per_output_token_seconds_count"):
+        assert name in names, name
+    assert m[("dflash_slots_total", ())] == SLOTS
+    assert m[("dflash_mean_acceptance_length", ())] > 1.5  # the demo draft accepts several tokens a step
+    assert m[("dflash_requests_total", (("endpoint", "completions"), ("outcome", "ok")))] >= 32
+
+
+def test_sigterm_finishes_the_stream_in_flight_and_exits_0(server):
+    """Last: SIGTERM stops the server; the stream already running completes ([DONE]) first."""
+    proc, base = server
+    with httpx.stream("POST", base + "/v1/completions", timeout=120,
+                      json={"model": "dflash-demo", "prompt": PROMPTS[3], "max_tokens": 160, "temperature": 0,
+                            "stream": True, "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    events = [first] + rest
+    assert events[-1] == "data: [DONE]"
+    final = json.loads(events[-2][len("data: "):])
+    assert final["choices"][0]["finish_reason"] == "length" and final["usage"]["completion_tokens"] == 160
+    assert proc.wait(timeout=60) == 0
+    assert "server stopped" in proc.stdout.read()
+
+
+def test_bad_options_are_refused_before_loading():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    for argv, says in [(["--port", "70000"], "--port"), (["--queue-size", "0"], "--queue-size"),
+                       (["--plain", "--draft", "x"], "--plain")]:
+        r = subprocess.run([sys.executable, "-m", "infer.serve", *argv], capture_output=True, text=True, env=env,
+                           timeout=120)
+        assert r.returncode == 2 and says in r.stderr, r.stderr
