@@ -183,7 +183,7 @@ def serve_both(args, prompts, levels) -> dict:
     for kind, d in (("dflash", draft), ("plain", None)):
         print(f"{kind}: compiling, then serving...", file=sys.stderr)
         service = Service(target, d, tokenizer, options, Limits(args.max_batch, max_length, 4 * args.num_requests),
-                          "bench")
+                          name="bench")
         service.engine.warm(lens)  # every prompt bucket compiled before the clock starts
         with Running(service, warm=False) as server:
             asyncio.run(drive(server.url, "bench", prompts[:2], 4, 2))  # the HTTP path once, untimed

@@ -79,7 +79,7 @@ def build_service(args):
                                                  DEFAULT_MAX_BATCH)
         name, aliases = model_name(args.target, target.path)
         service = Service(target, draft, tokenizer, options, Limits(slots, max_length, args.queue_size),
-                          args.served_model_name or name, aliases)
+                          name=args.served_model_name or name, aliases=aliases)
     except ValueError as e:
         die(str(e))
     return service

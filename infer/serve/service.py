@@ -27,7 +27,7 @@ class Service:
     """``options``: the defaults of every request (the command line's decoding flags); ``name``: the model name
     requests must give (``aliases`` are accepted too)."""
 
-    def __init__(self, target: Target, draft, tokenizer, options: DecodeOptions, limits: Limits, name: str,
+    def __init__(self, target: Target, draft, tokenizer, options: DecodeOptions, limits: Limits, *, name: str,
                  aliases: tuple[str, ...] = ()):
         self.target, self.draft, self.tokenizer, self.options, self.limits = target, draft, tokenizer, options, limits
         self.name, self.names = name, {name, *aliases}
