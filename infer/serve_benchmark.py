@@ -167,6 +167,7 @@ def serve_both(args, prompts, levels) -> dict:
     from infer.serve.launch import Running
     from infer.serve.service import Limits, Service
     from dflash_jax.decode import DecodeOptions
+    from dflash_jax.prompts import encode_prompt
 
     target, draft, tokenizer = load_models(args)
     if draft is None:
@@ -176,7 +177,7 @@ def serve_both(args, prompts, levels) -> dict:
     max_length = min(args.max_length, target.config.max_position_embeddings)
     options = DecodeOptions(**dict(decoding_kwargs(args, target), max_length=max_length,
                                    block_size=fixed_block_size(args)))
-    lens = [len(tokenizer(p)["input_ids"]) for p in prompts]
+    lens = [len(encode_prompt({"prompt": p}, tokenizer)) for p in prompts]  # as the server encodes them
     if max(lens) >= max_length:
         die(f"a prompt has {max(lens)} tokens, past --max-length {max_length}")
     out = {}

@@ -131,7 +131,7 @@ async def _serve(service: Service, body, request: Request, endpoint: str, prompt
 async def _events(service: Service, reply: "Reply", jobs, channel: asyncio.Queue, body):
     """The server-sent events of a streamed request: a chunk per step with new text, the finish (with usage), then
     ``[DONE]``. A client that goes away cancels its jobs (their slots are freed at the next step)."""
-    counted = service.metrics.requests.labels(reply.endpoint, "cancelled")
+    outcome = "cancelled"  # until the stream ends on its own: a generator closed early lost its client
     try:
         if reply.endpoint == "chat":
             for j in jobs:
@@ -143,7 +143,7 @@ async def _events(service: Service, reply: "Reply", jobs, channel: asyncio.Queue
                 yield reply.chunk(event.index, text=event.text)
             elif isinstance(event, Failed) or (isinstance(event, Done) and event.finish_reason == "cancelled"):
                 message = event.message if isinstance(event, Failed) else "the server is shutting down"
-                counted = service.metrics.requests.labels(reply.endpoint, "error")
+                outcome = "error"
                 yield {"data": json.dumps(APIError(500 if isinstance(event, Failed) else 503, message).body())}
                 return
             else:
@@ -152,10 +152,10 @@ async def _events(service: Service, reply: "Reply", jobs, channel: asyncio.Queue
                                   else None)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield {"data": json.dumps(dict(reply.head("chunk"), choices=[], usage=reply.usage(finished)))}
-        counted = service.metrics.requests.labels(reply.endpoint, "ok")
+        outcome = "ok"
         yield {"data": "[DONE]"}
     finally:
-        counted.inc()
+        service.metrics.requests.labels(reply.endpoint, outcome).inc()
         for j in jobs:
             j.cancel()
 

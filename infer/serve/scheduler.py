@@ -32,7 +32,8 @@ class Delta:
 
 @dataclasses.dataclass
 class Done:
-    """Choice ``index`` finished: its whole text and ids, why ("stop" | "length" | "cancelled"), and its numbers."""
+    """Choice ``index`` finished: its whole text and ids, why ("stop" | "length" | "cancelled"), its prompt's
+    length and its acceptance lengths (its timings go to the metrics)."""
 
     index: int
     text: str
@@ -40,8 +41,6 @@ class Done:
     finish_reason: str
     prompt_tokens: int
     acceptance_lengths: list[int]
-    time_to_first_token_s: float | None
-    queue_time_s: float
 
 
 @dataclasses.dataclass
@@ -67,6 +66,11 @@ class Job:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def done(self, reason: str, acceptance_lengths=()) -> Done:
+        """The ``Done`` event of this job as it stands."""
+        return Done(self.index, self.text.text, self.text.ids, reason, len(self.request.prompt_ids),
+                    list(acceptance_lengths))
 
 
 class QueueFull(Exception):
@@ -122,8 +126,7 @@ class Scheduler:
                 self.active.clear()
                 state = self.engine.empty()
         for job in list(self.active.values()) + self._take_queue():
-            job.emit(Done(job.index, job.text.text, job.text.ids, "cancelled", len(job.request.prompt_ids), [],
-                          None, 0.0))
+            job.emit(job.done("cancelled"))
         self.active.clear()
         self.alive = False
 
@@ -144,8 +147,7 @@ class Scheduler:
             except queue.Empty:
                 break
             if job.cancelled.is_set():
-                job.emit(Done(job.index, "", [], "cancelled", len(job.request.prompt_ids), [], None,
-                              time.perf_counter() - job.arrived))
+                job.emit(job.done("cancelled"))
                 continue
             new.append(job)
         self.metrics.queue_depth.set(self.queue.qsize())
@@ -167,8 +169,7 @@ class Scheduler:
             state, _ = self.engine.release(state, gone)
             for r in gone:
                 job = self.active.pop(r)
-                job.emit(Done(job.index, job.text.text, job.text.ids, "cancelled", len(job.request.prompt_ids), [],
-                              None, job.admitted - job.arrived))
+                job.emit(job.done("cancelled"))
         self.metrics.slots_busy.set(len(self.active))
         if not self.active:
             return state
@@ -208,8 +209,6 @@ class Scheduler:
                     self.metrics.ttft.observe(job.first_token - job.arrived)
                     if out > 1:
                         self.metrics.tpot.observe((now - job.first_token) / (out - 1))
-                job.emit(Done(job.index, job.text.text, job.text.ids, reason, len(job.request.prompt_ids),
-                              result.acceptance_lengths, None if job.first_token is None else
-                              job.first_token - job.arrived, job.admitted - job.arrived))
+                job.emit(job.done(reason, result.acceptance_lengths))
         self.metrics.slots_busy.set(len(self.active))
         return state
