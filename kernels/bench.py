@@ -149,7 +149,7 @@ def timing_row(args):
     return row
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda x: [int(v) for v in x.split(",")]
     p.add_argument("--seq", type=ints, default=[1024, 3072, 4096], help="context lengths S for the skip table")
@@ -172,7 +172,11 @@ def main(argv=None):
     p.add_argument("--no-time", action="store_true", help="only the skip table")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
 
     result = {"skip": skip_rows(args), "timing": None if args.no_time else timing_row(args)}
     if args.json:

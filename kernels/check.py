@@ -98,11 +98,15 @@ def run_case(case, seed):
     return {"case": name, "dtype": dtype, "tol": tol, "ok": ok, "max_err": max(errs.values()), **errs}
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per case")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     backend = jax.default_backend()
     mode = "interpret (Pallas emulation)" if backend == "cpu" else "compiled"
     print(f"backend {backend} ({jax.devices()[0].device_kind}), kernel {mode}", file=sys.stderr)

@@ -85,7 +85,7 @@ def export(checkpoint: str, out: str, dtype: str = "bfloat16", force: bool = Fal
     return out
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True, help="training out dir, its checkpoints/ dir, or checkpoints/<step>")
     p.add_argument("--out", required=True, help="directory for config.json + model.safetensors")
@@ -93,7 +93,11 @@ def main(argv=None) -> int:
                    help="dtype of the exported weights (the released drafts are bfloat16)")
     p.add_argument("--force", action="store_true", help="export even into a directory that holds another model "
                    "(its config.json / model.safetensors are overwritten)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     try:
         out = export(a.checkpoint, a.out, a.dtype, force=a.force)
     except (OSError, ValueError, CheckpointError) as e:  # bad input: exit 2, as argparse and the infer CLIs
