@@ -17,7 +17,10 @@ Reported: plain step, DFlash step = draft + verify + rest (its named parts: acce
 and the other, unnamed remainder), the realised tau, the end-to-end speedup (whole calls, prefill included), the
 decode speedup (prefill subtracted from both), the engine efficiency = decode speedup / tau (1.0: a DFlash step
 costs no more than a plain one), the limit tau x plain step / (draft + verify) (what these forwards allow with no
-other work) and efficiency_vs_limit = decode speedup / that limit.
+other work) and efficiency_vs_limit = decode speedup / that limit, exactly the product of ``step_efficiency``
+((draft + verify) / DFlash step: the step's own overhead) and ``lockstep`` (plain steps / (DFlash steps x tau):
+a closed batch steps until its slowest row ends, 1 at batch 1; continuous batching, ``decode.Engine``, refills
+the rows that end instead).
 """
 from __future__ import annotations
 
@@ -155,6 +158,10 @@ def measure(target, draft, probs, args, *, batch: int, context: int, block: int)
         d, v = row["step_split_s"]["draft"], row["step_split_s"]["verify"]
         row["speedup_limit"] = tau * row["plain_step_s"] / (d + v)
         row["efficiency_vs_limit"] = row["decode_speedup"] / row["speedup_limit"]
+        # its two factors, exactly (efficiency_vs_limit = lockstep x step_efficiency): the forwards' share of a step,
+        # and the closed batch's lockstep (it steps until its slowest row ends: tokens per row-step / tau, 1 alone)
+        row["step_efficiency"] = (d + v) / row["dflash_step_s"]
+        row["lockstep"] = plain_steps / (max(spec_steps, 1) * tau)
     return row
 
 
@@ -219,7 +226,7 @@ def print_text(rows, args, desc, dtype, where) -> None:
     print(f"{'batch':>5} {'context':>7} {'tau':>5} {'plain step':>10} {'DFlash step':>11}"
           + (f" {'= draft':>8} {'+ verify':>8} {'+ rest':>7} {'(accept':>7} {'writes':>6} {'commit':>6} "
              f"{'other)':>6} {'verify 1':>8}" if split else "")
-          + f" {'speedup':>7} {'decode':>7} {'efficiency':>10}" + (f" {'vs limit':>8}" if split else "") + " same")
+          + f" {'speedup':>7} {'decode':>7} {'efficiency':>10}" + (f" {'vs limit':>8} {'= lockstep':>10} {'x step':>6}" if split else "") + " same")
     for r in rows:
         b = r["block_size"]
         print(f"{r['batch_size']:>5} {r['context']:>7} {r['tau']:>5.2f} {ms(r['plain_step_s']):>10} "
@@ -229,10 +236,12 @@ def print_text(rows, args, desc, dtype, where) -> None:
                  f"{ms(r['step_split_s']['cache_writes']):>6} {ms(r['step_split_s']['commit']):>6} "
                  f"{ms(r['step_split_s']['other']):>6} {ms(r['verify_forward_s_block1']):>8}" if split else "")
               + f" {r['speedup']:>6.2f}x {r['decode_speedup']:>6.2f}x {r['engine_efficiency']:>10.2f}"
-              + (f" {r['efficiency_vs_limit']:>8.2f}" if split else "") + f" {r['identical']}")
+              + (f" {r['efficiency_vs_limit']:>8.2f} {r['lockstep']:>10.2f} {r['step_efficiency']:>6.2f}" if split else "")
+              + f" {r['identical']}")
     print(f"times in ms per loop step (prefill excluded; verify 1: one target forward of 1 token, verify: of {b}); "
           "speedup: whole calls, prefill included; decode: prefill excluded; efficiency = decode speedup / tau; "
-          "vs limit: decode speedup / (tau x plain step / (draft + verify)); accept / writes / commit: the rest's "
+          "vs limit: decode speedup / (tau x plain step / (draft + verify)) = lockstep (a closed batch steps until its "
+          "slowest row ends: plain steps / (DFlash steps x tau)) x step ((draft + verify) / DFlash step); accept / writes / commit: the rest's "
           "named parts, each timed alone")
     print(f"measured on {where['device']} ({where['backend']}, {where['num_devices']} device(s)), "
           f"{where['cpu_count']} CPUs, load average {where['load_average'][0]}")

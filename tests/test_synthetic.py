@@ -167,6 +167,8 @@ def test_cli_synthetic_tiny_prints_the_step_split(capsys):
     assert np.isclose(split["other"], split["rest"] - split["acceptance"] - split["cache_writes"] - split["commit"])
     assert np.isclose(row["speedup_limit"], row["tau"] * row["plain_step_s"] / (split["draft"] + split["verify"]))
     assert np.isclose(row["efficiency_vs_limit"], row["decode_speedup"] / row["speedup_limit"])
+    assert np.isclose(row["efficiency_vs_limit"], row["lockstep"] * row["step_efficiency"])  # its two factors
+    assert np.isclose(row["lockstep"], row["plain_loop_steps"] / (row["dflash_loop_steps"] * row["tau"]))
     assert row["verify_forward_s_block1"] > 0 and row["plain_step_s"] > 0 and row["dflash_step_s"] > 0
     assert np.isclose(row["engine_efficiency"], row["decode_speedup"] / row["tau"])
     assert row["machine"]["backend"] == "cpu" and row["dtype"] == "float32"
