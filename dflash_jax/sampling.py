@@ -17,7 +17,7 @@ d_1..d_{k-1}: each d_k is sampled independently from its marginal. That is still
 position k given any accepted prefix (the argument above holds for any q fixed before d_k is drawn;
 p_k is the target's distribution after the actual prefix x_n, d_1..d_{k-1}), so the rule stays exact
 position by position, and by induction for the whole sequence. On the demo pair it accepts more:
-tau 1.35 vs 1.26 at T = 0.7 and 1.27 vs 1.08 at T = 1.0 (README "Sampling").
+tau 1.35 vs 1.26 at T = 0.7 and 1.27 vs 1.08 at T = 1.0 (docs/sampling.md).
 """
 from __future__ import annotations
 

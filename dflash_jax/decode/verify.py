@@ -12,7 +12,7 @@ Adaptive verify (``verify_lengths``): the target verifies only the first L block
 lengths chosen each step from the draft's own confidence (``verify_choice``; one L for the batch). L depends on the
 draft's distributions, never on the tokens drawn from them, so the output stays exact (greedy: identical).
 
-Tree verification (``tree_budget`` N > 0; README "Tree verification"): the draft's one forward gives a tree of the N
+Tree verification (``tree_budget`` N > 0; docs/tree-verification.md): the draft's one forward gives a tree of the N
 most probable prefixes (``tree.build_tree``); the target verifies [pending, N nodes] at positions n + depth in one
 forward, each token seeing the cache [0, n) and its tree ancestors; the walk follows the target's own tokens from
 the root, and the accepted path's K/V and features are compacted to positions n..n+a, so ``commit`` and the
@@ -107,7 +107,7 @@ def chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_t
         view = _view(spec, inp, state, k_draft)
         proposal = spec.proposer.propose(spec, view)
         block = view.block.at[:, 1:].set(proposal.tokens)
-        if len(spec.lengths) > 1:  # confidence: the largest probability (never the drawn token's: see README)
+        if len(spec.lengths) > 1:  # confidence: the largest probability (not the drawn token's: docs/adaptive-verify.md)
             scores = proposal.scores
             confidence = jnp.exp(jnp.max(scores, axis=-1) - jax.nn.logsumexp(scores, axis=-1))
             choice = verify_choice(confidence, active, spec.lengths, inp.threshold)
@@ -134,7 +134,7 @@ def chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_t
 def tree_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_target):
     """Draft a tree of N = ``spec.tree_budget`` nodes, verify [root, nodes] in one masked target forward, walk
     it (``tree.walk``) and compact the accepted path into both caches -> (the target's tokens along the path
-    p_0..p_{K-1}, accepted nodes a [B], verify length N + 1, caches). Exact: see README "Tree verification"."""
+    p_0..p_{K-1}, accepted nodes a [B], verify length N + 1, caches). Exact: see docs/tree-verification.md."""
     b, k = state.tokens.shape[0], spec.block_size
     n = state.tcache.lengths
     view = _view(spec, inp, state, k_draft)
