@@ -100,6 +100,21 @@ def test_console_script_runs_from_a_folder_that_shadows_the_packages(tmp_path):
     assert r.returncode == 0 and "--tree-budget" in r.stdout, r.stderr
 
 
+@pytest.mark.parametrize("module", ["infer.generate", "train.demo", "train"])
+def test_a_clone_folder_named_dflash_jax_is_named_as_the_cause(module, tmp_path):
+    """From the folder holding a clone named ``dflash_jax`` (here: an empty ``dflash_jax/``), Python imports that
+    folder as a namespace package before the editable install's finder: the CLIs say so in one line, exit 2."""
+    import subprocess
+    import sys
+
+    (tmp_path / "dflash_jax").mkdir()
+    r = subprocess.run([sys.executable, "-m", module, "--help"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    err = r.stderr.strip()
+    assert r.returncode == 2 and "\n" not in err and "Traceback" not in err, err
+    assert err.startswith("error: 'dflash_jax' imported the folder") and str(tmp_path / "dflash_jax") in err, err
+
+
 def test_test_extra_holds_the_serve_extra():
     """The server's tests run from the test extra alone: it repeats every requirement of the serve extra."""
     import tomllib
