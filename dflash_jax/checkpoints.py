@@ -288,13 +288,30 @@ def export_params(params, table: NameTable, dtype=None) -> dict[str, np.ndarray]
     return out
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether the checkpoint directory ``path`` holds tokenizer files (``load_tokenizer`` reads them)."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
+def has_chat_template(path: str) -> bool:
+    """Whether the tokenizer files in ``path`` carry a chat template (a chat_template.jinja / .json file, or
+    tokenizer_config.json's "chat_template"), read from the files alone, before the tokenizer loads."""
+    if any(os.path.isfile(os.path.join(path, f)) for f in ("chat_template.jinja", "chat_template.json")):
+        return True
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            return bool(json.load(f).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def load_tokenizer(path: str | None):
     """The target's tokenizer, or None when the checkpoint directory has no tokenizer files
     (transformers would otherwise build an empty one from config.json alone)."""
-    if not path or not os.path.isdir(path):
-        return None
-    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-    if not any(os.path.isfile(os.path.join(path, f)) for f in files):
+    if not path or not has_tokenizer(path):
         return None
     try:
         from transformers import AutoTokenizer

@@ -307,7 +307,7 @@ def _first(*values):
 
 DRAFT_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
 # transformers' MuseGlimmerAssistantConfig: a DFlash draft with a flat config (no dflash_config), non-causal, its
-# layers sliding by default; its defaults (vocab_size, absent there, only sizes a DFlash2 selector: Muse-Glimmer's)
+# layers sliding by default; its defaults (vocab_size, absent there: Muse-Glimmer's, which check_fits then requires)
 ASSISTANT_MODEL_TYPE = "muse_glimmer_assistant"
 _ASSISTANT_DEFAULTS = {"vocab_size": 202048, "hidden_size": 6656, "intermediate_size": 19968, "num_hidden_layers": 5,
                        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
@@ -527,3 +527,6 @@ class DraftConfig:
         if not 0 <= self.mask_token_id < target.vocab_size:
             raise ValueError(f"draft mask_token_id {self.mask_token_id} is outside the target vocabulary "
                              f"(vocab_size {target.vocab_size})")
+        if self.layers.vocab_size != target.vocab_size:  # trained on another tokenizer: its tokens mean others
+            raise ValueError(f"draft vocab_size {self.layers.vocab_size} != the target's vocab_size "
+                             f"{target.vocab_size} (the draft was made for another target)")

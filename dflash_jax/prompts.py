@@ -4,9 +4,11 @@ A prompts file is JSONL (a ``.jsonl`` / ``.json`` name, or a first line starting
 per line with ``prompt`` (text) or ``prompt_ids`` (token ids), optionally ``response`` /
 ``response_ids``; or a conversation, ``messages``: [{"role": "system" | "user" | "assistant", "content":
 text}, ...] (ShareGPT / UltraChat style), always encoded with the chat template. Otherwise it is plain
-text: one prompt per non-empty line, in which the two characters ``\\n`` stand for a newline (JSONL
-carries any text exactly). A JSONL row may carry decoding settings of its own (``OVERRIDES``: max_new_tokens,
-temperature, top_p, top_k, seed), which ``infer.generate`` / ``infer.benchmark`` take over the command line's.
+text: one prompt per line, in which the two characters ``\\n`` stand for a newline (JSONL carries any text
+exactly). Either kind is UTF-8 with no blank line before its last prompt (dropping one would shift the later
+prompts' indices in the outputs). A JSONL row may carry decoding settings of its own (``OVERRIDES``:
+max_new_tokens, temperature, top_p, top_k, seed), which ``infer.generate`` / ``infer.benchmark`` take over the
+command line's.
 
 The special-tokens rule, the same everywhere (as Hugging Face ``generate`` users and vLLM encode): a
 text prompt is ``tokenizer(text)``, with the tokenizer's special tokens (a LLaMA prompt starts with
@@ -28,12 +30,7 @@ class PromptError(ValueError):
 
 def read_prompts(path: str) -> list[dict]:
     """The records of a prompts file (see the module docstring): ``{"prompt": text}`` per text line."""
-    if not os.path.isfile(path):
-        raise PromptError(f"prompt file {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-        lines = [ln.rstrip("\n") for ln in f if ln.strip()]
-    if not lines:
-        raise PromptError(f"prompt file {path} is empty")
+    lines = read_lines(path)
     if not (path.endswith((".jsonl", ".json")) or lines[0].lstrip().startswith("{")):
         return [{"prompt": ln.replace("\\n", "\n")} for ln in lines]
     records = []
@@ -60,6 +57,27 @@ def read_prompts(path: str) -> list[dict]:
                                   f"got {r[key]!r}")
         records.append(r)
     return records
+
+
+def read_lines(path: str) -> list[str]:
+    """The lines of a prompts file, each a prompt: a blank line before the last prompt is refused (dropping it
+    would shift every later prompt's index, so outputs would no longer match lines); trailing ones are ignored."""
+    if not os.path.isfile(path):
+        raise PromptError(f"prompt file {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [ln.rstrip("\n") for ln in f]
+    except UnicodeDecodeError as e:
+        raise PromptError(f"prompt file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines:
+        raise PromptError(f"prompt file {path} is empty")
+    blank = next((n for n, ln in enumerate(lines, 1) if not ln.strip()), None)
+    if blank is not None:
+        raise PromptError(f"{path} line {blank} is blank: one prompt per line (write \\n for a newline inside a "
+                          "prompt)")
+    return lines
 
 
 ROLES = ("system", "user", "assistant")

@@ -40,7 +40,7 @@ from dflash_jax.progress import progress_bar
 from infer import synthetic
 from infer.timing import fastest, first_mismatch, step_split, time_forwards
 from infer.common import (DEMO_TARGET, adaptive_kwargs, add_model_args, check_overrides, decoding_kwargs, die, encode,
-                          load_models, param_dtype, read_prompts_file, resolve_block, tree_kwargs)
+                          exits_on_interrupt, load_models, param_dtype, read_prompts_file, resolve_block, tree_kwargs)
 
 
 def parse_args(argv=None):
@@ -113,7 +113,7 @@ def plot(summary: dict, rows: list[dict], path: str | None = None):
     import matplotlib.pyplot as plt
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
-    prompts = [r["prompt"] for r in rows]
+    prompts = [r["index"] for r in rows]
     a.bar(prompts, [r["tau"] for r in rows], color="tab:blue")
     a.axhline(summary["tau"], color="k", ls="--", lw=1, label=f"mean tau {summary['tau']:.2f}")
     a.set(xlabel="prompt", ylabel="tau (tokens per target forward)", xticks=prompts, title="acceptance length")
@@ -174,7 +174,7 @@ def measure(run: _Run, methods: list) -> tuple[list[dict], _Totals]:
             t.spec_tokens += spec.num_generated
             t.acc += spec.acceptance_lengths
             t.verified += spec.verify_lengths
-            rows.append({"prompt": i, "prompt_tokens": len(p), "tau": spec.mean_acceptance_length,
+            rows.append({"index": i, "prompt_tokens": len(p), "tau": spec.mean_acceptance_length,
                          "num_generated": spec.num_generated, "plain_tokens_per_s": base.tokens_per_second,
                          "dflash_tokens_per_s": spec.tokens_per_second,
                          "speedup": spec.tokens_per_second / base.tokens_per_second,
@@ -251,7 +251,7 @@ def print_report(args, summary: dict, rows: list[dict]) -> None:
     block = summary["block_size"]
     print(f"{'prompt':>6} {'tokens':>6} {'tau':>6} {'plain t/s':>10} {'DFlash t/s':>10} {'speedup':>8} same")
     for r in rows:
-        print(f"{r['prompt']:>6} {r['num_generated']:>6} {r['tau']:>6.2f} {r['plain_tokens_per_s']:>10.1f} "
+        print(f"{r['index']:>6} {r['num_generated']:>6} {r['tau']:>6.2f} {r['plain_tokens_per_s']:>10.1f} "
               f"{r['dflash_tokens_per_s']:>10.1f} {r['speedup']:>7.2f}x {r['identical']}")
     print(f"\ntau {summary['tau']:.2f} (block {block}), plain {summary['plain_tokens_per_s']:.1f} tokens/s, DFlash "
           f"{summary['dflash_tokens_per_s']:.1f} tokens/s, speedup {summary['speedup']:.2f}x, engine efficiency "
@@ -260,7 +260,7 @@ def print_report(args, summary: dict, rows: list[dict]) -> None:
     for r in rows:
         m = r["first_mismatch"]
         if m:
-            print(f"prompt {r['prompt']}: first difference at generated token {m['position']} (plain "
+            print(f"prompt {r['index']}: first difference at generated token {m['position']} (plain "
                   f"{m['plain_token']}, DFlash {m['dflash_token']}); the target's top-2 logit gap there "
                   f"{m['top2_logit_gap']:.4g}, DFlash's token {m['dflash_token_gap'] or 0:.4g} below the top "
                   "(near the dtype's rounding: a near-tie; large: a bug)")
@@ -293,10 +293,13 @@ def print_report(args, summary: dict, rows: list[dict]) -> None:
           f"load average {m['load_average'][0]}, {summary['dtype']}")
 
 
+@exits_on_interrupt
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.repeats < 1:
         die(f"--repeats must be >= 1, got {args.repeats}")
+    if args.num_prompts < 1:
+        die(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.synthetic:
         return synthetic.run(args)
     synthetic.check_unused(args)
@@ -312,7 +315,7 @@ def main(argv=None) -> int:
 
     overrides = [{k: r[k] for k in OVERRIDES if k in r} for r in records]
     check_overrides(args, overrides)
-    target, draft, tokenizer = load_models(args)
+    target, draft, tokenizer = load_models(args, records)
     if draft is None:
         die("the benchmark compares plain and DFlash decoding: pass --draft")
     prompts = encode(tokenizer, records)

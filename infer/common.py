@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
 from dflash_jax.attention import DECODE_IMPLS
-from dflash_jax.checkpoints import DTYPES, auto_dtype, resolve_path
+from dflash_jax.checkpoints import DTYPES, auto_dtype, has_chat_template, has_tokenizer, resolve_path
 from dflash_jax.demo import DEMO_DIR, DEMO_DRAFT, DEMO_TARGET
 from dflash_jax.prompts import PromptError, encode_prompt, read_prompts
 
@@ -130,8 +131,23 @@ def die(msg: str) -> None:
     raise SystemExit(2)
 
 
-def load_models(args):
-    """(target, draft or None, tokenizer or None) from the parsed options."""
+def exits_on_interrupt(main):
+    """A CLI's ``main`` that answers Ctrl-C with one line, "interrupted", and exit code 130 (128 + SIGINT), not a
+    traceback from wherever the decode loop was."""
+    @functools.wraps(main)
+    def run(argv=None) -> int:
+        try:
+            return main(argv)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+    return run
+
+
+def load_models(args, prompts: list[dict] = ()):
+    """(target, draft or None, tokenizer or None) from the parsed options; ``prompts``: the run's prompt records
+    (``{"prompt": text}`` / ``{"prompt_ids": ids}`` / ``{"messages": ...}``), checked against the target's config
+    and tokenizer files before any weight loads."""
     import dflash_jax as dj
     from dflash_jax import sharding
     from dflash_jax.checkpoints import load_tokenizer
@@ -145,7 +161,7 @@ def load_models(args):
             die(f"the embedded demo pair is missing ({DEMO_DIR}); pass --target and --draft")
         draft_path = draft_path or DEMO_DRAFT
     try:
-        check_before_loading(args, target_path, draft_path)
+        check_before_loading(args, target_path, draft_path, prompts)
         # auto: the TARGET checkpoint's dtype (float32 on CPU), for the draft too: one compute dtype
         dtype = auto_dtype(resolve_path(target_path)) if args.dtype == "auto" else args.dtype
         if getattr(args, "mesh", None):
@@ -178,11 +194,12 @@ FLAGS = {"max_new_tokens": "--max-new-tokens", "seed": "--seed", "block_size": "
          "draft": "a draft (--draft)"}
 
 
-def check_before_loading(args, target_path: str, draft_path: str | None) -> None:
-    """Every option that the configs alone can check, before seconds (or minutes) of weight loading."""
+def check_before_loading(args, target_path: str, draft_path: str | None, prompts: list[dict] = ()) -> None:
+    """Every option and prompt that the configs alone can check, before seconds (or minutes) of weight loading."""
     import warnings
 
     from dflash_jax.config import DraftConfig
+    from dflash_jax.decode.options import check_tree_target
     from dflash_jax.families import config_from_hf
     from dflash_jax.sampling import SamplingParams
     from dflash_jax.decode import check_budget_and_seed, resolve_block_size
@@ -192,7 +209,9 @@ def check_before_loading(args, target_path: str, draft_path: str | None) -> None
         check_budget_and_seed(args.max_new_tokens, args.seed, FLAGS)
     except ValueError as e:
         die(str(e))
-    tcfg = config_from_hf(resolve_path(target_path))
+    target_dir = resolve_path(target_path)
+    tcfg = config_from_hf(target_dir)
+    check_prompts(prompts, tcfg.vocab_size, target_dir, getattr(args, "chat", False))
     vocab = tcfg.vocab_size
     bad = [i for i in stop_ids(args, tcfg) if not 0 <= i < vocab]
     if bad:
@@ -204,8 +223,30 @@ def check_before_loading(args, target_path: str, draft_path: str | None) -> None
             dcfg.check_fits(tcfg)
     try:
         resolve_block_size(fixed_block_size(args), None if dcfg is None else dcfg.block_size, FLAGS)
+        if args.tree_budget and dcfg is not None:
+            check_tree_target(tcfg, fixed_block_size(args) or dcfg.block_size)
     except ValueError as e:
         die(str(e))
+
+
+def check_prompts(prompts: list[dict], vocab: int, target_dir: str, chat: bool) -> None:
+    """Dies naming the first prompt (its index in the run) that cannot run: empty, ids outside the vocabulary, text
+    without the target's tokenizer, a chat (``--chat``, ``messages``) without its chat template."""
+    for i, r in enumerate(prompts):
+        ids = r.get("prompt_ids")
+        if r.get("prompt") == "" or ids == []:
+            die(f"prompt {i} is empty")
+        bad = sorted({t for t in ids or () if not 0 <= t < vocab})
+        if bad:
+            die(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    text = [i for i, r in enumerate(prompts) if "prompt_ids" not in r]
+    if text and not has_tokenizer(target_dir):
+        die(f"prompt {text[0]} is text, and the target directory {target_dir} has no tokenizer; give token ids "
+            "instead (--prompt-ids, or JSONL with a \"prompt_ids\" field)")
+    chats = [i for i in text if chat or "messages" in prompts[i]]
+    if chats and not has_chat_template(target_dir):
+        die(f"prompt {chats[0]} needs a chat template ({'--chat' if chat else 'messages'}), and the target's "
+            f"tokenizer in {target_dir} has none")
 
 
 def stop_ids(args, target) -> list[int]:

@@ -13,8 +13,8 @@ import json
 import sys
 
 from infer.common import (adaptive_kwargs, add_max_batch_arg, add_model_args, check_overrides, decoding_kwargs, die,
-                          encode, load_models, max_batch, param_dtype, read_prompts_file, requests_of, resolve_block,
-                          tree_kwargs)
+                          encode, exits_on_interrupt, load_models, max_batch, param_dtype, read_prompts_file,
+                          requests_of, resolve_block, tree_kwargs)
 
 DEMO_PROMPT = 'import os\n\n\ndef read_lines(path):\n    """Return the lines of the text file at path."""\n'
 
@@ -58,6 +58,13 @@ def prompt_sources(args) -> tuple[list[list[int]], list[dict]]:
     return ids, records
 
 
+def records_of(sources) -> list[dict]:
+    """Every prompt as a record (``--prompt-ids`` rows first, as ``prompt_ids`` orders them), for the checks
+    before loading."""
+    ids, records = sources
+    return [{"prompt_ids": row} for row in ids] + records
+
+
 def overrides_of(sources) -> list[dict]:
     """Each prompt's own decoding settings (JSONL rows: ``prompts.OVERRIDES``), in ``prompt_ids``' order."""
     from dflash_jax.prompts import OVERRIDES
@@ -97,6 +104,7 @@ def streamed(args, target, draft, tokenizer, prompts, overrides, *, spec_kw: dic
     return results
 
 
+@exits_on_interrupt
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.chat and not (args.prompt or args.prompts_file):
@@ -107,7 +115,7 @@ def main(argv=None) -> int:
     overrides = overrides_of(sources)
     check_overrides(args, overrides)
     extra = dict(**adaptive_kwargs(args), **tree_kwargs(args))
-    target, draft, tokenizer = load_models(args)
+    target, draft, tokenizer = load_models(args, records_of(sources))
     prompts = prompt_ids(args, tokenizer, sources)
     if args.baseline is None:  # the first run (the demo) shows what DFlash does: plain decoding beside it
         args.baseline = args.target is None

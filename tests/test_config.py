@@ -258,6 +258,8 @@ def test_check_fits_names_both_sides():
         draft.check_fits(target_config(hidden_size=128))
     with pytest.raises(ValueError, match=r"mask_token_id 151669 is outside the target vocabulary \(vocab_size 151000\)"):
         draft.check_fits(target_config(vocab_size=151000))
+    with pytest.raises(ValueError, match="draft vocab_size 151936 != the target's vocab_size 152064"):
+        draft.check_fits(target_config(vocab_size=152064))  # the mask id fits: still another tokenizer
     with pytest.warns(UserWarning, match="num_target_layers=36, target has 40 layers"):
         draft.check_fits(target_config(num_hidden_layers=40, layer_types=["full_attention"] * 40))
 

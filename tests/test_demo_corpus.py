@@ -142,6 +142,19 @@ def test_demo_stages_do_not_overwrite_the_shipped_pair(stage, tmp_path, capsys):
         assert _out_dir(ok, stage) == shipped
 
 
+def test_demo_draft_refuses_another_drafts_export_before_any_work(tmp_path, capsys):
+    """--out holding another run's draft export (here a copy of the shipped one): refused before data or training."""
+    import shutil
+
+    from dflash_jax.demo import DEMO_DRAFT
+    from train.demo.__main__ import main
+
+    shutil.copytree(DEMO_DRAFT, tmp_path / "out")
+    assert main(["draft", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "w")]) == 2
+    assert "holds the export of another draft" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
 def test_demo_draft_prompt_chars_option(capsys):
     from train.demo.__main__ import build_parser
 

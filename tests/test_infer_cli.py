@@ -100,18 +100,69 @@ def test_generate_bad_input(pair_dirs, capsys, argv, match):
     ("benchmark", ["--prompts-file", "{bad}"], "prompt must be a string"),
     ("benchmark", ["--plot", "/nonexistent/plot.png"], "does not exist"),
     ("benchmark", ["--verify-lengths", ""], "comma-separated integers"),
+    ("benchmark", ["--num-prompts", "0"], "--num-prompts must be >= 1"),
 ])
 def test_command_line_errors_come_before_loading(cli, argv, match, tmp_path, monkeypatch, capsys):
     """What the command line alone can check is refused before any model loads (minutes for a 30B target)."""
     import importlib
 
     mod = importlib.import_module(f"infer.{cli}")
-    monkeypatch.setattr(mod, "load_models", lambda args: pytest.fail("models loaded before the options were checked"))
+    monkeypatch.setattr(mod, "load_models", lambda *a: pytest.fail("models loaded before the options were checked"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": 3}\n')
     with pytest.raises(SystemExit) as e:
         mod.main([a.replace("{bad}", str(bad)) for a in argv])
     assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def _config_copy(src: str, dst, **changes) -> str:
+    """``dst`` holding ``src``'s config.json with ``changes`` (no weights: it must be refused before they load)."""
+    dst.mkdir()
+    with open(f"{src}/config.json") as f:
+        (dst / "config.json").write_text(json.dumps({**json.load(f), **changes}))
+    return str(dst)
+
+
+@pytest.mark.parametrize("case", ["empty", "ids", "chat", "tree", "vocab", "blank", "utf8"])
+def test_what_the_configs_can_check_is_refused_before_loading(case, pair_dirs, tmp_path, monkeypatch, capsys):
+    """Prompts and pairings that the config.json files and tokenizer files alone rule out: one line, exit 2, before
+    any weight loads (30-60 s for a large target)."""
+    from infer import generate as g
+
+    tdir, ddir, _ = pair_dirs
+    for name in ("load_target", "load_draft"):
+        monkeypatch.setattr(dj, name, lambda *a, **k: pytest.fail("weights loaded before the configs were checked"))
+    (tmp_path / "blank.txt").write_text("def f(x):\n\nimport os\n")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+    narrow = {"layer_types": ["sliding_attention"] * 4, "sliding_window": 2}
+    argv, match = {
+        "empty": (["--prompt", ""], "prompt 0 is empty"),
+        "ids": (["--prompt-ids", "1,2", "--prompt-ids", "5,320"],
+                "prompt 1 has token ids outside the vocabulary [0, 320): [320]"),
+        "chat": (["--prompt", "x", "--chat"], "prompt 0 needs a chat template (--chat)"),
+        "tree": (["--target", _config_copy(tdir, tmp_path / "t", **narrow), "--prompt-ids", "1,2", "--tree-budget",
+                  "4"], "sliding windows >= the block size 8"),
+        "vocab": (["--draft", _config_copy(ddir, tmp_path / "d", vocab_size=321), "--prompt-ids", "1,2"],
+                  "draft vocab_size 321 != the target's vocab_size 320"),
+        "blank": (["--prompts-file", str(tmp_path / "blank.txt")], "line 2 is blank"),
+        "utf8": (["--prompts-file", str(tmp_path / "latin1.txt")], "is not UTF-8 text"),
+    }[case]
+    with pytest.raises(SystemExit) as e:
+        g.main(["--target", tdir, "--draft", ddir, "--max-new-tokens", "4"] + argv)  # the last --target wins
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("error: ") and "\n" not in err and match in err, err
+
+
+def test_generate_interrupted_says_so_in_one_line(monkeypatch, capsys):
+    """Ctrl-C anywhere in a run (here: while the models load): "interrupted" and exit code 130, no traceback."""
+    from infer import generate as g
+
+    def interrupt(*a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(g, "load_models", interrupt)
+    assert g.main(["--prompt-ids", "1,2"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
 
 
 def test_generate_missing_target(capsys, tmp_path):
@@ -135,7 +186,7 @@ def test_benchmark_json_summary(pair_dirs, capsys, tmp_path):
     assert code == 0 and png.read_bytes()[:4] == b"\x89PNG"
     lines = [json.loads(x) for x in out.out.strip().splitlines()]
     rows, summary = lines[:-1], lines[-1]
-    assert len(rows) == 2 and summary["identical"] is True
+    assert [r["index"] for r in rows] == [0, 1] and summary["identical"] is True
     for key in ("tau", "speedup", "plain_tokens_per_s", "dflash_tokens_per_s", "acceptance_histogram"):
         assert key in summary
     assert sum(summary["acceptance_histogram"]) == sum(len(r["acceptance_lengths"]) for r in rows)
@@ -285,7 +336,7 @@ def test_generate_streams_a_prompts_file_through_slots(pair_dirs, capsys, tmp_pa
 def test_prompts_file_settings_are_checked_before_loading(tmp_path, monkeypatch, capsys):
     from infer import generate as g
 
-    monkeypatch.setattr(g, "load_models", lambda args: pytest.fail("models loaded before the options were checked"))
+    monkeypatch.setattr(g, "load_models", lambda *a: pytest.fail("models loaded before the options were checked"))
     for row, match in (({"prompt": "x", "max_new_tokens": "9"}, "max_new_tokens must be an integer"),
                        ({"prompt": "x", "top_p": 1.5}, "prompt 0: top_p must be in (0, 1]"),
                        ({"prompt": "x", "max_new_tokens": 0}, "prompt 0: max_new_tokens must be >= 1")):

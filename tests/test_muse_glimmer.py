@@ -216,7 +216,7 @@ def test_missing_or_misshaped_tensors_are_named(muse, tmp_path):
 
 ASSISTANT = dict(hidden_size=H, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=8, sliding_window=64, block_size=4, mask_token_id=V - 1,
-                 target_layer_ids=[0, 2], initializer_range=0.2)
+                 target_layer_ids=[0, 2], initializer_range=0.2, vocab_size=V)  # (absent: Muse-Glimmer's 202048)
 
 
 @pytest.fixture(scope="module")

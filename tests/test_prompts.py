@@ -86,9 +86,10 @@ def test_generate_benchmark_make_data_and_eval_encode_a_prompt_alike(tok_dir, tm
 
 
 def test_text_lines_and_jsonl(tmp_path):
-    """Text lines: ``\\n`` is a newline; JSONL: text or ids, responses kept; the file kind is the file's."""
+    """Text lines: ``\\n`` is a newline, blank lines at the end ignored; JSONL: text or ids, responses kept; the
+    file kind is the file's."""
     f = tmp_path / "p.txt"
-    f.write_text("a\\nb\n\n  {not json}\n")
+    f.write_text("a\\nb\n  {not json}\n\n \n")
     assert read_prompts(str(f)) == [{"prompt": "a\nb"}, {"prompt": "  {not json}"}]
     j = tmp_path / "p.jsonl"
     j.write_text(json.dumps({"prompt_ids": [1, 2]}) + "\n" + json.dumps({"prompt": "x\\ny", "response": "r"}) + "\n")
@@ -101,10 +102,13 @@ def test_text_lines_and_jsonl(tmp_path):
     ('{"text": "x"}\n', '"prompt", "prompt_ids" or "messages"'),
     ('{"prompt": "a"}\n{"prompt": \n', "line 2 is not valid JSON"),
     ("\n  \n", "is empty"),
+    ('{"prompt": "a"}\n\n{"prompt": "b"}\n', "line 2 is blank"),  # dropped, it would shift b's index
+    ("a\n \nb\n", "line 2 is blank"),
+    (b"caf\xe9\n", r"is not UTF-8 text \(invalid continuation byte at byte 3\)"),
 ])
 def test_bad_prompt_files_raise_prompt_error(tmp_path, content, match):
-    f = tmp_path / "p.jsonl"
-    f.write_text(content)
+    f = tmp_path / ("p.jsonl" if "{" in str(content) else "p.txt")
+    f.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(PromptError, match=match):
         read_prompts(str(f))
     assert issubclass(DataError, PromptError) and issubclass(PromptError, ValueError)

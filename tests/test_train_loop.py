@@ -351,7 +351,7 @@ def test_export_refuses_a_directory_holding_another_model(env, run4, tmp_path, c
     (weights / "pytorch_model.bin").write_bytes(b"x")
     assert export_main(["--checkpoint", ck, "--out", str(weights)]) == 2
     _one_line_error(capsys, "pytorch_model.bin")
-    # a previous draft export (plus notes of the user's) is overwritten; so is anything with --force
+    # a previous export of the same run (plus notes of the user's) is overwritten; so is anything with --force
     again = tmp_path / "again"
     again.mkdir()
     (again / "README.md").write_text("my notes")
@@ -359,6 +359,16 @@ def test_export_refuses_a_directory_holding_another_model(env, run4, tmp_path, c
         assert export_main(["--checkpoint", ck, "--out", str(again), "--dtype", "float32"]) == 0
     assert _same_params(load_draft(str(again)).params, run4["draft"].params)
     assert (again / "README.md").read_text() == "my notes"
+    # another run's export (its training_info.json names another --out), or a draft without one (a download):
+    # refused, untouched (its own files would stay beside the new weights)
+    info = again / "training_info.json"
+    info.write_text(json.dumps({**json.loads(info.read_text()), "train_config": {**run4["cfg"].to_json(), "out": "x"}}))
+    for _ in range(2):
+        before = {n: (again / n).read_bytes() for n in os.listdir(again)}
+        assert export_main(["--checkpoint", ck, "--out", str(again)]) == 2
+        _one_line_error(capsys, str(again), "export of another draft", "--force")
+        assert {n: (again / n).read_bytes() for n in os.listdir(again)} == before
+        info.unlink(missing_ok=True)
     assert export_main(["--checkpoint", ck, "--out", str(target_dir), "--force"]) == 0
     assert load_draft(str(target_dir)).config == run4["draft"].config
 
@@ -386,6 +396,21 @@ def test_partial_data_is_refused_unless_allowed(env, tmp_path, capsys):
     with pytest.warns(UserWarning, match="6 of 12 prompt records"):
         train(cfg.replace(allow_partial_data=True), target=env["target"], log=_quiet)
     assert parse_args(["--target", "t", "--data", "d", "--out", "o", "--allow-partial-data"]).allow_partial_data
+
+
+def test_a_run_that_cannot_start_leaves_nothing_behind(env, tmp_path, capsys):
+    """``python -m train --data /nonexistent --out DIR``: a one-line error, and neither DIR nor the folders made
+    for it remain; a folder the user made stays."""
+    from train.__main__ import main
+
+    argv = ["--target", env["tdir"], "--data", str(tmp_path / "nonexistent")]
+    assert main(argv + ["--out", str(tmp_path / "new" / "out")]) == 2
+    _one_line_error(capsys, "nonexistent", "does not exist")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    assert main(argv + ["--out", str(tmp_path / "mine")]) == 2
+    _one_line_error(capsys, "does not exist")
+    assert (tmp_path / "mine").is_dir()
 
 
 def test_resume_refuses_another_dtype(env, run4, tmp_path):

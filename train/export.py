@@ -5,10 +5,11 @@ C is a training ``--out`` directory (latest checkpoint), its ``checkpoints/`` di
 prefix, PyTorch [out, in] weights) via ``dflash_jax.draft.save_draft``: loadable by
 ``dflash_jax.draft.load_draft`` and by the original PyTorch implementation.
 
-DIR may be new, empty, or a previous export of a draft (config.json with architectures
-["DFlashDraftModel"], model.safetensors, training_info.json, any non-weight files): those files are
-overwritten. Anything else -- another model's config.json, other weight files -- is refused unless
-``--force``: pointed at a target directory by mistake, the export would destroy the target.
+DIR may be new, empty, or a previous export of the same training run (training_info.json naming the same
+--out and run-defining settings; typically an earlier checkpoint): its config.json, model.safetensors and
+training_info.json are overwritten, other files kept. Anything else -- another draft's export, another model's
+config.json, other weight files -- is refused unless ``--force``: the export would replace a draft that other
+files there may belong to, or destroy a target pointed at by mistake.
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ class ExportError(ValueError):
     """--out holds something an export must not overwrite."""
 
 
-def check_export_dir(out: str) -> None:
-    """Raise ``ExportError`` unless ``out`` is absent, empty, or a previous draft export (see the module doc)."""
+def check_export_dir(out: str, train_config: dict) -> None:
+    """Raise ``ExportError`` unless ``out`` is absent, empty, or a previous export of the run ``train_config``
+    describes (see the module doc)."""
     if not os.path.exists(out):
         return
     if not os.path.isdir(out):
@@ -49,6 +51,9 @@ def check_export_dir(out: str) -> None:
         if arch != DRAFT_ARCHITECTURES:
             raise ExportError(f"--out {out} holds another model (config.json architectures {arch}, not a DFlash "
                               "draft); exporting would overwrite it: choose another --out, or pass --force")
+        if not same_run(os.path.join(out, "training_info.json"), train_config):
+            raise ExportError(f"--out {out} holds the export of another draft (not of the training run "
+                              f"{train_config.get('out')}); choose another --out, or pass --force to replace it")
     weights = sorted(n for n in names if n.endswith(WEIGHT_SUFFIXES) and n not in EXPORT_FILES)
     if "model.safetensors" in names and not os.path.isfile(cfg_path):
         weights.insert(0, "model.safetensors")
@@ -56,6 +61,19 @@ def check_export_dir(out: str) -> None:
         raise ExportError(f"--out {out} holds other weight files ({', '.join(weights[:3])}"
                           f"{', ...' if len(weights) > 3 else ''}), not a previous draft export; choose another "
                           "--out, or pass --force")
+
+
+def same_run(info_path: str, train_config: dict) -> bool:
+    """Whether the export's ``training_info.json`` comes from the run ``train_config`` describes: the same --out
+    and the settings a resumed run must keep (``train.loop.RESUME_FIXED``)."""
+    from train.loop import RESUME_FIXED
+
+    try:
+        with open(info_path) as f:
+            old = json.load(f)["train_config"]
+        return all(old.get(k) == train_config.get(k) for k in ("out", *RESUME_FIXED))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # absent or unreadable: not ours
+        return False
 
 
 def load_checkpoint_draft(checkpoint: str) -> tuple[Draft, dict]:
@@ -74,11 +92,11 @@ def load_checkpoint_draft(checkpoint: str) -> tuple[Draft, dict]:
 
 
 def export(checkpoint: str, out: str, dtype: str = "bfloat16", force: bool = False) -> str:
-    """Write the draft of ``checkpoint`` to ``out``; refuses (``ExportError``) an ``out`` holding another model
-    unless ``force``."""
-    if not force:
-        check_export_dir(out)
+    """Write the draft of ``checkpoint`` to ``out``; refuses (``ExportError``) an ``out`` holding another model or
+    another run's draft unless ``force``."""
     draft, meta = load_checkpoint_draft(checkpoint)
+    if not force:
+        check_export_dir(out, meta["config"])
     save_draft(draft, out, dtype=dtype)
     with open(os.path.join(out, "training_info.json"), "w") as f:
         json.dump({"step": meta["step"], "train_config": meta["config"], "metrics": meta.get("metrics")}, f, indent=2)
@@ -91,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for config.json + model.safetensors")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES),
                    help="dtype of the exported weights (the released drafts are bfloat16)")
-    p.add_argument("--force", action="store_true", help="export even into a directory that holds another model "
-                   "(its config.json / model.safetensors are overwritten)")
+    p.add_argument("--force", action="store_true", help="export even into a directory that holds another model or "
+                   "another run's draft (its config.json / model.safetensors are overwritten, other files kept)")
     return p
 
 

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 import warnings
@@ -53,10 +54,10 @@ from dflash_jax.progress import progress_bar
 # others (steps, logging, evaluation, ...) may. --impl and --loss-chunk may change too: the same
 # computation by another kernel / in other chunks (speed and memory), equal up to float rounding; they
 # are warned about since the resumed run is then no longer bit-exact.
-_RESUME_FIXED = ("draft_layers", "block_size", "num_target_features", "target_layer_ids",
-                 "mask_token_id", "draft_sliding_layers", "draft_sliding_window", "draft_causal",
-                 "draft_output_multiplier", "draft_logit_softcap", "draft_embedding_scale", "num_anchors", "gamma",
-                 "seq_len", "batch_size", "grad_accum", "seed", "dtype", "param_dtype", "init_draft", "pack")
+RESUME_FIXED = ("draft_layers", "block_size", "num_target_features", "target_layer_ids",
+                "mask_token_id", "draft_sliding_layers", "draft_sliding_window", "draft_causal",
+                "draft_output_multiplier", "draft_logit_softcap", "draft_embedding_scale", "num_anchors", "gamma",
+                "seq_len", "batch_size", "grad_accum", "seed", "dtype", "param_dtype", "init_draft", "pack")
 _RESUME_ROUNDING = ("impl", "loss_chunk")
 # The collapse warning: this many consecutive steps with the loss within COLLAPSE_TOL nats of ln(vocab)
 # (uniform predictions) or a gradient norm of exactly 0.
@@ -271,7 +272,7 @@ def _check_resume(meta: dict, cfg: TrainConfig, data: TrainData) -> None:
     if moved:
         _warn(f"resuming with a different path for {moved} ({[getattr(old, f) for f in moved]} -> "
                       f"{[getattr(cfg, f) for f in moved]}); it must hold the same model / data")
-    diff = [f for f in _RESUME_FIXED if getattr(old, f) != getattr(cfg, f)]
+    diff = [f for f in RESUME_FIXED if getattr(old, f) != getattr(cfg, f)]
     if diff:  # before the data check: a changed option (--seq-len) also changes what the data reads as
         raise TrainingError(
             "cannot resume exactly: the checkpoint was made with different " + ", ".join(
@@ -751,6 +752,14 @@ class TrainRun:
         return Draft(self.dcfg, self.params)
 
 
+def _outermost_missing(path: str) -> str | None:
+    """The outermost folder of ``path`` that does not exist yet (what ``os.makedirs(path)`` creates), or None."""
+    path, missing = os.path.abspath(path), None
+    while not os.path.exists(path):
+        missing, path = path, os.path.dirname(path)
+    return missing
+
+
 def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[int, dict], None] | None = None,
           log: Callable[[str], None] = print) -> Draft:
     """Train (or resume training) a DFlash draft as configured; returns the trained draft (float32 master
@@ -758,7 +767,13 @@ def train(cfg: TrainConfig, *, target: Target | None = None, on_step: Callable[[
     make sense); ``on_step(step, metrics)`` is called after every optimizer step."""
     if not cfg.out:
         raise ValueError("TrainConfig.out (the output directory) is required")
+    created = _outermost_missing(cfg.out)
     os.makedirs(cfg.out, exist_ok=True)
-    run = TrainRun(cfg, target, log)
+    try:
+        run = TrainRun(cfg, target, log)
+    except Exception:  # a run that could not start (bad data, target, options) leaves no folder of its own behind
+        if created:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
     run.run(on_step)
     return run.finish()

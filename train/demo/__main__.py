@@ -170,7 +170,7 @@ def cmd_draft(args) -> int:
     import dflash_jax as dj
     from dflash_jax.demo import corpus
     from train.config import TrainConfig
-    from train.export import export
+    from train.export import ExportError, check_export_dir, export
     from train.loop import train
     from train.make_data import make_data
 
@@ -185,20 +185,8 @@ def cmd_draft(args) -> int:
              "config.json + model.safetensors)")
         return 2
     work = os.path.join(args.work, "draft")
-    os.makedirs(work, exist_ok=True)
     prompts, evals = os.path.join(work, "prompts.jsonl"), os.path.join(work, "eval_prompts.jsonl")
-    lo, hi = args.prompt_chars
-    _write_prompts(prompts, corpus.code_prompts(corpus.train_files(), args.num_prompts, seed=args.seed,
-                                                min_chars=lo, max_chars=hi))
-    _write_prompts(evals, corpus.code_prompts(corpus.heldout_files(), 8, seed=args.seed + 1,
-                                              min_chars=120, max_chars=400))
-    target = dj.load_target(args.target)
     data = os.path.join(work, "data")
-    t = time.time()
-    make_data(target, prompts, data, max_new_tokens=args.response_tokens, batch_size=args.gen_batch_size,
-              log=_log)
-    _log(f"data: the target answered {args.num_prompts} prompts ({args.response_tokens} tokens max) in "
-         f"{time.time() - t:.0f}s -> {data}")
     cfg = TrainConfig(target=args.target, data=data, out=os.path.join(work, "run"), draft_layers=args.draft_layers,
                       block_size=args.block_size, num_target_features=args.features, num_anchors=args.anchors,
                       seq_len=args.seq_len, lr=args.lr, batch_size=args.batch_size, steps=args.steps,
@@ -206,8 +194,26 @@ def cmd_draft(args) -> int:
                       init_draft=args.init_draft or "",
                       eval_every=args.eval_every, eval_prompts=evals, eval_max_new_tokens=96,
                       progress=not args.no_progress)
+    if not args.replace_shipped:  # before the data and the training, not after
+        try:
+            check_export_dir(out, cfg.to_json())
+        except ExportError as e:
+            _log(str(e))
+            return 2
+    os.makedirs(work, exist_ok=True)
+    lo, hi = args.prompt_chars
+    _write_prompts(prompts, corpus.code_prompts(corpus.train_files(), args.num_prompts, seed=args.seed,
+                                                min_chars=lo, max_chars=hi))
+    _write_prompts(evals, corpus.code_prompts(corpus.heldout_files(), 8, seed=args.seed + 1,
+                                              min_chars=120, max_chars=400))
+    target = dj.load_target(args.target)
+    t = time.time()
+    make_data(target, prompts, data, max_new_tokens=args.response_tokens, batch_size=args.gen_batch_size,
+              log=_log)
+    _log(f"data: the target answered {args.num_prompts} prompts ({args.response_tokens} tokens max) in "
+         f"{time.time() - t:.0f}s -> {data}")
     train(cfg, log=_log)
-    export(cfg.out, out, dtype="bfloat16")
+    export(cfg.out, out, dtype="bfloat16", force=args.replace_shipped)
     _log(f"exported the draft to {out}: " + ", ".join(
         f"{n} {os.path.getsize(os.path.join(out, n)) / 1e6:.2f} MB" for n in sorted(os.listdir(out))))
     return 0
