@@ -4,9 +4,10 @@ device it runs on, not tokens per step.
 Where a verify over 16 tokens costs about one plain step (an accelerator) the whole trained block wins; on a
 CPU, where a forward's cost grows with its length, a shorter block can be faster. The rule: probe the run's
 own prompts and options at each candidate block, which gives both one engine step's cost there and the
-draft's per-position acceptance, and take the block of the largest expected tau / step cost. Probing is
-done on every call (nothing is cached across calls). The block is fixed before the run samples anything, so
-the run is as lossless as at any fixed block (greedy: plain decoding's tokens).
+draft's per-position acceptance, and take the block of the largest expected tau / step cost. The probes decode
+at most ``PROBE_ROWS`` of the prompts (evenly spread over them) as one batch, whatever the run's size, so their
+cost is bounded. Probing is done on every call (nothing is cached across calls). The block is fixed before the
+run samples anything, so the run is as lossless as at any fixed block (greedy: plain decoding's tokens).
 """
 from __future__ import annotations
 
@@ -22,12 +23,22 @@ PRIOR, PRIOR_WEIGHT = 0.5, 0.1
 # Runs of fewer new tokens per row take the trained block unprobed: probing every candidate would cost more than
 # the run, and see too few steps to choose by.
 MIN_PROBED_TOKENS = PROBE_TOKENS // 2
+# Prompts per probe batch: a few rows estimate a step's cost and the acceptance (200 prompts probed as one batch
+# took most of a 17-minute run).
+PROBE_ROWS = 4
 
 
 def candidates(trained: int) -> tuple[int, ...]:
     """4, 8, 16, ... below the trained block, and that block (``--block-size 1`` is plain decoding: asked for
     by name, never chosen for a run given a draft)."""
     return tuple(sorted({trained} | {k for k in (4, 8, 16, 32) if k < trained}))
+
+
+def probe_prompts(prompts: list, rows: int = PROBE_ROWS) -> list:
+    """At most ``rows`` of ``prompts``, evenly spread over them (the first and the last included)."""
+    if len(prompts) <= rows:
+        return list(prompts)
+    return [prompts[i] for i in np.linspace(0, len(prompts) - 1, rows).round().astype(int)]
 
 
 def worth_probing(trained: int, max_new_tokens: int) -> bool:
@@ -64,6 +75,7 @@ class Choice:
     expected_tau: dict  # block -> expected acceptance length
     position_acceptance: list  # per block position, from the probe
     probe_steps: int
+    probe_rows: int  # prompts decoded by each probe (``probe_prompts``)
 
     @property
     def expected_tokens_per_s(self) -> dict:
@@ -72,12 +84,14 @@ class Choice:
     def to_json(self) -> dict:
         return {"chosen": self.block_size, "step_s": self.step_s, "expected_tau": self.expected_tau,
                 "expected_tokens_per_s": self.expected_tokens_per_s,
-                "position_acceptance": self.position_acceptance, "probe_steps": self.probe_steps}
+                "position_acceptance": self.position_acceptance, "probe_steps": self.probe_steps,
+                "probe_rows": self.probe_rows}
 
     def describe(self) -> str:
         rates = ", ".join(f"{k}: {v:.0f}" for k, v in self.expected_tokens_per_s.items())
         return (f"--block-size auto chose {self.block_size} (expected tokens/s per block {rates}; step costs measured "
-                f"here, acceptance from a {self.probe_steps}-step probe; setup, not timed)")
+                f"here, acceptance from a {self.probe_steps}-step probe of {self.probe_rows} prompts; setup, not "
+                "timed)")
 
 
 def choose(step_s: dict, p) -> int:
@@ -86,10 +100,10 @@ def choose(step_s: dict, p) -> int:
 
 
 def choose_block_size(target, draft, prompts, decoding_kw: dict) -> Choice:
-    """Probe ``prompts`` with ``decoding_kw`` (``speculative_generate``'s options) at each candidate block: the
-    run's own compiled program (one per block, as the real run needs), timed at a prefill-only budget and at
-    ``PROBE_TOKENS``, so a step's cost is the engine's whole step (draft, verify, acceptance, cache updates);
-    the acceptance lengths of all probes estimate each position's acceptance. Then choose."""
+    """Probe ``probe_prompts(prompts)`` with ``decoding_kw`` (``speculative_generate``'s options) at each
+    candidate block: the run's own compiled program (one per block, as the real run needs), timed at a prefill-only
+    budget and at ``PROBE_TOKENS``, so a step's cost is the engine's whole step (draft, verify, acceptance, cache
+    updates); the acceptance lengths of all probes estimate each position's acceptance. Then choose."""
     from dflash_jax.decode import cache_length, speculative_generate
 
     trained = draft.config.block_size
@@ -98,9 +112,10 @@ def choose_block_size(target, draft, prompts, decoding_kw: dict) -> Choice:
     blocks = candidates(trained)
     # every probe shares the real run's cache bucket, so the real run reuses the chosen block's program
     cache = cache_length(lens, [budget] * len(prompts), trained, decoding_kw.get("cache_len"))
+    probed = probe_prompts(prompts)
     step_s, runs = {}, []
     for k in blocks:
-        run = functools.partial(speculative_generate, target, draft, prompts, block_size=k,
+        run = functools.partial(speculative_generate, target, draft, probed, block_size=k,
                                 **dict(decoding_kw, cache_len=cache))
         prefill = min(run(max_new_tokens=1)[0].wall_time_s for _ in range(3))
         probe = min((run(max_new_tokens=min(PROBE_TOKENS, budget)) for _ in range(2)), key=lambda r: r[0].wall_time_s)
@@ -109,4 +124,4 @@ def choose_block_size(target, draft, prompts, decoding_kw: dict) -> Choice:
         runs += [(r.acceptance_lengths, k) for r in probe]
     p = position_acceptance(runs, trained)
     return Choice(block_size=choose(step_s, p), step_s=step_s, expected_tau={k: expected_tau(p, k) for k in blocks},
-                  position_acceptance=p, probe_steps=sum(len(a) for a, _ in runs))
+                  position_acceptance=p, probe_steps=sum(len(a) for a, _ in runs), probe_rows=len(probed))

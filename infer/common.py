@@ -10,6 +10,7 @@ from dflash_jax.attention import DECODE_IMPLS
 from dflash_jax.checkpoints import DTYPES, auto_dtype, has_chat_template, has_tokenizer, resolve_path
 from dflash_jax.demo import DEMO_DIR, DEMO_DRAFT, DEMO_TARGET
 from dflash_jax.prompts import PromptError, encode_prompt, read_prompts
+from infer.auto_block import PROBE_ROWS
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -32,10 +33,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="cap on prompt + generated tokens per row (default: target max_position_embeddings)")
     d.add_argument("--block-size", type=block_size_arg, default="auto",
                    help="draft block (tokens verified per step): auto (default): the block of the most expected "
-                        "tokens per second on this device, from short probe runs of the same prompts at each of 4, "
-                        "8, ..., the trained block (step costs and acceptance), before the timed run (README); the "
-                        "trained block unprobed for runs under 48 new tokens and with --tree-budget / "
-                        "--verify-lengths. Or an integer in [1, the draft's trained block]: no probe")
+                        f"tokens per second on this device, from short probe runs of up to {PROBE_ROWS} of the run's "
+                        "prompts (evenly spread) at each of 4, 8, ..., the trained block (step costs and acceptance), "
+                        "before the timed run (README); the trained block unprobed for runs under 48 new tokens and "
+                        "with --tree-budget / --verify-lengths. Or an integer in [1, the draft's trained block]: no "
+                        "probe")
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     d.add_argument("--top-k", type=int, default=0, help="0 = off")
     d.add_argument("--acceptance", default="rejection", choices=["match", "rejection"],

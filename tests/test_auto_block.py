@@ -41,6 +41,28 @@ def test_expected_tau_and_choice():
     assert not ab.worth_probing(4, 1000)
 
 
+def test_probes_decode_a_bounded_spread_subset(monkeypatch):
+    """200 prompts: every probe decodes PROBE_ROWS of them, spread from the first to the last, not the whole batch."""
+    import types
+
+    from dflash_jax import decode
+
+    assert ab.probe_prompts(list(range(10)), 4) == [0, 3, 6, 9] and ab.probe_prompts([1, 2], 4) == [1, 2]
+    seen = []
+
+    def probe(target, draft, prompts, max_new_tokens, **kw):
+        seen.append(prompts)
+        return [types.SimpleNamespace(wall_time_s=1e-3 * max_new_tokens, acceptance_lengths=[2] * 8)] * len(prompts)
+
+    monkeypatch.setattr(decode, "speculative_generate", probe)
+    prompts = [[i, 1, 2] for i in range(200)]
+    choice = ab.choose_block_size(None, types.SimpleNamespace(config=types.SimpleNamespace(block_size=8)), prompts,
+                                  {"max_new_tokens": 128})
+    assert seen and all(p == ab.probe_prompts(prompts) for p in seen) and len(seen[0]) == ab.PROBE_ROWS
+    assert seen[0][0] == prompts[0] and seen[0][-1] == prompts[-1]
+    assert choice.probe_rows == ab.PROBE_ROWS and f"probe of {ab.PROBE_ROWS} prompts" in choice.describe()
+
+
 def test_generate_block_size_auto_probes_and_stays_lossless(pair_dirs, capsys):
     from infer import generate as g
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import types
 
 import numpy as np
@@ -331,6 +332,15 @@ def test_generate_streams_a_prompts_file_through_slots(pair_dirs, capsys, tmp_pa
     sampled = lines[-1]
     assert sampled["num_generated"] == 4  # its own budget; its tokens: test_continuous (the seed's own stream)
     assert "2 slots" in out.err and "programs compiled" in out.err
+    # each row's speed is its own (its tokens over its admission-to-last-token time), not the run's wall time (a
+    # queued row's queue + own time fits in the run's); the run's throughput is said once
+    run_wall = float(re.search(r"slots in ([\d.]+) s", out.err).group(1))
+    for row in lines:
+        assert row["tokens_per_second"] == pytest.approx(row["num_generated"] / row["wall_time_s"])
+        assert row["queue_time_s"] + row["wall_time_s"] <= run_wall + 0.01
+    assert lines[-1]["queue_time_s"] > 0
+    total = sum(r["num_generated"] for r in lines)
+    assert f"{total} tokens: " in out.err and "tokens/s overall" in out.err
 
 
 def test_prompts_file_settings_are_checked_before_loading(tmp_path, monkeypatch, capsys):
