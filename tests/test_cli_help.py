@@ -58,3 +58,34 @@ def test_gpu_script_commands_parse():
             assert getattr(args, "synthetic", None) in (None, *PRESETS), cmd
             seen.add(cmd[2])
     assert seen == set(parse) and len(commands) == 8
+
+
+def _demo_stage(stage: str):
+    from train.demo.__main__ import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "stage")
+    return sub.choices[stage]
+
+
+@pytest.mark.parametrize("stage", ["target", "draft"])
+def test_demo_options_all_have_help_and_say_each_default_once(stage):
+    parser = _demo_stage(stage)
+    formatter = parser._get_formatter()
+    for a in parser._actions:
+        assert a.help, a.dest
+        assert formatter._expand_help(a).count("(default") <= 1, a.dest
+    assert "(default: None)" not in _help(parser)
+
+
+def test_demo_draft_defaults_are_the_documented_first_run():
+    """The docs give the embedded draft's first run as ``python -m train.demo draft --num-prompts N --steps S``:
+    the bare command is that run (its --help shows those numbers)."""
+    import shlex
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    line = next(x for p in pages if p.is_file() for x in p.read_text().splitlines()
+                if x.startswith("python -m train.demo draft --num-prompts"))
+    parser = _demo_stage("draft")
+    assert vars(parser.parse_args(shlex.split(line.split("#")[0])[4:])) == vars(parser.parse_args([]))

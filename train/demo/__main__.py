@@ -14,7 +14,7 @@
      and ``dj.load_target``.
 Work files (tokenizer, token streams, checkpoint, metrics.jsonl) live in ``runs/demo/target/``.
 
-  python -m train.demo draft [--steps 600] [--target DIR] [--out DIR] [--work DIR] [--init-draft DIR]
+  python -m train.demo draft [--steps 650] [--target DIR] [--out DIR] [--work DIR] [--init-draft DIR]
 
 ``draft``: a block-16 DFlash draft for the demo target with the project's training pipeline:
   1. prompts cut from the TRAINING modules at def/class lines (``corpus.code_prompts``), and held-out
@@ -229,13 +229,22 @@ def _char_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default said once: not appended where its help already says it, nor for None (nothing set) or
+    a flag's False."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or "") or action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="stage", required=True, metavar="STAGE")
     t = sub.add_parser("target", help="tokenizer + pretraining of the demo target (resumable)",
-                       description="Train the demo target end to end (rerun to resume).",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       description="Train the demo target end to end (rerun to resume).", formatter_class=_Defaults)
     t.add_argument("--minutes", type=float, default=None,
                    help="training-loop wall-clock budget, summed over restarts (default 45 unless --steps); "
                         "the step count and cosine schedule are planned to end with it")
@@ -246,50 +255,52 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--replace-shipped", action="store_true",
                    help="allow --out to name the demo target the package ships (overwrites it)")
     t.add_argument("--work", default=DEFAULT_WORK, help="work files go to WORK/target (delete it to start over)")
-    t.add_argument("--vocab-size", type=int, default=4096)
-    t.add_argument("--layers", type=int, default=6)
-    t.add_argument("--hidden", type=int, default=192)
-    t.add_argument("--heads", type=int, default=4)
-    t.add_argument("--kv-heads", type=int, default=2)
-    t.add_argument("--head-dim", type=int, default=48)
-    t.add_argument("--intermediate", type=int, default=576)
-    t.add_argument("--seq-len", type=int, default=512)
-    t.add_argument("--batch-size", type=int, default=4)
+    t.add_argument("--vocab-size", type=int, default=4096, help="byte-level BPE vocabulary (special tokens included)")
+    t.add_argument("--layers", type=int, default=6, help="decoder layers")
+    t.add_argument("--hidden", type=int, default=192, help="hidden size")
+    t.add_argument("--heads", type=int, default=4, help="query heads")
+    t.add_argument("--kv-heads", type=int, default=2, help="key / value heads (grouped-query attention)")
+    t.add_argument("--head-dim", type=int, default=48, help="dimension of each head")
+    t.add_argument("--intermediate", type=int, default=576, help="MLP width")
+    t.add_argument("--seq-len", type=int, default=512, help="tokens per training window")
+    t.add_argument("--batch-size", type=int, default=4, help="windows per step")
     t.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (AdamW, warmup + cosine to 10%%)")
-    t.add_argument("--warmup-steps", type=int, default=50)
+    t.add_argument("--warmup-steps", type=int, default=50, help="steps of linear learning-rate warmup")
     t.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
     t.add_argument("--eval-windows", type=int, default=16,
                    help="held-out windows (evenly spread) of the periodic evaluation; the final one uses all")
     t.add_argument("--save-minutes", type=float, default=3.0, help="minutes between checkpoints")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the window order")
     t.add_argument("--no-check", action="store_true", help="skip the transformers/PyTorch reload check")
     t.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     t.set_defaults(func=cmd_target)
 
     d = sub.add_parser("draft", help="data from the demo target + DFlash draft training + export (resumable)",
-                       description="Train the demo draft end to end (rerun to resume).",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       description="Train the demo draft end to end (rerun to resume). The defaults are the first "
+                                   "run of the embedded draft (README).", formatter_class=_Defaults)
     d.add_argument("--target", default=DEMO_TARGET, help="the demo target (Hugging Face directory)")
     d.add_argument("--out", default=None, help="where the exported draft goes (default: WORK/draft/export)")
     d.add_argument("--replace-shipped", action="store_true",
                    help="allow --out to name the demo draft the package ships (overwrites it)")
     d.add_argument("--work", default=DEFAULT_WORK, help="work files go to WORK/draft (delete it to start over)")
-    d.add_argument("--num-prompts", type=int, default=1500, help="training prompts cut from the training modules")
+    d.add_argument("--num-prompts", type=int, default=2000, help="training prompts cut from the training modules")
     d.add_argument("--prompt-chars", type=_char_range, default=(120, 400), metavar="MIN,MAX",
                    help="prompt length range in characters (default 120,400; the benchmark's default prompts "
                         "are 200,600)")
     d.add_argument("--response-tokens", type=int, default=128, help="tokens the target generates per prompt")
     d.add_argument("--gen-batch-size", type=int, default=32, help="prompts per batch of data generation")
-    d.add_argument("--draft-layers", type=int, default=2)
+    d.add_argument("--draft-layers", type=int, default=2, help="draft decoder layers")
     d.add_argument("--features", type=int, default=3, help="number of target layers fused (ids over 1..L-1)")
-    d.add_argument("--block-size", type=int, default=16)
+    d.add_argument("--block-size", type=int, default=16, help="draft block (tokens per block, anchor included)")
     d.add_argument("--anchors", type=int, default=48, help="anchors per sequence")
-    d.add_argument("--seq-len", type=int, default=256)
-    d.add_argument("--batch-size", type=int, default=8)
-    d.add_argument("--steps", type=int, default=600)
-    d.add_argument("--lr", type=float, default=1e-3)
-    d.add_argument("--eval-every", type=int, default=200)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seq-len", type=int, default=256, help="tokens per training row (python -m train --seq-len)")
+    d.add_argument("--batch-size", type=int, default=8, help="rows per step")
+    d.add_argument("--steps", type=int, default=650, help="optimizer steps")
+    d.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, warmup + cosine)")
+    d.add_argument("--eval-every", type=int, default=200,
+                   help="steps between measurements of the real acceptance length on 8 held-out prompts")
+    d.add_argument("--seed", type=int, default=0,
+                   help="seed of the prompts drawn (the held-out ones: seed + 1), the draft's init and the data order")
     d.add_argument("--init-draft", default=None,
                    help="continue from an exported draft directory (e.g. the embedded one) with a fresh schedule")
     d.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
