@@ -20,6 +20,9 @@ acceptance-depth histograms.
 a time, plain and DFlash, on a workload of per-request budgets (``--mixed-budgets LO,HI`` or the prompts file's
 ``max_new_tokens``): see ``infer/batching.py``.
 
+``--dataset NAME`` takes the prompts from an evaluation set of the paper (GSM8K, MATH-500, HumanEval, MBPP, MT-Bench,
+Alpaca) through the target's chat template, as the paper's benchmark builds them: see ``infer/bench_sets.py``.
+
 ``--synthetic NAME`` benchmarks a preset at real model shapes (Qwen3-4B / 8B, LLaMA-3.1-8B, a tiny CPU one)
 with random weights and a SIMULATED acceptance length (``--replay-tau`` / ``--replay-histogram``), per
 ``--batch-size`` and ``--context``: see ``infer/synthetic.py``.
@@ -37,7 +40,7 @@ import numpy as np
 
 from dflash_jax.machine import machine, warn_if_busy
 from dflash_jax.progress import progress_bar
-from infer import synthetic
+from infer import bench_sets, synthetic
 from infer.timing import fastest, first_mismatch, step_split, time_forwards
 from infer.common import (DEMO_TARGET, adaptive_kwargs, add_model_args, check_overrides, decoding_kwargs, die, encode,
                           exits_on_interrupt, load_models, param_dtype, read_prompts_file, resolve_block, tree_kwargs)
@@ -50,7 +53,14 @@ def parse_args(argv=None):
     p.add_argument("--prompts-file", help="JSONL with a 'prompt' (text) or 'prompt_ids' field per line, or plain "
                                           "text one per line (\\n = newline) (default: code prompts cut from the "
                                           "demo's held-out stdlib modules)")
-    p.add_argument("--num-prompts", type=int, default=16, help="number of default prompts (default 16)")
+    p.add_argument("--dataset", help="an evaluation set of the DFlash paper and DeepSpec: "
+                                     f"{', '.join(bench_sets.SETS)}, read with the datasets library from its cache "
+                                     "(HF_DATASETS_OFFLINE honoured), each row as one user turn in the target's chat "
+                                     "template (infer/bench_sets.py; needs dflash_jax[bench])")
+    p.add_argument("--dataset-path", help="with --dataset: a local copy of the set (a directory laid out as its "
+                                          "Hugging Face repository) read in place of the hub id")
+    p.add_argument("--num-prompts", type=int, default=16,
+                   help="number of default prompts, or of --dataset's rows (its first N) (default 16)")
     p.add_argument("--json", action="store_true", help="per-prompt rows, then one summary object")
     p.add_argument("--plot", help="write a PNG report: tau per prompt, acceptance per block position, tokens/s and "
                                   "speedup, titled with target, draft, block and device (needs matplotlib)")
@@ -76,8 +86,15 @@ def default_prompts(n: int) -> list[str]:
 
 
 def prompt_records(args) -> list[dict]:
-    """The prompts of the run, read before any model loads: ``--prompts-file``, or the demo's code prompts for
-    the demo target."""
+    """The prompts of the run, read before any model loads: ``--prompts-file``, ``--dataset``'s first
+    ``--num-prompts`` rows, or the demo's code prompts for the demo target."""
+    if args.dataset:
+        try:
+            return bench_sets.records(args.dataset, args.num_prompts, args.dataset_path)
+        except bench_sets.BenchSetError as e:
+            die(str(e))
+    if args.dataset_path:
+        die("--dataset-path needs --dataset NAME (the set it holds)")
     if args.prompts_file:
         return read_prompts_file(args.prompts_file)
     if args.target is None or args.target == DEMO_TARGET:
@@ -300,6 +317,9 @@ def main(argv=None) -> int:
         die(f"--repeats must be >= 1, got {args.repeats}")
     if args.num_prompts < 1:
         die(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if (args.dataset or args.dataset_path) and (args.prompts_file or args.synthetic):
+        die("--dataset / --dataset-path are the run's prompts: drop "
+            + ("--prompts-file" if args.prompts_file else "--synthetic"))
     if args.synthetic:
         return synthetic.run(args)
     synthetic.check_unused(args)
@@ -318,7 +338,7 @@ def main(argv=None) -> int:
     target, draft, tokenizer = load_models(args, records)
     if draft is None:
         die("the benchmark compares plain and DFlash decoding: pass --draft")
-    prompts = encode(tokenizer, records)
+    prompts = encode(tokenizer, records, chat_kwargs=bench_sets.CHAT_KWARGS if args.dataset else None)
     kw = decoding_kwargs(args, target)
     if args.max_batch is not None:
         from infer import batching

@@ -271,13 +271,13 @@ def read_prompts_file(path: str) -> list[dict]:
         die(str(e))
 
 
-def encode(tokenizer, records: list[dict], chat: bool = False) -> list[list[int]]:
-    """Prompt ids of ``records`` by the one rule of ``dflash_jax.prompts`` (as training encodes them); a
-    prompt that cannot be encoded, or encodes to no tokens, exits with the reason."""
+def encode(tokenizer, records: list[dict], chat: bool = False, chat_kwargs: dict | None = None) -> list[list[int]]:
+    """Prompt ids of ``records`` by the one rule of ``dflash_jax.prompts`` (as training encodes them; ``chat_kwargs``:
+    the chat template's variables); a prompt that cannot be encoded, or encodes to no tokens, exits with the reason."""
     out = []
     for r in records:
         try:
-            ids = encode_prompt(r, tokenizer, chat)
+            ids = encode_prompt(r, tokenizer, chat, chat_kwargs)
         except PromptError as e:
             die(str(e))
         if not ids:
