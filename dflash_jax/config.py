@@ -322,7 +322,7 @@ def _assistant_as_dflash(d: Mapping) -> dict:
     d.setdefault("layer_types", ["sliding_attention"] * int(d["num_hidden_layers"]))
     return {**d, "model_type": "qwen3", "architectures": ["DFlashDraftModel"], "is_causal": False,
             "dflash_config": {k: d[k] for k in ("mask_token_id", "target_layer_ids", "block_size")}}
-# DFlash2 keys of ``dflash_config`` -> their defaults (README, "Draft formats")
+# DFlash2 keys of ``dflash_config`` -> their defaults (docs/models.md, "Draft formats")
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
 

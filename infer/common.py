@@ -15,8 +15,8 @@ from infer.auto_block import PROBE_ROWS
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
-    g.add_argument("--target", help="Hugging Face target of a supported model_type (README): directory or hub id "
-                                    "(default: embedded demo)")
+    g.add_argument("--target", help="Hugging Face target of a supported model_type (docs/models.md): "
+                                    "directory or hub id (default: embedded demo)")
     g.add_argument("--draft", help="DFlash draft: directory or hub id (default: embedded demo draft when the "
                                    "target is the demo; none otherwise = plain decoding)")
     g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
@@ -35,9 +35,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft block (tokens verified per step): auto (default): the block of the most expected "
                         f"tokens per second on this device, from short probe runs of up to {PROBE_ROWS} of the run's "
                         "prompts (evenly spread) at each of 4, 8, ..., the trained block (step costs and acceptance), "
-                        "before the timed run (README); the trained block unprobed for runs under 48 new tokens and "
-                        "with --tree-budget / --verify-lengths. Or an integer in [1, the draft's trained block]: no "
-                        "probe")
+                        "before the timed run (docs/block-size.md); the trained block unprobed for runs under 48 new "
+                        "tokens and with --tree-budget / --verify-lengths. Or an integer in [1, the draft's trained "
+                        "block]: no probe")
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     d.add_argument("--top-k", type=int, default=0, help="0 = off")
     d.add_argument("--acceptance", default="rejection", choices=["match", "rejection"],
@@ -53,7 +53,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--verify-threshold", type=float, default=0.1,
                    help="with --verify-lengths: a longer verify is taken while the draft expects at least this "
                         "many accepted tokens per added position (0: always the longest; > 1: the shortest; "
-                        "default 0.1, the best measured on the demo pair: README)")
+                        "default 0.1, the best measured on the demo pair: docs/adaptive-verify.md)")
     d.add_argument("--tree-budget", type=int, default=0,
                    help="tree verification: each step the target verifies a tree of the N most probable draft "
                         "prefixes (plus the pending token: N + 1 tokens) and keeps its longest matching path; "

@@ -47,7 +47,8 @@ def _help(text: str, **kw):
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     # what to train on
-    target: str = _help("target checkpoint directory or hub id (any supported model_type, see README)", default="")
+    target: str = _help("target checkpoint directory or hub id (any supported model_type: docs/models.md)",
+                        default="")
     data: str = _help("data directory written by `python -m train.make_data` (manifest.json + shards)", default="")
     allow_partial_data: bool = _help("train on a data directory whose make_data run did not finish (manifest "
                                      "\"complete\": false); refused by default", default=False)

@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("draft", help="data from the demo target + DFlash draft training + export (resumable)",
                        description="Train the demo draft end to end (rerun to resume). The defaults are the first "
-                                   "run of the embedded draft (README).", formatter_class=_Defaults)
+                                   "run of the embedded draft (docs/training.md).", formatter_class=_Defaults)
     d.add_argument("--target", default=DEMO_TARGET, help="the demo target (Hugging Face directory)")
     d.add_argument("--out", default=None, help="where the exported draft goes (default: WORK/draft/export)")
     d.add_argument("--replace-shipped", action="store_true",
