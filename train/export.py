@@ -76,27 +76,30 @@ def same_run(info_path: str, train_config: dict) -> bool:
         return False
 
 
-def load_checkpoint_draft(checkpoint: str) -> tuple[Draft, dict]:
-    """(Draft with the checkpoint's float32 master params, checkpoint meta)."""
+def load_checkpoint_draft(checkpoint: str, check_meta=None) -> tuple[Draft, dict]:
+    """(Draft with the checkpoint's float32 master params, checkpoint meta); ``check_meta(meta)`` runs on the meta
+    alone, before the parameters are read (a refusal costs no restore)."""
     directory, step = find_checkpoint(checkpoint)
     ckpt = Checkpointer(directory, create=False)
     step = ckpt.latest_step() if step is None else step
     if step is None:
         raise FileNotFoundError(f"no checkpoint in {directory}")
-    meta = ckpt.meta(step)
-    dcfg = DraftConfig.from_hf(meta["draft_config"])
-    like = draft_param_shapes(dcfg)
-    params, _, meta = ckpt.restore(step, like)
-    ckpt.close()
+    try:
+        meta = ckpt.meta(step)
+        if check_meta is not None:
+            check_meta(meta)
+        dcfg = DraftConfig.from_hf(meta["draft_config"])
+        params, _, meta = ckpt.restore(step, draft_param_shapes(dcfg))
+    finally:
+        ckpt.close()
     return Draft(dcfg, params, os.path.join(directory, str(step))), meta
 
 
 def export(checkpoint: str, out: str, dtype: str = "bfloat16", force: bool = False) -> str:
     """Write the draft of ``checkpoint`` to ``out``; refuses (``ExportError``) an ``out`` holding another model or
     another run's draft unless ``force``."""
-    draft, meta = load_checkpoint_draft(checkpoint)
-    if not force:
-        check_export_dir(out, meta["config"])
+    check = None if force else (lambda meta: check_export_dir(out, meta["config"]))
+    draft, meta = load_checkpoint_draft(checkpoint, check)
     save_draft(draft, out, dtype=dtype)
     with open(os.path.join(out, "training_info.json"), "w") as f:
         json.dump({"step": meta["step"], "train_config": meta["config"], "metrics": meta.get("metrics")}, f, indent=2)
