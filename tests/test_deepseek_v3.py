@@ -317,7 +317,10 @@ def test_save_target_reloads_in_transformers_and_mtp_layers_are_skipped(deepseek
     out = target_lib.save_target(target, str(tmp_path / "saved"))
     again = transformers.DeepseekV3ForCausalLM.from_pretrained(out).eval()
     ids = np.random.RandomState(4).randint(0, V, (1, 10)).astype(np.int32)
-    assert max_diff(torch_forward(again, ids)[0], torch_forward(model, ids)[0]) <= 1e-6
+    # the export is exact: every tensor transformers reads back is the original's, bit for bit (a forward of the
+    # reloaded model is not: the same weights in other buffers take other vector paths, 1.2e-6 apart on one CPU)
+    mine, theirs = again.state_dict(), model.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
     tensors = {n: np.array(a) for n, a in iter_safetensors(os.path.join(out, "model.safetensors"))}
     tensors[f"model.layers.{L}.eh_proj.weight"] = np.zeros((D, 2 * D), np.float32)  # a DeepSeek-V3 MTP layer
     save_safetensors(os.path.join(out, "model.safetensors"), tensors)
