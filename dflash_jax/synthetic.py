@@ -200,13 +200,27 @@ class ReplayProposer(Chain):
         if probs.shape != (spec.block_size,) or (probs < 0).any() or not abs(probs.sum() - 1) < 1e-6:
             raise ValueError(f"replay probs must be {spec.block_size} probabilities (acceptance lengths 1.."
                              f"{spec.block_size}) summing to 1, got {probs.tolist()}")
-        if len(self.reference) != rows:
+        if len(self.reference) < rows:
             raise ValueError(f"replay has {len(self.reference)} reference rows for {rows} prompts")
-        ref = np.zeros((rows, cache_len), np.int32)
-        for i, r in enumerate(self.reference):
-            r = np.asarray(r, np.int32)[:cache_len]
+        return self._rows(range(rows), cache_len), np.broadcast_to(probs.astype(np.float32), (rows, spec.block_size)).copy()
+
+    def _rows(self, streams, cache_len: int) -> np.ndarray:
+        """[len(streams), cache_len] int32: the reference of each request stream."""
+        ref = np.zeros((len(streams), cache_len), np.int32)
+        for i, stream in enumerate(streams):
+            r = np.asarray(self.reference[stream], np.int32)[:cache_len]
             ref[i, :len(r)] = r
-        return ref, np.broadcast_to(probs.astype(np.float32), (rows, spec.block_size)).copy()
+        return ref
+
+    def admitted(self, spec, args, rows, streams):
+        """Continuous batching: slot ``rows`` replay the references of request ``streams`` (a ``Request``'s
+        ``stream``: request i of ``continuous_generate`` is stream i, as row i of a batch is)."""
+        if max(streams) >= len(self.reference):
+            raise ValueError(f"replay has {len(self.reference)} reference rows; request stream {max(streams)}")
+        reference, probs = args
+        host = np.array(jax.device_get(reference))
+        host[list(rows)] = self._rows(streams, host.shape[1])
+        return (host if isinstance(reference, np.ndarray) else jax.device_put(host, reference.sharding)), probs
 
     def propose(self, spec, view: StepView) -> Proposal:
         real = super().propose(spec, view)

@@ -20,7 +20,8 @@ costs no more than a plain one), the limit tau x plain step / (draft + verify) (
 other work) and efficiency_vs_limit = decode speedup / that limit, exactly the product of ``step_efficiency``
 ((draft + verify) / DFlash step: the step's own overhead) and ``lockstep`` (plain steps / (DFlash steps x tau):
 a closed batch steps until its slowest row ends, 1 at batch 1; continuous batching, ``decode.Engine``, refills
-the rows that end instead).
+the rows that end instead). ``--continuous-requests N`` measures that too: N requests through the batch's slots,
+plain and replayed DFlash, every admission (prefill) timed and left out, against the same limit.
 """
 from __future__ import annotations
 
@@ -52,12 +53,18 @@ def add_args(p) -> None:
                                                      "(e.g. 1,8; default 1)")
     g.add_argument("--context", help="with --synthetic: prompt tokens (random), comma-separated for "
                                                      "several (e.g. 1024,8192; default 1024)")
+    g.add_argument("--continuous-requests", type=int, metavar="N",
+                   help="with --synthetic: also stream N requests (random prompts of --context tokens) through "
+                        "--batch-size slots of the continuous-batching engine (decode.Engine), plain and replayed "
+                        "DFlash, and report its decode speedup against the same limit (no lockstep: a row that "
+                        "ends is refilled; default: closed batches only)")
 
 
 def check_unused(args) -> None:
     """The synthetic-only options are an error without --synthetic."""
     given = [f for f, v in (("--replay-tau", args.replay_tau), ("--replay-histogram", args.replay_histogram),
-                            ("--batch-size", args.batch_size), ("--context", args.context)) if v is not None]
+                            ("--batch-size", args.batch_size), ("--context", args.context),
+                            ("--continuous-requests", args.continuous_requests)) if v is not None]
     if given:
         die(f"{', '.join(given)} only apply to the synthetic benchmark: add --synthetic NAME")
 
@@ -162,7 +169,99 @@ def measure(target, draft, probs, args, *, batch: int, context: int, block: int)
         # and the closed batch's lockstep (it steps until its slowest row ends: tokens per row-step / tau, 1 alone)
         row["step_efficiency"] = (d + v) / row["dflash_step_s"]
         row["lockstep"] = plain_steps / (max(spec_steps, 1) * tau)
+        if args.continuous_requests:
+            row["continuous"] = measure_continuous(target, draft, probs, args, batch=batch, context=context,
+                                                   block=block, forwards_s=d + v)
     return row
+
+
+def _engine_call(engine, requests):
+    """One pass of ``requests`` through ``engine``'s slots with the public steps, refilling a slot as soon as its
+    row ends: its outputs, decode time (the wall time less the admissions, i.e. less every prefill), loop steps
+    and row steps."""
+    import time
+
+    import jax
+
+    def call():
+        state, pending, active, out = engine.empty(), iter(enumerate(requests)), {}, [None] * len(requests)
+        admit_s = loop_steps = row_steps = 0
+        start = time.perf_counter()
+        while True:
+            free = [r for r in range(engine.rows) if r not in active]
+            batch = [x for _, x in zip(free, pending)]
+            if batch:
+                t = time.perf_counter()
+                state, rows = engine.admit(state, [r for _, r in batch], free[:len(batch)])
+                jax.block_until_ready(state)
+                admit_s += time.perf_counter() - t
+                active.update({row: i for row, (i, _) in zip(rows, batch)})
+            if not active:
+                break
+            state, taken = engine.run(state)
+            loop_steps += taken
+            done = engine.finished_rows(state)
+            state, results = engine.release(state, done)
+            for row, result in zip(done, results):
+                out[active.pop(row)] = result
+                row_steps += len(result.acceptance_lengths)
+        wall = time.perf_counter() - start
+        return types.SimpleNamespace(rows=out, output_ids=[r.output_ids for r in out], wall_time_s=wall - admit_s,
+                                     loop_steps=loop_steps, row_steps=row_steps)
+
+    return call
+
+
+def measure_continuous(target, draft, probs, args, *, batch: int, context: int, block: int, forwards_s: float) -> dict:
+    """``--continuous-requests N``: N requests through ``batch`` slots, plain and replayed DFlash, prefill excluded
+    (every admission is timed and subtracted); the limit is the closed batch's formula with this run's plain step
+    and tau over the closed batch's draft + verify forwards (``forwards_s``, same batch and context)."""
+    import jax
+
+    from dflash_jax.decode import DecodeOptions, Engine, Request
+    from dflash_jax.synthetic import ReplayProposer
+
+    n = args.continuous_requests
+    rng = np.random.default_rng([args.seed, batch, context, n])
+    requests = [Request(p, stream=i) for i, p in
+                enumerate(rng.integers(0, target.config.vocab_size, (n, context)).tolist())]
+    kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=(), attention_impl=args.attention)
+    max_length = min(args.max_length or target.config.max_position_embeddings, context + args.max_new_tokens)
+    plain_engine = Engine(target, None, DecodeOptions(**kw), max_batch=batch, max_length=max_length)
+    plain_engine.warm([context])  # compiled and run once: the first timed pass is a warm one
+    plain = _engine_call(plain_engine, requests)
+    runs = [plain()]  # also the references
+    replay = ReplayProposer(reference=runs[0].output_ids, probs=probs)
+    spec_engine = Engine(target, draft, DecodeOptions(block_size=block, proposer=replay, **kw), max_batch=batch,
+                         max_length=max_length)
+    spec_engine.warm([context])
+    spec_call = _engine_call(spec_engine, requests)
+    runs = [(runs[0], spec_call())] + [(plain(), spec_call()) for _ in range(args.repeats - 1)]  # alternating
+    if any(p_run.output_ids != runs[0][0].output_ids for p_run, _ in runs):
+        die("continuous batching: plain decoding gave different outputs on repeated runs")
+    bad = sorted({i for p_run, s_run in runs for i, (a, b) in enumerate(zip(p_run.output_ids, s_run.output_ids))
+                  if a != b})
+    if bad:
+        msg = (f"continuous batching, batch {batch}, context {context}: replayed DFlash output differs from plain "
+               f"decoding in {len(bad)} request(s), first request {bad[0]}")
+        if str(jax.tree_util.tree_leaves(target.params)[0].dtype) not in TOLERANT_DTYPES:
+            print(f"error: {msg}: a bug (full precision has no near-ties to flip)", file=sys.stderr)
+            raise SystemExit(1)
+        print(f"warning: {msg}: a near-tie flipped by low-precision rounding", file=sys.stderr)
+    base, spec = (min((r[m] for r in runs), key=lambda g: g.wall_time_s) for m in (0, 1))
+    tau = float(np.mean([a for r in spec.rows for a in r.acceptance_lengths]))
+    plain_step = base.wall_time_s / max(base.loop_steps, 1)
+    out = {"requests": n, "slots": batch, "tau": tau, "plain_loop_steps": base.loop_steps,
+           "dflash_loop_steps": spec.loop_steps, "occupancy": spec.row_steps / max(spec.loop_steps * batch, 1),
+           "plain_decode_s": base.wall_time_s, "dflash_decode_s": spec.wall_time_s, "plain_step_s": plain_step,
+           "dflash_step_s": spec.wall_time_s / max(spec.loop_steps, 1),
+           "decode_speedup": base.wall_time_s / max(spec.wall_time_s, 1e-12), "identical": not bad}
+    out["speedup_limit"] = tau * plain_step / forwards_s
+    out["efficiency_vs_limit"] = out["decode_speedup"] / out["speedup_limit"]
+    # the same two factors, exactly: plain loop steps / (DFlash loop steps x tau) (1 with every slot busy), its step
+    out["lockstep"] = base.loop_steps / (max(spec.loop_steps, 1) * tau)
+    out["step_efficiency"] = forwards_s / out["dflash_step_s"]
+    return out
 
 
 def run(args) -> int:
@@ -180,11 +279,16 @@ def run(args) -> int:
     if args.tree_budget:
         die("--tree-budget does not apply to --synthetic: its replayed acceptance is a chain's; measure tree "
             "verification on a trained pair (python -m infer.benchmark)")
+    if args.continuous_requests is not None and args.no_timing_split:
+        die("--continuous-requests reports against the limit of the timed forwards: drop --no-timing-split")
     try:
         preset = syn.preset(args.synthetic)
     except ValueError as e:
         die(str(e))
     batches, contexts = parse_ints(args.batch_size or "1", "--batch-size"), parse_ints(args.context or "1024", "--context")
+    if args.continuous_requests is not None and args.continuous_requests <= max(batches):
+        die(f"--continuous-requests {args.continuous_requests}: more requests than --batch-size {max(batches)} slots "
+            "are needed to refill any slot")
     block = fixed_block_size(args) or preset.block_size  # auto: the preset's block (acceptance is replayed)
     if not 2 <= block <= preset.block_size:
         die(f"--block-size must be in [2, {preset.block_size}] for preset {args.synthetic}, got {block}")
@@ -238,6 +342,14 @@ def print_text(rows, args, desc, dtype, where) -> None:
               + f" {r['speedup']:>6.2f}x {r['decode_speedup']:>6.2f}x {r['engine_efficiency']:>10.2f}"
               + (f" {r['efficiency_vs_limit']:>8.2f} {r['lockstep']:>10.2f} {r['step_efficiency']:>6.2f}" if split else "")
               + f" {r['identical']}")
+    for r in rows:
+        c = r.get("continuous")
+        if c:
+            print(f"continuous batching, batch {r['batch_size']}, context {r['context']}: {c['requests']} requests "
+                  f"through {c['slots']} slots, occupancy {c['occupancy']:.2f}, tau {c['tau']:.2f}, plain step "
+                  f"{ms(c['plain_step_s'])}, DFlash step {ms(c['dflash_step_s'])}, decode {c['decode_speedup']:.2f}x "
+                  f"vs limit {c['speedup_limit']:.2f}x: {c['efficiency_vs_limit']:.2f} = lockstep "
+                  f"{c['lockstep']:.2f} x step {c['step_efficiency']:.2f}, same {c['identical']}")
     print(f"times in ms per loop step (prefill excluded; verify 1: one target forward of 1 token, verify: of {b}); "
           "speedup: whole calls, prefill included; decode: prefill excluded; efficiency = decode speedup / tau; "
           "vs limit: decode speedup / (tau x plain step / (draft + verify)) = lockstep (a closed batch steps until its "

@@ -59,6 +59,30 @@ def test_realised_tau_is_the_requested_one(pair):
     assert abs(acc.mean() - 4.0) < 4 * sd / np.sqrt(len(acc)), (acc.mean(), sd, len(acc))
 
 
+def test_replay_through_continuous_batching(pair):
+    """Through decode.Engine's slots (2 slots, 5 requests of mixed budgets, so slots are refilled mid-run): each
+    request replays its own reference (``ReplayProposer.admitted`` moves it into the slot it takes), its output is
+    plain decoding's, and its acceptance lengths are those of the same prompt as row i of a closed batch (the
+    draws come from the key of (seed, stream i) wherever the request runs)."""
+    from dflash_jax.decode import Request, continuous_generate
+
+    target, draft = pair
+    prompts = PROMPTS + [[20, 21], [30, 31, 32, 33, 34]]
+    budgets = [30, 9, 22, 5, 17]
+    plain = [generate(target, [p], max_new_tokens=n, stop_token_ids=[])[0] for p, n in zip(prompts, budgets)]
+    replay = ReplayProposer(reference=[r.output_ids for r in plain], probs=syn.geometric_probs(3.0, 8))
+    closed = speculative_generate(target, draft, prompts, max_new_tokens=max(budgets), stop_token_ids=[],
+                                  proposer=replay)
+    requests = [Request(p, max_new_tokens=n, stream=i) for i, (p, n) in enumerate(zip(prompts, budgets))]
+    out = continuous_generate(target, draft, requests, max_batch=2, stop_token_ids=(), proposer=replay)
+    assert [r.output_ids for r in out] == [r.output_ids for r in plain]
+    for c, s, n in zip(out, closed, budgets):  # the closed row runs to the longest budget: compare its first steps
+        assert c.acceptance_lengths[:-1] == s.acceptance_lengths[:len(c.acceptance_lengths) - 1]
+    with pytest.raises(ValueError, match="5 reference rows; request stream 7"):
+        continuous_generate(target, draft, [Request([3, 4], stream=7)], max_batch=2, max_new_tokens=4,
+                            stop_token_ids=(), proposer=replay)
+
+
 def test_replay_on_a_mesh(pair):
     """Rows over data (3 prompts padded to 4 rows), weights over tensor: the reference rows travel with them."""
     from dflash_jax import model_sharding, sharding
@@ -151,7 +175,7 @@ def test_cli_synthetic_tiny_prints_the_step_split(capsys):
     from infer import benchmark, synthetic
 
     argv = ["--synthetic", "tiny", "--replay-tau", "4", "--context", "48", "--batch-size", "2", "--max-new-tokens",
-            "24", "--repeats", "1", "--json"]
+            "24", "--repeats", "1", "--continuous-requests", "3", "--json"]
     assert benchmark.main(argv) == 0
     out = capsys.readouterr()
     (row,) = [json.loads(x) for x in out.out.strip().splitlines()]
@@ -171,12 +195,18 @@ def test_cli_synthetic_tiny_prints_the_step_split(capsys):
     assert np.isclose(row["lockstep"], row["plain_loop_steps"] / (row["dflash_loop_steps"] * row["tau"]))
     assert row["verify_forward_s_block1"] > 0 and row["plain_step_s"] > 0 and row["dflash_step_s"] > 0
     assert np.isclose(row["engine_efficiency"], row["decode_speedup"] / row["tau"])
+    c = row["continuous"]  # 3 requests through the 2 slots: the third takes the first slot that frees
+    assert (c["requests"], c["slots"], c["identical"], c["plain_loop_steps"]) == (3, 2, True, 2 * 23)
+    assert 0 < c["occupancy"] <= 1 and 1 <= c["tau"] <= 16 and c["dflash_loop_steps"] >= 23 / 16
+    assert np.isclose(c["speedup_limit"], c["tau"] * c["plain_step_s"] / (split["draft"] + split["verify"]))
+    assert np.isclose(c["efficiency_vs_limit"], c["lockstep"] * c["step_efficiency"])
+    assert np.isclose(c["decode_speedup"], c["plain_decode_s"] / c["dflash_decode_s"])
     assert row["machine"]["backend"] == "cpu" and row["dtype"] == "float32"
     args = benchmark.parse_args(argv[:-1])
     synthetic.print_text([row], args, row["replay"], row["dtype"], row["machine"])
     text = capsys.readouterr().out
     assert "acceptance is SIMULATED" in text and "= draft" in text and "+ verify" in text and "+ rest" in text
-    assert "load average" in text
+    assert "load average" in text and "continuous batching, batch 2, context 48: 3 requests through 2 slots" in text
 
 
 def test_context_sweep_reports_each_context_and_attention(capsys):
@@ -206,7 +236,9 @@ def test_cli_synthetic_rejects_bad_options(capsys):
                       (["--temperature", "0.7"], "--temperature 0"),
                       (["--target", "x"], "builds its own target"),
                       (["--verify-lengths", "4,8,16"], "--verify-lengths does not apply"),
-                      (["--block-size", "17"], "--block-size must be in")):
+                      (["--block-size", "17"], "--block-size must be in"),
+                      (["--batch-size", "1,4", "--continuous-requests", "4"], "more requests than --batch-size 4"),
+                      (["--continuous-requests", "8", "--no-timing-split"], "drop --no-timing-split")):
         with pytest.raises(SystemExit):
             benchmark.main(["--synthetic", "tiny", *argv])
         assert msg in capsys.readouterr().err, argv
@@ -219,5 +251,5 @@ def test_synthetic_options_need_synthetic(capsys):
     from infer import benchmark
 
     with pytest.raises(SystemExit):
-        benchmark.main(["--replay-tau", "4", "--context", "64"])
-    assert "--replay-tau, --context only apply to the synthetic benchmark" in capsys.readouterr().err
+        benchmark.main(["--replay-tau", "4", "--context", "64", "--continuous-requests", "8"])
+    assert "--replay-tau, --context, --continuous-requests only apply to the synthetic benchmark" in capsys.readouterr().err

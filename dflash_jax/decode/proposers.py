@@ -68,6 +68,11 @@ class Proposer:
         """Runtime inputs of ``propose`` (a pytree of host arrays, rows first), checked; None: none."""
         return None
 
+    def admitted(self, spec, args, rows, streams):
+        """Continuous batching (``decode.Engine.admit``): ``args`` once requests of key ``streams`` take slots
+        ``rows``. The default keeps them: arrays that do not depend on the request (or none)."""
+        return args
+
     def draft_forward(self, spec, view: StepView):
         """(draft logits [B, K-1, V] of block positions 1.., their final-normed hidden states)."""
         return draft_lib.block_logits(spec.target_config, view.tparams, spec.draft_config, view.dparams, view.block,

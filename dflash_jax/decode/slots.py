@@ -61,8 +61,6 @@ class Engine:
         self.rows = int(max_batch) + sharding.pad_rows(int(max_batch), mesh)
         self.spec, self.inputs = prepare.engine(target, draft, options, cache_len, greedy=not self.sampled,
                                                 rows=self.rows, stop_width=stop_width)
-        if self.inputs.proposer_args is not None:
-            raise ValueError("this proposer's arrays are per batch (a replay draft): use speculative_generate")
         self.programs = PROGRAMS
         self._inputs_signature = signature(self.inputs)  # the params' tree: fixed for the engine's life
         self.used: set = set()  # the programs this engine ran (each compiled once per process, shared)
@@ -156,6 +154,9 @@ class Engine:
             new = self._rows([requests[i] for i in group], [settings[i] for i in group], budget[list(group)],
                              pad_to=size)
             state = self._compiled("admit", steps.admit_jit, state, new, at)(self.inputs, state, new, at)
+        if self.spec.proposer is not None:  # a proposer's per-request arrays follow its rows (the replay draft's)
+            self.inputs = self.inputs.replace(proposer_args=self.spec.proposer.admitted(
+                self.spec, self.inputs.proposer_args, rows, [r.stream for r in requests]))
         now = time.perf_counter()
         self._admitted_at.update({r: now for r in rows})
         return state, rows
