@@ -223,7 +223,8 @@ def reference_loop(target, draft, prompt, max_new_tokens, stop=()):
         if size > 1:
             block += dj.draft_block_tokens(target, draft, [out[:start]],
                                            [[out[start]] + [draft.config.mask_token_id] * (size - 1)])[0].tolist()
-        post = dj.target_logits(target, [out[:start] + block])[0, start:].argmax(-1)
+        ids = out[:start] + block  # padded on the right to a multiple of 32: causal, so the same logits, one compile
+        post = dj.target_logits(target, [ids + [0] * (-len(ids) % 32)])[0, start:len(ids)].argmax(-1)
         a = 0
         while a < size - 1 and block[a + 1] == post[a]:
             a += 1
