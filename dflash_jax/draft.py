@@ -373,51 +373,59 @@ def propose(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, 
     return jnp.argmax(out, axis=-1).astype(jnp.int32)
 
 
-def _context_cache(tcfg, tparams, cfg, params, context_ids):
+def _context_cache(tcfg, tparams, cfg, params, context_ids, length):
+    """The draft's context K/V of ``context_ids`` [B, T'] whose first ``length`` tokens are the context (the rest
+    padding: the target is causal and the draft sees only slots before its anchor, so neither reads it)."""
     b, t = context_ids.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     _, features, _ = target_lib.forward(tcfg, tparams, context_ids, positions, feature_layer_ids=cfg.target_layer_ids)
     k, v = context_kv(cfg, params, features, positions)
-    return jnp.full((b, 1), t, jnp.int32), k, v
+    return jnp.full((b, 1), length, jnp.int32), k, v
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "cfg"))
-def _draft_block_logits(tcfg, tparams, cfg, params, context_ids, block_ids):
-    return block_logits(tcfg, tparams, cfg, params, block_ids, *_context_cache(tcfg, tparams, cfg, params, context_ids))
+def _draft_block_logits(tcfg, tparams, cfg, params, context_ids, length, block_ids):
+    return block_logits(tcfg, tparams, cfg, params, block_ids,
+                        *_context_cache(tcfg, tparams, cfg, params, context_ids, length))
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "cfg"))
-def _draft_block_tokens(tcfg, tparams, cfg, params, context_ids, block_ids):
-    anchors, k, v = _context_cache(tcfg, tparams, cfg, params, context_ids)
+def _draft_block_tokens(tcfg, tparams, cfg, params, context_ids, length, block_ids):
+    anchors, k, v = _context_cache(tcfg, tparams, cfg, params, context_ids, length)
     return propose(tcfg, tparams, cfg, params, block_ids, anchors, k, v)
 
 
+CONTEXT_BUCKET = 32  # context ids are padded to a multiple of this: one program per 32 context lengths
+
+
 def _checked_inputs(target: Target, draft: Draft, context_ids, block_ids):
+    """(context ids padded to a multiple of ``CONTEXT_BUCKET``, the context's length, block ids), checked."""
     check_fits(target, draft)
     v = target.config.vocab_size
     ctx = check_token_ids(context_ids, v, "context_ids")
     blk = check_token_ids(block_ids, v, "block_ids")
     if blk.shape[0] != ctx.shape[0]:
         raise ValueError(f"context_ids has batch {ctx.shape[0]} but block_ids has batch {blk.shape[0]}")
-    return ctx, blk
+    t = ctx.shape[1]
+    return np.pad(ctx, ((0, 0), (0, -t % CONTEXT_BUCKET))), np.int32(t), blk
 
 
 def draft_block_logits(target: Target, draft: Draft, context_ids, block_ids) -> np.ndarray:
     """Target runs on ``context_ids`` [B, T] (positions 0..T-1); the draft predicts ``block_ids`` [B, L]
     placed at T..T+L-1 and returns its logits [B, L, V] (float32; ``logits``: the target's lm_head, then the
     draft's output multiplier and soft cap)."""
-    ctx, blk = _checked_inputs(target, draft, context_ids, block_ids)
-    return np.asarray(_draft_block_logits(target.config, target.params, draft.config, draft.params, ctx, blk))
+    ctx, t, blk = _checked_inputs(target, draft, context_ids, block_ids)
+    return np.asarray(_draft_block_logits(target.config, target.params, draft.config, draft.params, ctx, t, blk))
 
 
 def draft_block_tokens(target: Target, draft: Draft, context_ids, block_ids) -> np.ndarray:
     """The draft's greedy proposal [B, L-1] (int) for block positions 1..L-1 of ``block_ids`` [B, L] placed
     after ``context_ids`` [B, T]: the argmax of ``draft_block_logits`` (DFlash v1), the candidate-selector
     walk (DFlash2)."""
-    ctx, blk = _checked_inputs(target, draft, context_ids, block_ids)
+    ctx, t, blk = _checked_inputs(target, draft, context_ids, block_ids)
     if blk.shape[1] < 2:
         raise ValueError(f"block_ids needs at least 2 positions (an anchor and one to draft), got {blk.shape[1]}")
-    return np.asarray(_draft_block_tokens(target.config, target.params, draft.config, draft.params, ctx, blk))
+    return np.asarray(_draft_block_tokens(target.config, target.params, draft.config, draft.params, ctx, t, blk))
 
 
 # --- Hugging Face layout ------------------------------------------------------------------------
