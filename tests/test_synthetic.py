@@ -209,6 +209,7 @@ def test_cli_synthetic_tiny_prints_the_step_split(capsys):
     assert "load average" in text and "continuous batching, batch 2, context 48: 3 requests through 2 slots" in text
 
 
+@pytest.mark.slow  # 23 s of end-to-end sweep; the synthetic CLI's report and identities stay in the fast suite
 def test_context_sweep_reports_each_context_and_attention(capsys):
     """``python -m infer.context_sweep``: one row per (context, attention) at one fixed bucket."""
     from infer import context_sweep
