@@ -33,8 +33,13 @@ def save_tiny(path, model_type: str = "qwen3", seed: int = 0, dtype=torch.float3
             if ("norm" in name or name.endswith("dt_bias")
                     or (model_type == "gpt_oss" and (name.endswith("bias") or "sinks" in name))):
                 p.add_((1.0 if "sinks" in name else 0.1) * torch.randn_like(p))
+    buffers = {name: b.clone() for name, b in model.named_buffers()}  # RoPE's inv_freq: computed, not stored
     model.to(dtype).save_pretrained(path)
-    return model.float()
+    model.float()
+    with torch.no_grad():  # the loaded model computes them in float32: so does the reference (not bf16-rounded)
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    return model
 
 
 def perturb(model, params: dict[str, float], buffers: dict[str, tuple[float, float]] | None = None):
