@@ -28,9 +28,10 @@ from dflash_jax.checkpoints import iter_safetensors, save_safetensors
 from dflash_jax.families.deepseek_v3 import DeepseekV3Config
 from dflash_jax.layers import rope_frequencies
 from dflash_jax.target import forward
-from hf_models import (broken_tensors_are_named, fp8_copies, max_diff, packed_features_match, positions_for,
+from hf_models import (broken_tensors_are_named, fp8_copies, packed_features_match, positions_for,
                        ragged_parity, torch_forward, torch_greedy)
 from pairs import decode_in_chunks, lossless_greedy_with_partial_acceptance, random_draft
+from tolerances import EPS32, assert_close, forward_depth, max_diff
 
 V, L, D, E = 16, 4, 32, 8
 ALL = tuple(range(L))
@@ -108,7 +109,7 @@ def test_yarn_rope_matches_transformers(deepseek):
     _, model, target = deepseek
     inv, factor = ROPE_INIT_FUNCTIONS["yarn"](model.config, "cpu")
     got, got_factor = rope_frequencies(target.config.rope, target.config.qk_rope_head_dim)
-    np.testing.assert_allclose(got, inv.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(got, inv.numpy(), rtol=8 * EPS32)  # pow and YaRN's blend: a few rounded ops
     assert got_factor == pytest.approx(factor, rel=1e-12) and factor != 1.0
 
 
@@ -152,7 +153,7 @@ def test_fp8_checkpoint_is_dequantised_on_load(deepseek, tmp_path):
     ref = transformers.DeepseekV3ForCausalLM.from_pretrained(ref_dir).eval()
     ids = np.random.RandomState(6).randint(0, V, (1, 10)).astype(np.int32)
     got = dj.target_logits(target, ids)
-    assert max_diff(got, torch_forward(ref, ids)[0]) <= 1e-4
+    assert_close(got, torch_forward(ref, ids)[0], forward_depth(target.config, 10), what="dequantised logits")
     assert max_diff(got, torch_forward(model, ids)[0]) > 1e-3  # the quantisation shows
 
 
@@ -185,7 +186,9 @@ def test_incremental_decoding_through_the_latent_cache_equals_one_shot(deepseek)
     assert {type(s).__name__ for s in cache.layers} == {"FullKV"}
     assert cache.layers[0].k.shape[2:] == (1, 24) and cache.layers[0].v.shape[2:] == (1, 16)
     got, got_feats, cache = decode_in_chunks(target, ids, cache, [5, 2], lambda n: 3, ALL)
-    assert max_diff(got, full) <= 2e-5 and max_diff(got_feats, full_feats) <= 2e-5
+    depth = forward_depth(c, 12)  # the same forward at other shapes (cached chunks): its rounding, per scale
+    assert_close(got, full, depth, what="logits")
+    assert_close(got_feats, full_feats, depth, what="features")
 
 
 def test_speculative_equals_plain_equals_transformers_greedy(deepseek):
@@ -229,7 +232,9 @@ def test_expert_parallel_forward_equals_one_device(deepseek):
     pos = positions_for(ids, [12, 9])
     want = forward(target.config, target.params, ids, pos, feature_layer_ids=ALL)[:2]
     got = forward(starget.config, starget.params, ids, pos, feature_layer_ids=ALL)[:2]
-    assert max_diff(got[0], want[0]) <= 1e-5 and max_diff(got[1], want[1]) <= 1e-5
+    depth = forward_depth(target.config, 12)  # experts summed across devices in another order: a forward's rounding
+    assert_close(got[0], want[0], depth, what="logits")
+    assert_close(got[1], want[1], depth, what="features")
 
 
 @pytest.mark.slow  # ~60 s on 2 CPU cores (the sharded engine's compiles)
@@ -307,9 +312,10 @@ def test_kimi_vision_language_checkpoint_loads(deepseek, tmp_path, capfd):
         assert "kimi_k25: loaded the language model only" in err and "vision tower" in err
         assert target.config.vision_language and target.config.model_type == "kimi_k25"
         assert dataclasses.replace(target.config, vision_language=False, model_type="deepseek_v3") == deepseek[2].config
-        assert max_diff(dj.target_logits(target, ids), want) <= 1e-4
+        assert_close(dj.target_logits(target, ids), want, forward_depth(target.config, 14), what=str(path))
     again = dj.load_target(target_lib.save_target(target, str(tmp_path / "again")))
-    assert again.config == target.config and max_diff(dj.target_logits(again, ids), want) <= 1e-4
+    assert again.config == target.config
+    assert_close(dj.target_logits(again, ids), want, forward_depth(target.config, 14), what="re-exported")
 
 
 def test_save_target_reloads_in_transformers_and_mtp_layers_are_skipped(deepseek, tmp_path, capfd):
@@ -324,7 +330,7 @@ def test_save_target_reloads_in_transformers_and_mtp_layers_are_skipped(deepseek
     tensors = {n: np.array(a) for n, a in iter_safetensors(os.path.join(out, "model.safetensors"))}
     tensors[f"model.layers.{L}.eh_proj.weight"] = np.zeros((D, 2 * D), np.float32)  # a DeepSeek-V3 MTP layer
     save_safetensors(os.path.join(out, "model.safetensors"), tensors)
-    assert max_diff(dj.target_logits(dj.load_target(out), ids), torch_forward(model, ids)[0]) <= 1e-4
+    assert_close(dj.target_logits(dj.load_target(out), ids), torch_forward(model, ids)[0], depth, what="MTP skipped")
     assert "1 multi-token prediction tensors" in capfd.readouterr().err
 
 

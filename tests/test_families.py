@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 
 import dflash_jax as dj
@@ -13,6 +12,7 @@ from dflash_jax.config import TargetConfig, read_config_json
 from dflash_jax.families import dense
 from dflash_jax.target import Target, save_target
 from pairs import random_pair
+from tolerances import assert_close, forward_depth
 
 
 def test_registry_maps_model_types_and_names_the_supported_ones():
@@ -58,5 +58,6 @@ def test_a_new_family_is_one_registry_line(tmp_path, monkeypatch):
     # the window (4) really applies: the same weights as a full-attention qwen3 decode differently
     full = S.generate(target, prompts, max_new_tokens=20, stop_token_ids=[])
     assert [r.output_ids for r in full] != [r.output_ids for r in plain]
-    np.testing.assert_allclose(dj.target_logits(loaded, [[2, 3, 4]]), dj.target_logits(target, [[2, 3, 4]]),
-                               atol=1e-6)  # within the window the two agree
+    # within the window the two agree (other programs of the same forward: its rounding at most)
+    assert_close(dj.target_logits(loaded, [[2, 3, 4]]), dj.target_logits(target, [[2, 3, 4]]),
+                 forward_depth(target.config, 3), what="inside the window")

@@ -25,7 +25,8 @@ from dflash_jax.families.gpt_oss import GptOssConfig
 from dflash_jax.layers import rope_frequencies
 from dflash_jax.mxfp4 import dequantize
 from dflash_jax.target import forward
-from hf_models import TINY, max_diff, packed_features_match, positions_for, save_tiny, torch_forward, torch_greedy
+from hf_models import TINY, packed_features_match, positions_for, save_tiny, torch_forward, torch_greedy
+from tolerances import EPS32, assert_close, forward_depth, max_diff
 from pairs import adaptive_lossless, decode_in_chunks, random_draft
 
 V, L, D = TINY["vocab_size"], TINY["num_hidden_layers"], TINY["hidden_size"]
@@ -83,7 +84,7 @@ def test_yarn_frequencies_match_transformers():
     hf = transformers.GptOssConfig(**{k: v for k, v in RELEASED_CONFIG.items() if k != "quantization_config"})
     inv, scale = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
     got_inv, got_scale = rope_frequencies(ours, 64)
-    np.testing.assert_allclose(got_inv, inv.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(got_inv, inv.numpy(), rtol=8 * EPS32)  # pow and YaRN's blend: a few rounded ops
     assert got_scale == pytest.approx(scale)
     truncated = dataclasses.replace(ours, params=tuple((k, True if k == "truncate" else v) for k, v in ours.params))
     assert np.max(np.abs(rope_frequencies(truncated, 64)[0] / inv.numpy() - 1)) > 1e-3
@@ -104,11 +105,13 @@ def test_logits_and_every_layer_match_transformers_on_a_ragged_batch(gptoss):
     lengths = [12, 9]
     logits, feats, _ = forward(c, target.params, ids, positions_for(ids, lengths), feature_layer_ids=ALL)
     logits, feats = np.asarray(logits), np.asarray(feats)
+    depth = forward_depth(c, 12)  # JAX and torch round a whole forward differently
     for r, n in enumerate(lengths):
         ref_logits, ref_feats = torch_forward(model, ids[r:r + 1, :n], ALL)
-        assert max_diff(logits[r, :n], ref_logits[0]) <= 1e-4
+        assert_close(logits[r, :n], ref_logits[0], depth, what=f"logits row {r}")
         for i in ALL:
-            assert max_diff(feats[r, :n, i * D:(i + 1) * D], ref_feats[0, :, i * D:(i + 1) * D]) <= 1e-4, (r, i)
+            assert_close(feats[r, :n, i * D:(i + 1) * D], ref_feats[0, :, i * D:(i + 1) * D], depth,
+                         what=f"row {r} layer {i}")
 
 
 def test_sinks_window_and_clamp_all_matter(gptoss):
@@ -138,7 +141,9 @@ def test_incremental_decoding_equals_one_shot(gptoss):
     assert [type(s).__name__ for s in cache.layers] == ["SlidingKV", "FullKV"] * 2
     got, got_feats, cache = decode_in_chunks(target, ids, cache, [5, 2], lambda n: 3, ALL)  # ragged prefill
     np.testing.assert_array_equal(cache.lengths, [seq, seq])
-    assert max_diff(got, full) <= 1e-5 and max_diff(got_feats, full_feats) <= 1e-5
+    depth = forward_depth(c, seq)  # the same forward at other shapes (cached chunks): its rounding, per scale
+    assert_close(got, full, depth, what="logits")
+    assert_close(got_feats, full_feats, depth, what="features")
 
 
 def test_speculative_equals_plain_equals_transformers_greedy(gptoss):
@@ -254,7 +259,7 @@ def test_mxfp4_checkpoint_loads_like_transformers_dequantized(gptoss, tmp_path):
     np.testing.assert_array_equal(got, dequantized["model.layers.1.mlp.experts.down_proj"].numpy())
     ids = np.random.RandomState(3).randint(0, V, (2, 12)).astype(np.int32)
     ref_logits, _ = torch_forward(reference, ids)
-    assert max_diff(dj.target_logits(target, ids), ref_logits) <= 1e-4
+    assert_close(dj.target_logits(target, ids), ref_logits, forward_depth(target.config, 12), what="logits")
     assert max_diff(ref_logits, torch_forward(model, ids)[0]) > 1e-4  # quantization did change the model
     bf16 = dj.load_target(str(tmp_path), dtype="bfloat16")  # dequantized values are exact in bf16
     np.testing.assert_array_equal(np.asarray(bf16.params["layers_1"]["mlp"]["experts"]["down_proj"], np.float32), got)
@@ -306,7 +311,8 @@ def test_save_target_reloads_in_transformers(gptoss, tmp_path):
     out = dj.target.save_target(target, str(tmp_path / "saved"))
     again = transformers.GptOssForCausalLM.from_pretrained(out).eval()
     ids = np.random.RandomState(4).randint(0, V, (1, 10)).astype(np.int32)
-    assert max_diff(torch_forward(again, ids)[0], torch_forward(model, ids)[0]) <= 1e-6
+    assert_close(torch_forward(again, ids)[0], torch_forward(model, ids)[0], forward_depth(target.config, 10),
+                 what="reloaded torch logits")
     assert dj.load_target(out).config == target.config
 
 

@@ -8,6 +8,7 @@ across runs in the process (same settings), so the extra runs cost little.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -29,6 +30,7 @@ from train.config import TrainConfig, parse_args
 from train.data import DataError, TrainData, write_manifest, write_shard
 from train.loop import TrainingDiverged, TrainingError, train
 from train.make_data import make_data
+from tolerances import assert_close, loss_depth
 
 EOS = 95
 N_PROMPTS = 12
@@ -59,6 +61,14 @@ def env(tmp_path_factory):
               log=_quiet)
     return {"root": root, "target": target, "tdir": str(tdir), "prompts": prompts, "pfile": str(pfile),
             "data": str(data)}
+
+
+def _loss_depth(env, cfg) -> int:
+    """``loss_depth`` of ``cfg``'s loss: the target's features, a draft of its widths with cfg.draft_layers
+    layers over the sequence and its anchors' blocks, the cross-entropy."""
+    tcfg = env["target"].config
+    layers = dataclasses.replace(tcfg, num_hidden_layers=cfg.draft_layers)
+    return loss_depth(tcfg, layers, cfg.seq_len, cfg.num_anchors * cfg.block_size)
 
 
 def cfg_for(env, name, **kw) -> TrainConfig:
@@ -225,7 +235,8 @@ def test_packed_rows_resume_exactly_and_cached_features_match(env):
     offline = []
     train(cfg.replace(out=str(env["root"] / "packed_offline"), cache_features=True, feature_dtype="float32", steps=1),
           target=env["target"], on_step=lambda s, m: offline.append(m["loss"]), log=_quiet)
-    assert offline[0] == pytest.approx(losses[0], rel=1e-5)
+    # the same features from another program (the caching pass): the loss's rounding, relative
+    assert_close(offline[0], losses[0], _loss_depth(env, cfg), what="packed offline loss")
     with pytest.raises(TrainingError, match="pack"):  # packing changes the data order: not resumable across it
         train(cfg.replace(pack=False), target=env["target"], log=_quiet)
 
@@ -261,11 +272,11 @@ def offline32(env):
 def test_offline_features_give_the_online_loss(env, reference, offline32):
     """Same batch, same anchors, same initial draft: the first step's loss (before any update) matches.
 
-    fp32 cache: the same frozen forward, stored exactly -> equal up to float32 reassociation (1e-6).
+    fp32 cache: the same frozen forward, stored exactly -> equal up to float32 reassociation (the loss's rounding).
     bf16 cache (the default): each feature is rounded to 8 significant bits (relative error <= 2^-9), which
     moves the fused context by ~0.2% and the loss by well under 1% -> compared at 1e-2 relative."""
     online = reference["losses"][0]
-    assert offline32["loss"] == pytest.approx(online, rel=1e-6)
+    assert_close(offline32["loss"], online, _loss_depth(env, offline32["cfg"]), what="fp32 offline loss")
     losses = []
     cfg = cfg_for(env, "offline16", cache_features=True, feature_dtype="bfloat16", steps=1)
     train(cfg, target=env["target"], on_step=lambda s, m: losses.append(m["loss"]), log=_quiet)
@@ -608,9 +619,14 @@ def test_gradient_accumulation_matches_one_big_batch(env):
                   on_step=lambda s, m: losses.append(m["loss"]), log=_quiet)
         runs[name] = (losses, jax.tree_util.tree_leaves(d.params))
     for name in ("b2a2", "b1a4"):
-        np.testing.assert_allclose(runs[name][0], runs["b4"][0], rtol=1e-5)
+        # micro-batch sums reassociated: each step's loss within its rounding, relative; parameters within a
+        # small fraction (1e-2) of lr, as in the mesh test below (Adam's sign steps on near-zero gradients)
+        cfg = cfg_for(env, name)
+        assert len(runs[name][0]) == len(runs["b4"][0]) == 3
+        for a, b in zip(runs[name][0], runs["b4"][0]):
+            assert_close(a, b, _loss_depth(env, cfg), what=f"{name} loss")
         for x, y in zip(runs[name][1], runs["b4"][1]):
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-4)
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-2 * cfg.lr)
 
 
 MESH_A, MESH_B = "data=2,fsdp=2,tensor=2", "data=4,tensor=2"
@@ -642,7 +658,9 @@ def test_train_on_a_mesh_equals_one_device_and_resumes_on_another_mesh(env):
     assert any("acceptance length tau" in s for s in logs)  # evaluated with the engine on the mesh
     up = resumed.params["layers_0"]["mlp"]["up_proj"]["kernel"]
     assert up.sharding.mesh.shape["data"] == 4 and up.sharding.spec == P(None, "tensor")
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert len(losses) == len(ref_losses) == 6
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):  # sums over shards reassociated: the loss's rounding
+        assert_close(a, b, _loss_depth(env, cfg), what=f"step {step + 1} loss")
     # fp32 summation order differs across shards; Adam's first steps move a weight whose gradient is ~0 by
     # about lr * sign(rounding noise), so parameters agree to a small fraction of lr (1e-2), not bit for bit.
     for x, y in zip(jax.tree_util.tree_leaves(resumed.params), jax.tree_util.tree_leaves(single.params)):

@@ -20,6 +20,7 @@ from dflash_jax.layers import random_params
 from dflash_jax.target import param_shapes
 from train import objective as O
 from train.config import TrainConfig, default_gamma
+from tolerances import EPS32, f32_rel, loss_depth
 
 MASK = 63
 BK = 4
@@ -90,7 +91,7 @@ def test_make_blocks_hand_worked():
 
 def test_position_weights_and_gamma():
     w = O.position_weights(4, 2.0)
-    np.testing.assert_allclose(w, [0.0, 1.0, math.exp(-0.5), math.exp(-1.0)], rtol=1e-6)
+    np.testing.assert_allclose(w, [0.0, 1.0, math.exp(-0.5), math.exp(-1.0)], rtol=8 * EPS32)  # one float32 exp
     assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
     assert default_gamma(4) == 2.0 and default_gamma(2) == 1.0 and abs(default_gamma(32) - 37 / 3) < 1e-9
     assert default_gamma(9) == 4.5 and abs(default_gamma(12) - 17 / 3) < 1e-9
@@ -131,8 +132,8 @@ def draft_loss(tcfg, tp, dcfg, dp, ids, mask, anchors, feats, *, weights, impl="
 
 
 def _changed(base, new):
-    """Per block: did any logit move?"""
-    return [bool(np.abs(np.asarray(new[0, b]) - np.asarray(base[0, b])).max() > 1e-6) for b in range(len(ANCHORS))]
+    """Per block: did any logit move at all? (The same program on the same visible inputs rounds identically.)"""
+    return [bool(np.any(np.asarray(new[0, b]) != np.asarray(base[0, b]))) for b in range(len(ANCHORS))]
 
 
 @pytest.mark.parametrize("pos", range(S))
@@ -183,11 +184,17 @@ def test_loss_is_weighted_ce_normalised_by_total_weight(models, logits_fn):
             if p < S and mask[0, p]:
                 num += w[k] * -float(lp[b, k, int(ids[0, p])])
                 den += w[k]
-    assert abs(float(loss) - num / den) < 1e-4 * max(1.0, abs(num / den))
-    assert abs(float(sums["weight"]) - den) < 1e-5
-    assert abs(float(loss) - float(loss2)) < 1e-5  # chunking the lm_head / cross-entropy changes nothing
-    # padding blocks add nothing
-    assert abs(float(loss) - float(loss3)) < 1e-5 and float(s3["weight"]) == pytest.approx(den)
+    n = len(ANCHORS) * (BK - 1)  # loss terms
+    # the loss's own forward against the logits' (other programs): the loss's rounding, relative
+    rel = f32_rel(loss_depth(tcfg, dcfg.layers, S, n))
+    assert float(loss) == pytest.approx(float(num / den), rel=rel)
+    # n positive weights summed in two orders: each within (n - 1) eps / 2 of the exact sum
+    assert float(sums["weight"]) == pytest.approx(float(den), rel=(n - 1) * EPS32)
+    # chunking the lm_head / cross-entropy reorders the head's reduction, the logsumexp and the sum over tokens
+    assert float(loss2) == pytest.approx(float(loss), rel=f32_rel(tcfg.hidden_size + tcfg.vocab_size + n))
+    # padding blocks add nothing (the forward at another shape: its rounding)
+    assert float(loss3) == pytest.approx(float(loss), rel=rel)
+    assert float(s3["weight"]) == pytest.approx(float(den), rel=(n - 1) * EPS32)
     m = O.summarize(sums)
     assert len(m["acc_k"]) == BK - 1 and 0 <= m["acc"] <= 1 and m["tau_proxy"] >= 1
 
