@@ -383,12 +383,14 @@ def _context_cache(tcfg, tparams, cfg, params, context_ids, length):
     return jnp.full((b, 1), length, jnp.int32), k, v
 
 
+# positional: jitted; the target's and the draft's (config, params), the padded context, its length, the block
 @functools.partial(jax.jit, static_argnames=("tcfg", "cfg"))
 def _draft_block_logits(tcfg, tparams, cfg, params, context_ids, length, block_ids):
     return block_logits(tcfg, tparams, cfg, params, block_ids,
                         *_context_cache(tcfg, tparams, cfg, params, context_ids, length))
 
 
+# positional: as _draft_block_logits
 @functools.partial(jax.jit, static_argnames=("tcfg", "cfg"))
 def _draft_block_tokens(tcfg, tparams, cfg, params, context_ids, length, block_ids):
     anchors, k, v = _context_cache(tcfg, tparams, cfg, params, context_ids, length)
