@@ -114,6 +114,14 @@ def overall_rate(results: list, stats) -> str:
             "admission to its last token)")
 
 
+def _progress(requests, desc: str, args):
+    """A bar over a prompts file's requests on stderr (none for one prompt, nor under --json unless a terminal)."""
+    from dflash_jax.progress import progress_bar
+
+    return progress_bar(len(requests), f"generate ({desc})", "prompt",
+                        len(requests) > 1 and (not args.json or sys.stderr.isatty()))
+
+
 @exits_on_interrupt
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -140,8 +148,14 @@ def main(argv=None) -> int:
         if args.stream:
             results = streamed(args, target, draft, tokenizer, prompts, overrides, spec_kw=spec_kw)
         else:
-            results = continuous_generate(target, draft, requests, max_batch=slots, stats=stats, **spec_kw)
-        baseline = continuous_generate(target, None, requests, max_batch=slots, **kw) if args.baseline else None
+            with _progress(requests, "DFlash" if draft is not None else "plain", args) as bar:
+                results = continuous_generate(target, draft, requests, max_batch=slots, stats=stats,
+                                              on_result=lambda i, r: bar.update(1), **spec_kw)
+        baseline = None
+        if args.baseline:
+            with _progress(requests, "plain", args) as bar:
+                baseline = continuous_generate(target, None, requests, max_batch=slots,
+                                               on_result=lambda i, r: bar.update(1), **kw)
     except ValueError as e:
         die(str(e))
     import jax

@@ -85,6 +85,22 @@ def test_target_regenerates_assistant_turns(setup, turns):
         assert mask.tolist() == [0] * len(p) + [1] * a.num_generated  # only the regenerated turn supervised
 
 
+def test_sampled_responses_do_not_depend_on_the_batching(setup):
+    """make_data streams its prompts through continuously batched slots and keys each by (seed, its index in
+    the run): sampled data is the same with 2 slots and 12-prompt shards as with 5 slots and 5-prompt shards,
+    and another seed gives other data."""
+    from train.make_data import make_data
+
+    target, pfile, _, root = setup
+    kw = dict(max_new_tokens=6, temperature=1.0, progress=False, log=lambda *a: None)
+    runs = {}
+    for name, slots, shard, seed in (("a", 2, 12, 3), ("b", 5, 5, 3), ("c", 2, 12, 4)):  # c: a's programs
+        make_data(target, pfile, str(root / f"sampled_{name}"), batch_size=slots, shard_size=shard, seed=seed, **kw)
+        runs[name] = [ids.tolist() for ids, _ in _sequences(str(root / f"sampled_{name}"))]
+    assert len(runs["a"]) == 12 and runs["a"] == runs["b"]
+    assert runs["c"] != runs["a"]  # the seed is used: it sampled
+
+
 def test_given_conversations_supervise_only_assistant_tokens(setup):
     from train.make_data import make_data
 

@@ -1,7 +1,7 @@
 """``python -m train.make_data --target T --prompts FILE --out DIR``: training data for a DFlash draft.
 
 By default the TARGET answers the prompts (as in the paper: the draft learns the target's own
-distribution), batched through the project's decode engine (``dflash_jax.decode``; plain
+distribution), continuously batched through the project's decode engine (``dflash_jax.decode``; plain
 decoding, or speculative with ``--draft`` -- lossless, so the same tokens, just faster), greedy or
 sampled. A prompt file with ready responses (JSONL ``prompt`` + ``response`` text, or
 ``prompt_ids`` + ``response_ids``) is tokenized instead; ``--chat`` applies the tokenizer's chat
@@ -62,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (per batch: seed + batch index)")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (a prompt's key: this seed and the prompt's index in the run)")
+    p.add_argument("--batch-size", type=int, default=8, help="decode slots: prompts generated together, a finished one's slot refilled at once")
     p.add_argument("--shard-size", type=int, default=256, help="prompts per output shard")
     p.add_argument("--max-prompt-len", type=int, default=0, help="skip prompts longer than this (0: no limit)")
     p.add_argument("--max-length", type=int, default=0, help="cap on prompt + response tokens (0: the target's "
@@ -179,9 +179,9 @@ def make_data(target, prompts: str, out: str, *, responses: str = "auto", chat: 
             prompt_ids = [encode_prompt(r, tokenizer, chat, chat_kwargs) for r in chunk]
             keep = [i for i, p in enumerate(prompt_ids) if p and not (max_prompt_len and len(p) > max_prompt_len)]
             skipped += len(chunk) - len(keep)
-            seqs = _generate(target, draft, [prompt_ids[i] for i in keep], batch_size=batch_size,
-                             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                             seed=seed + si * 1_000_003, stop_ids=stop_ids, max_length=max_length or None,
+            seqs = _generate(target, draft, [prompt_ids[i] for i in keep], [si * shard_size + i for i in keep],
+                             batch_size=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
+                             top_k=top_k, top_p=top_p, seed=seed, stop_ids=stop_ids, max_length=max_length or None,
                              bar=bar)
         for ids, _ in seqs:
             if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
@@ -205,29 +205,22 @@ def make_data(target, prompts: str, out: str, *, responses: str = "auto", chat: 
     return manifest
 
 
-def _generate(target, draft, prompts, *, batch_size, max_new_tokens, temperature, top_k, top_p, seed, stop_ids,
-              max_length, bar):
-    """Target responses for ``prompts`` -> [(prompt + response ids, mask)] in the prompts' order.
+def _generate(target, draft, prompts, records, *, batch_size, max_new_tokens, temperature, top_k, top_p, seed,
+              stop_ids, max_length, bar):
+    """Target responses for ``prompts`` -> [(prompt + response ids, mask)] in the prompts' order, continuously
+    batched through ``batch_size`` slots (a row that ends takes the next prompt at once). A prompt samples with
+    the key of (seed, its record's index: the prompt's, or the conversation turn's, in the run's order), so its
+    response depends on nothing else: not the prompts beside it, the batch size or the shard it lands in."""
+    from dflash_jax.decode import Request, continuous_generate
 
-    Prompts are batched by length (fewer padded tokens and compiled shapes); a short last batch is
-    filled with copies so every batch has the same shape."""
-    from dflash_jax.decode import speculative_generate
-
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    out: list = [None] * len(prompts)
-    for b, start in enumerate(range(0, len(order), batch_size)):
-        idx = order[start:start + batch_size]
-        batch = [prompts[i] for i in idx]
-        batch += [batch[0]] * (batch_size - len(batch))
-        res = speculative_generate(target, draft, batch, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_k=top_k, top_p=top_p, stop_token_ids=stop_ids, seed=seed + b,
-                                   max_length=max_length)
-        for i, r in zip(idx, res):
-            gen = r.generated_ids
-            out[i] = (np.asarray(r.output_ids, np.int32),
-                      np.asarray([0] * r.prompt_length + [1] * len(gen), np.uint8))
-        bar.update(len(idx))
-    return out
+    if not prompts:
+        return []
+    requests = [Request(p, stream=r) for p, r in zip(prompts, records)]
+    results = continuous_generate(target, draft, requests, max_batch=batch_size, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=stop_ids,
+                                  seed=seed, max_length=max_length, warm=False, on_result=lambda i, r: bar.update(1))
+    return [(np.asarray(r.output_ids, np.int32), np.asarray([0] * r.prompt_length + [1] * r.num_generated, np.uint8))
+            for r in results]
 
 
 def main(argv=None) -> int:

@@ -255,13 +255,14 @@ def _stream(engine: Engine, requests: Iterable[Request], stats: RunStats,
 
 def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequence[int]], *, max_batch: int,
                         max_new_tokens: int | None = None, stats: RunStats | None = None, warm: bool = True,
-                        policy: str = "continuous", **options) -> list[GenerationResult]:
+                        policy: str = "continuous", on_result=None, **options) -> list[GenerationResult]:
     """Decode ``requests`` (``Request``s, or prompts as lists of ids) through ``max_batch`` slots, continuously
     batched -> one ``GenerationResult`` per request, in input order. ``options``: ``DecodeOptions``' (the defaults a
     request's own settings override; ``max_new_tokens`` may be left out when every request sets its own). A plain
     prompt i samples with the key of (seed, i), as row i of ``speculative_generate`` does; the slots' cache holds
     the longest prompt + budget of the requests. ``warm``: compile and run every program once before the clock
-    starts (``Engine.warm``), so that timings exclude compilation. ``policy``: ``stream_requests``'."""
+    starts (``Engine.warm``), so that timings exclude compilation. ``policy``: ``stream_requests``'.
+    ``on_result(index, result)``, if given, is called as each request finishes (a progress bar, early writes)."""
     requests = [r if isinstance(r, Request) else Request(list(r), stream=i) for i, r in enumerate(requests)]
     if not requests:
         raise ValueError("requests must be a non-empty list")
@@ -287,4 +288,6 @@ def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequ
     out: list = [None] * len(requests)
     for index, result in stream:
         out[index] = result
+        if on_result is not None:
+            on_result(index, result)
     return out
