@@ -114,12 +114,16 @@ def overall_rate(results: list, stats) -> str:
             "admission to its last token)")
 
 
-def _progress(requests, desc: str, args):
-    """A bar over a prompts file's requests on stderr (none for one prompt, nor under --json unless a terminal)."""
+def _decode(args, target, draft, requests, slots: int, **kw):
+    """The requests through ``slots`` continuously batched slots, with a progress bar over a prompts file on
+    stderr (none for one prompt, nor under --json off a terminal)."""
+    from dflash_jax.decode import continuous_generate
     from dflash_jax.progress import progress_bar
 
-    return progress_bar(len(requests), f"generate ({desc})", "prompt",
-                        len(requests) > 1 and (not args.json or sys.stderr.isatty()))
+    with progress_bar(len(requests), f"generate ({'DFlash' if draft is not None else 'plain'})", "prompt",
+                      len(requests) > 1 and (not args.json or sys.stderr.isatty())) as bar:
+        return continuous_generate(target, draft, requests, max_batch=slots, on_result=lambda i, r: bar.update(1),
+                                   **kw)
 
 
 @exits_on_interrupt
@@ -127,7 +131,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.chat and not (args.prompt or args.prompts_file):
         die("--chat applies to text prompts: pass --prompt or --prompts-file")
-    from dflash_jax.decode import RunStats, continuous_generate
+    from dflash_jax.decode import RunStats
 
     sources = prompt_sources(args)  # every option the command line alone can check, before loading
     overrides = overrides_of(sources)
@@ -148,14 +152,8 @@ def main(argv=None) -> int:
         if args.stream:
             results = streamed(args, target, draft, tokenizer, prompts, overrides, spec_kw=spec_kw)
         else:
-            with _progress(requests, "DFlash" if draft is not None else "plain", args) as bar:
-                results = continuous_generate(target, draft, requests, max_batch=slots, stats=stats,
-                                              on_result=lambda i, r: bar.update(1), **spec_kw)
-        baseline = None
-        if args.baseline:
-            with _progress(requests, "plain", args) as bar:
-                baseline = continuous_generate(target, None, requests, max_batch=slots,
-                                               on_result=lambda i, r: bar.update(1), **kw)
+            results = _decode(args, target, draft, requests, slots, stats=stats, **spec_kw)
+        baseline = _decode(args, target, None, requests, slots, **kw) if args.baseline else None
     except ValueError as e:
         die(str(e))
     import jax
