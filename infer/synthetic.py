@@ -175,39 +175,17 @@ def measure(target, draft, probs, args, *, batch: int, context: int, block: int)
     return row
 
 
-def _engine_call(engine, requests):
-    """One pass of ``requests`` through ``engine``'s slots with the public steps, refilling a slot as soon as its
-    row ends: its outputs, decode time (the wall time less the admissions, i.e. less every prefill), loop steps
-    and row steps."""
-    import time
-
-    import jax
+def _continuous_call(target, draft, requests, slots: int, **options):
+    """One ``continuous_generate`` pass of ``requests`` through ``slots`` slots: its outputs, decode time (the wall
+    time less the admissions, i.e. less every prefill; compilation excluded by its warm-up), loop and row steps."""
+    from dflash_jax.decode import RunStats, continuous_generate
 
     def call():
-        state, pending, active, out = engine.empty(), iter(enumerate(requests)), {}, [None] * len(requests)
-        admit_s = loop_steps = row_steps = 0
-        start = time.perf_counter()
-        while True:
-            free = [r for r in range(engine.rows) if r not in active]
-            batch = [x for _, x in zip(free, pending)]
-            if batch:
-                t = time.perf_counter()
-                state, rows = engine.admit(state, [r for _, r in batch], free[:len(batch)])
-                jax.block_until_ready(state)
-                admit_s += time.perf_counter() - t
-                active.update({row: i for row, (i, _) in zip(rows, batch)})
-            if not active:
-                break
-            state, taken = engine.run(state)
-            loop_steps += taken
-            done = engine.finished_rows(state)
-            state, results = engine.release(state, done)
-            for row, result in zip(done, results):
-                out[active.pop(row)] = result
-                row_steps += len(result.acceptance_lengths)
-        wall = time.perf_counter() - start
-        return types.SimpleNamespace(rows=out, output_ids=[r.output_ids for r in out], wall_time_s=wall - admit_s,
-                                     loop_steps=loop_steps, row_steps=row_steps)
+        stats = RunStats()
+        rows = continuous_generate(target, draft, requests, max_batch=slots, stats=stats, **options)
+        return types.SimpleNamespace(rows=rows, output_ids=[r.output_ids for r in rows],
+                                     wall_time_s=stats.wall_time_s - stats.admit_time_s, loop_steps=stats.loop_steps,
+                                     occupancy=stats.occupancy)
 
     return call
 
@@ -218,24 +196,17 @@ def measure_continuous(target, draft, probs, args, *, batch: int, context: int, 
     and tau over the closed batch's draft + verify forwards (``forwards_s``, same batch and context)."""
     import jax
 
-    from dflash_jax.decode import DecodeOptions, Engine, Request
     from dflash_jax.synthetic import ReplayProposer
 
     n = args.continuous_requests
     rng = np.random.default_rng([args.seed, batch, context, n])
-    requests = [Request(p, stream=i) for i, p in
-                enumerate(rng.integers(0, target.config.vocab_size, (n, context)).tolist())]
-    kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=(), attention_impl=args.attention)
-    max_length = min(args.max_length or target.config.max_position_embeddings, context + args.max_new_tokens)
-    plain_engine = Engine(target, None, DecodeOptions(**kw), max_batch=batch, max_length=max_length)
-    plain_engine.warm([context])  # compiled and run once: the first timed pass is a warm one
-    plain = _engine_call(plain_engine, requests)
+    requests = rng.integers(0, target.config.vocab_size, (n, context)).tolist()  # request i: key stream i
+    kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=(), attention_impl=args.attention,
+              max_length=args.max_length)
+    plain = _continuous_call(target, None, requests, batch, **kw)
     runs = [plain()]  # also the references
     replay = ReplayProposer(reference=runs[0].output_ids, probs=probs)
-    spec_engine = Engine(target, draft, DecodeOptions(block_size=block, proposer=replay, **kw), max_batch=batch,
-                         max_length=max_length)
-    spec_engine.warm([context])
-    spec_call = _engine_call(spec_engine, requests)
+    spec_call = _continuous_call(target, draft, requests, batch, block_size=block, proposer=replay, **kw)
     runs = [(runs[0], spec_call())] + [(plain(), spec_call()) for _ in range(args.repeats - 1)]  # alternating
     if any(p_run.output_ids != runs[0][0].output_ids for p_run, _ in runs):
         die("continuous batching: plain decoding gave different outputs on repeated runs")
@@ -252,7 +223,7 @@ def measure_continuous(target, draft, probs, args, *, batch: int, context: int, 
     tau = float(np.mean([a for r in spec.rows for a in r.acceptance_lengths]))
     plain_step = base.wall_time_s / max(base.loop_steps, 1)
     out = {"requests": n, "slots": batch, "tau": tau, "plain_loop_steps": base.loop_steps,
-           "dflash_loop_steps": spec.loop_steps, "occupancy": spec.row_steps / max(spec.loop_steps * batch, 1),
+           "dflash_loop_steps": spec.loop_steps, "occupancy": spec.occupancy,
            "plain_decode_s": base.wall_time_s, "dflash_decode_s": spec.wall_time_s, "plain_step_s": plain_step,
            "dflash_step_s": spec.wall_time_s / max(spec.loop_steps, 1),
            "decode_speedup": base.wall_time_s / max(spec.wall_time_s, 1e-12), "identical": not bad}

@@ -196,14 +196,16 @@ class Engine:
 
 @dataclasses.dataclass
 class RunStats:
-    """What a continuous run did: loop steps, verify steps of every row, slot occupancy, and the programs its engine
-    ran (admit per group size and prompt bucket, run; each compiled once per process)."""
+    """What a continuous run did: loop steps, verify steps of every row, slot occupancy, the programs its engine
+    ran (admit per group size and prompt bucket, run; each compiled once per process), its wall time and the part
+    of it spent admitting (every prefill, waited for: wall_time_s - admit_time_s is the decoding's)."""
 
     loop_steps: int = 0
     row_steps: int = 0
     slots: int = 0
     programs: int = 0
     wall_time_s: float = 0.0
+    admit_time_s: float = 0.0
 
     @property
     def occupancy(self) -> float:
@@ -236,7 +238,10 @@ def _stream(engine: Engine, requests: Iterable[Request], stats: RunStats,
         free = [r for r in range(engine.rows) if r not in active]
         batch = [x for _, x in zip(free, pending)] if policy == "continuous" or not active else []
         if batch:
-            state, rows = engine.admit(state, [r for _, r in batch], free[:len(batch)])
+            t = time.perf_counter()
+            # waited for (the next run would wait for it on the device anyway): its time is the prefill's
+            state, rows = jax.block_until_ready(engine.admit(state, [r for _, r in batch], free[:len(batch)]))
+            stats.admit_time_s += time.perf_counter() - t
             waited = time.perf_counter() - start
             for row, (index, _) in zip(rows, batch):
                 active[row], queued[row] = index, waited
