@@ -2,7 +2,7 @@
 the length-bounded decode attention.
 
 ``attend`` and ``position_mask`` (the one reference, shared by target and draft) live with the Pallas
-kernels in ``kernels/`` (installed as ``dflash_jax.kernels``) and are re-exported here;
+kernels in ``dflash_jax/kernels/`` and are re-exported here;
 ``block_attention`` below dispatches the draft's training attention to the kernel on TPU/GPU and to
 the dense reference on CPU; ``decode_attention`` dispatches decode / verify / draft-decode attention to
 the Pallas decode kernel on TPU/GPU and to the tiled jnp loop elsewhere (both read only the key tiles
@@ -38,7 +38,7 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
     [ctx_start, anchor) (within the window) and its own block bidirectionally, or causally with
     ``block_causal`` (token i sees block tokens j <= i; within the window i - j < W). ``impl``: "auto" (Pallas
     kernel on TPU / GPU with compute capability >= 8.0, the dense reference elsewhere), "kernel",
-    "reference" or "interpret" (kernel on CPU). See ``kernels/block_attention.py``.
+    "reference" or "interpret" (kernel on CPU). See ``dflash_jax/kernels/block_attention.py``.
     """
     if impl == "auto":
         impl = "kernel" if kernel_supported(block_size=block_size, head_dim=q.shape[-1]) else "reference"
@@ -69,7 +69,7 @@ def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding
     [B, T, Hkv, D / Dv]: bidirectionally within the window,
     causally with ``new_causal`` (own keys at positions <= the query's), or as ``new_mask`` [B, T, T] bool says
     (tree verification: query t sees own key u iff new_mask[b, t, u]; no window); see
-    ``kernels/decode_attention.py``. ``impl``: "auto" (the Pallas kernel on one TPU / GPU where supported,
+    ``dflash_jax/kernels/decode_attention.py``. ``impl``: "auto" (the Pallas kernel on one TPU / GPU where supported,
     the tiled jnp loop elsewhere), "kernel", "interpret" (kernel on CPU), "loop" or "reference" (dense and
     masked over the whole cache: the unbounded path, for comparison). ``scale``: of q . k (None: D ** -0.5)."""
     if impl == "auto":

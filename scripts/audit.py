@@ -39,7 +39,7 @@ def audit(path: pathlib.Path) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    for root in argv or ["dflash_jax", "train", "infer", "kernels"]:
+    for root in argv or ["dflash_jax", "train", "infer"]:
         for path in sorted(pathlib.Path(root).rglob("*.py")):
             for line in audit(path):
                 print(line)

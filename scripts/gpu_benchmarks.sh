@@ -37,7 +37,7 @@ step() {  # step NAME SECONDS COMMAND...
   [ $rc -eq 0 ] || tail -5 "$OUT/$name.log"
 }
 
-step kernel 120 python -m kernels.bench --backend gpu --q-tile 64 --k-tile 64 --time-seq 3072 --time-blocks 512 \
+step kernel 120 python -m dflash_jax.kernels.bench --backend gpu --q-tile 64 --k-tile 64 --time-seq 3072 --time-blocks 512 \
   --heads 32 --kv-heads 8 --head-dim 128 --iters 10 --json
 step synthetic 240 python -m infer.benchmark --synthetic qwen3-8b --replay-tau 6.5 --block-size 16 \
   --batch-size 1,8 --context 1024,8192 --json

@@ -18,15 +18,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", REPO / "train" / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
-PACKAGES = {"dflash_jax", "infer", "train", "kernels"}
+PACKAGES = {"dflash_jax", "infer", "train"}
 FENCE = re.compile(r"^\s*(```|~~~)")
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 OPERATORS = set("&|;<>()")
 NOT_SHELL = {"python", "py", "json", "jsonl", "yaml", "toml", "mermaid"}
 PLACEHOLDER = re.compile(r"^(<.*>|\[.*\]|\.\.\.|[A-Z][A-Z_]*)$")  # <path>, [--json], ..., DIR
 # Where a CLI's parser is built when its module has no build_parser / parse_args of its own.
-PARSER_HOME = {"train": "train.config", "kernels.bench": "dflash_jax.kernels.bench",
-               "kernels.check": "dflash_jax.kernels.check"}
+PARSER_HOME = {"train": "train.config"}
 
 
 def console_scripts() -> dict[str, str]:
@@ -144,7 +143,8 @@ def test_the_pages_show_every_cli():
     """The extraction finds the commands the pages show (an empty list would pass everything above)."""
     modules = {c.values[0] for c in COMMANDS}
     assert {"infer.generate", "infer.benchmark", "infer.serve", "infer.serve_benchmark", "train", "train.make_data",
-            "train.export", "train.bench", "train.demo", "kernels.bench", "kernels.check"} <= modules, modules
+            "train.export", "train.bench", "train.demo", "dflash_jax.kernels.bench",
+            "dflash_jax.kernels.check"} <= modules, modules
 
 
 @pytest.mark.parametrize("module", sorted({c.values[0] for c in COMMANDS} - {None}))

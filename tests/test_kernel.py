@@ -30,7 +30,7 @@ def _inputs(seed, batch, n, bk, s, hq, hkv, d, dtype=jnp.float32):
     return xs, jnp.asarray(rng.standard_normal(shapes[0], np.float32))
 
 
-# The kernel (interpret mode) or the reference, jitted as (out, vjp); shared with `python -m kernels.check`.
+# The kernel (interpret mode) or the reference, jitted as (out, vjp); shared with `python -m dflash_jax.kernels.check`.
 _compiled = functools.partial(value_and_grads, interpret=True, jit=_fast_jit)
 
 
@@ -344,7 +344,7 @@ def test_lowers_for_accelerators(platform, backend, window, block_causal):
 
 
 def test_check_cli_reports_and_exits_nonzero_on_failure(monkeypatch, capsys):
-    """`python -m kernels.check`: one line per case, exit status 0 when all pass, 1 when any fails (here a
+    """`python -m dflash_jax.kernels.check`: one line per case, exit status 0 when all pass, 1 when any fails (here a
     case whose shapes the kernel rejects: Hq not a multiple of Hkv)."""
     from dflash_jax.kernels import check
 

@@ -1,8 +1,8 @@
 """Correctness of the block-attention kernel on this machine's backend, against the reference.
 
-    python -m kernels.check            # compiled on TPU/GPU; Pallas interpret mode on CPU
-    python -m kernels.check --json
-    (from the repository root; installed, anywhere: python -m dflash_jax.kernels.check)
+    python -m dflash_jax.kernels.check            # compiled on TPU/GPU; Pallas interpret mode on CPU
+    python -m dflash_jax.kernels.check --json
+    (from any folder, once installed)
 
 For each case (dtype, GQA, sliding window, anchor pattern, tiles) fresh random inputs go through the
 kernel and through the dense reference run in float32 at HIGHEST matmul precision on upcast inputs;

@@ -599,7 +599,7 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int, 
     tiles from its smallest context start (or window start) up to its largest anchor. Blocks are
     independent, so callers should order each row's blocks by anchor (sorted anchors): at S=3072, N=512,
     Bk=16 the kernel then evaluates ~16% of the dense score entries instead of ~26% for random order
-    (``python -m kernels.bench``).
+    (``python -m dflash_jax.kernels.bench``).
     """
     _check_shapes(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, ctx_start)
     backend, interpret = resolve_backend(backend, interpret)

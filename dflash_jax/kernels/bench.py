@@ -1,10 +1,10 @@
 """Block-attention benchmark: skipped score FLOPs from the anchors, kernel vs reference time.
 
-    python -m kernels.bench                       # skip table at S 1024/3072/4096, N 512; small timing
-    python -m kernels.bench --time-seq 3072 --time-blocks 512 --heads 32 --kv-heads 8 --head-dim 128
-    python -m kernels.bench --doc-len 700         # packed rows: documents of ~700 tokens (context starts)
-    python -m kernels.bench --json
-    (from the repository root; installed, anywhere: python -m dflash_jax.kernels.bench)
+    python -m dflash_jax.kernels.bench                       # skip table at S 1024/3072/4096, N 512; small timing
+    python -m dflash_jax.kernels.bench --time-seq 3072 --time-blocks 512 --heads 32 --kv-heads 8 --head-dim 128
+    python -m dflash_jax.kernels.bench --doc-len 700         # packed rows: documents of ~700 tokens (context starts)
+    python -m dflash_jax.kernels.bench --json
+    (from any folder, once installed)
 
 The skip figure needs no device: from the anchors and the tiles it counts the score entries the
 compiled kernel evaluates (whole context tiles in each query tile's [lo, hi) plus one own-block tile

@@ -1,4 +1,4 @@
-"""Pallas kernels, installed as ``dflash_jax.kernels``; they import nothing from the library.
+"""Pallas kernels (``dflash_jax.kernels``); they import nothing from the rest of the library.
 
 ``block_attention``: the DFlash draft's training attention (see block_attention.py); ``decode_attention``:
 decode / verify attention bounded by each row's length (see decode_attention.py); ``reference``: the
