@@ -305,7 +305,9 @@ def _first(*values):
     return next((v for v in values if v is not None), None)
 
 
-DRAFT_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
+DRAFT_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2", "Qwen3DSparkModel": "dspark"}
+# DSpark architectures of DeepSpec that this library does not run yet (a clear refusal, not a wrong draft)
+UNSUPPORTED_DRAFTS = {"Gemma4DSparkModel": "Gemma 4 DSpark drafts (sandwich-norm layers) are not supported yet"}
 # transformers' MuseGlimmerAssistantConfig: a DFlash draft with a flat config (no dflash_config), non-causal, its
 # layers sliding by default; its defaults (vocab_size, absent there: Muse-Glimmer's, which check_fits then requires)
 ASSISTANT_MODEL_TYPE = "muse_glimmer_assistant"
@@ -324,14 +326,21 @@ def _assistant_as_dflash(d: Mapping) -> dict:
             "dflash_config": {k: d[k] for k in ("mask_token_id", "target_layer_ids", "block_size")}}
 # DFlash2 keys of ``dflash_config`` -> their defaults (docs/models.md, "Draft formats")
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")  # DSpark's Markov heads (dflash_jax/dspark.py)
+# DSpark's top-level config keys (DeepSpec's build_draft_config) -> the DraftConfig fields they fill
+DSPARK_KEYS = {"markov_rank": "markov_rank", "markov_head_type": "markov_head_type",
+               "enable_confidence_head": "confidence_head", "confidence_head_with_markov": "confidence_with_markov",
+               "num_anchors": "num_anchors"}
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
     """A DFlash draft: its own Qwen3 layer stack (``layers``) plus the block-diffusion settings.
 
-    ``architecture`` "dflash" (``DFlashDraftModel``) or "dflash2" (``DFlash2DraftModel``: grouped dynamic
-    causal convolutions around each sublayer and a candidate selector; its ``conv_*`` / ``selector_*`` fields).
+    ``architecture`` "dflash" (``DFlashDraftModel``), "dflash2" (``DFlash2DraftModel``: grouped dynamic
+    causal convolutions around each sublayer and a candidate selector; its ``conv_*`` / ``selector_*`` fields) or
+    "dspark" (DeepSpec's ``Qwen3DSparkModel``: every block slot predicts the next position, the anchor's too; its
+    own frozen embedding and head; a Markov head of ``markov_rank`` (0: none) and an optional confidence head).
     ``is_causal`` None: sliding layers are causal inside the block, full layers bidirectional (the newest
     reference and vLLM); True / False: every layer. ``input_embedding_scale`` multiplies the block's raw
     embeddings; ``output_multiplier`` then ``final_logit_softcapping`` (> 0) shape the draft logits."""
@@ -351,6 +360,11 @@ class DraftConfig:
     conv_group_size: int | None = None
     selector_rank: int | None = None
     selector_top_k: int | None = None
+    markov_rank: int | None = None
+    markov_head_type: str | None = None
+    confidence_head: bool | None = None
+    confidence_with_markov: bool | None = None
+    num_anchors: int | None = None  # DeepSpec's training setting, kept so an export writes it back
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -378,7 +392,52 @@ class DraftConfig:
                                  f"{self.layers.hidden_size}")
         elif any(v is not None for v in dflash2.values()):
             raise ValueError(f"{sorted(k for k, v in dflash2.items() if v is not None)} are DFlash2 settings; "
-                             "this draft's architecture is DFlashDraftModel")
+                             f"this draft's architecture is {self.architecture}")
+        self._check_dspark()
+
+    def _check_dspark(self):
+        dspark = {f: getattr(self, f) for f in DSPARK_KEYS.values()}
+        if self.architecture != "dspark":
+            if any(v is not None for v in dspark.values()):
+                raise ValueError(f"{sorted(k for k, v in dspark.items() if v is not None)} are DSpark settings; "
+                                 f"this draft's architecture is {self.architecture}")
+            return
+        if self.markov_rank is None or self.markov_rank < 0:
+            raise ValueError(f"a DSpark draft needs markov_rank >= 0, got {self.markov_rank!r}")
+        if self.markov_rank and self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ValueError(f"markov_head_type must be one of {', '.join(MARKOV_HEAD_TYPES)}, "
+                             f"got {self.markov_head_type!r}")
+        if self.confidence_head is None:
+            raise ValueError("a DSpark draft needs enable_confidence_head (true or false)")
+        if self.confidence_with_markov and not self.markov_rank:
+            raise ValueError("confidence_head_with_markov needs a Markov head (markov_rank > 0)")
+        if any(self.layer_causal(i) for i in range(self.layers.num_hidden_layers)) or self.layers.sliding_window:
+            raise ValueError("DSpark draft layers are full, bidirectional attention (no causal or sliding layers)")
+
+    @property
+    def shifted(self) -> bool:
+        """Every block slot predicts the token after it, the anchor's too (DSpark): B inputs propose B tokens,
+        verified as B + 1; otherwise slot k >= 1 predicts its own position (B inputs propose B - 1)."""
+        return self.architecture == "dspark"
+
+    @property
+    def own_embeddings(self) -> bool:
+        """The draft holds its own (frozen) ``embed_tokens`` / ``lm_head`` (DSpark) instead of using the target's."""
+        return self.architecture == "dspark"
+
+    @property
+    def convolves(self) -> bool:
+        """DFlash2's dynamic convolutions around each sublayer and its candidate selector."""
+        return self.architecture == "dflash2"
+
+    @property
+    def markov(self) -> bool:
+        """A DSpark Markov head: a low-rank bias from each slot's previous token on its logits."""
+        return self.architecture == "dspark" and self.markov_rank > 0
+
+    def verify_length(self, block: int) -> int:
+        """Tokens the target verifies for ``block`` draft input slots (the pending token + the proposal)."""
+        return block + 1 if self.shifted else block
 
     @property
     def num_features(self) -> int:
@@ -410,7 +469,10 @@ class DraftConfig:
             return _first(dflash.get(name), d.get(name), default)
 
         archs = [a for a in architectures(d) if a in DRAFT_ARCHITECTURES]
-        unknown = [a for a in architectures(d) if "DFlash" in a and a not in DRAFT_ARCHITECTURES]
+        refused = [a for a in architectures(d) if a in UNSUPPORTED_DRAFTS]
+        if refused:
+            raise ValueError(f"{refused[0]}: {UNSUPPORTED_DRAFTS[refused[0]]}")
+        unknown = [a for a in architectures(d) if ("DFlash" in a or "DSpark" in a) and a not in DRAFT_ARCHITECTURES]
         if unknown:
             raise ValueError(f"unsupported draft architecture {unknown[0]!r}; supported: "
                              f"{', '.join(DRAFT_ARCHITECTURES)}")
@@ -422,6 +484,8 @@ class DraftConfig:
         mask = key("mask_token_id")
         if mask is None:
             raise ValueError("draft config has no dflash_config.mask_token_id")
+        if arch == "dspark":  # every DSpark layer is full bidirectional attention (DeepSpec ignores other types)
+            d = {**d, "layer_types": None, "use_sliding_window": False, "is_causal": None}
         layers = TargetConfig._from_dict(d, "qwen3")
         n_target = int(key("num_target_layers", 0))
         ids = key("target_layer_ids")
@@ -433,6 +497,23 @@ class DraftConfig:
         causal = d.get("is_causal")
         softcap = key("final_logit_softcapping")
         extra = {k: int(key(k, v)) for k, v in DFLASH2_DEFAULTS.items()} if arch == "dflash2" else {}
+        if arch == "dspark":  # DeepSpec writes its keys at the top level
+            extra = {field: d.get(k) for k, field in DSPARK_KEYS.items()}
+            extra["markov_rank"] = int(extra["markov_rank"] or 0)
+            extra["confidence_head"] = bool(extra["confidence_head"])
+            # the head reads [h; W1[x]]: without a Markov head (rank 0) W1[x] is empty and it reads h alone
+            with_markov = extra["confidence_with_markov"]
+            extra["confidence_with_markov"] = (None if not extra["confidence_head"] else
+                                               bool(extra["markov_rank"]) and (with_markov is None or bool(with_markov)))
+            if not extra["markov_rank"]:
+                extra["markov_head_type"] = None
+            elif extra["markov_head_type"] is None:
+                extra["markov_head_type"] = "vanilla"
+            if extra["num_anchors"] is not None:
+                extra["num_anchors"] = int(extra["num_anchors"])
+            if any(i < 0 for i in ids):
+                raise ValueError(f"target_layer_ids {list(ids)}: -1 (the embedding output as a feature) is not "
+                                 "supported; use decoder layer ids >= 0")
         return cls(
             layers=layers,
             block_size=int(key("block_size", 16)),
@@ -457,6 +538,8 @@ class DraftConfig:
         out["model_type"] = "qwen3"
         out["block_size"] = self.block_size
         out["num_target_layers"] = self.num_target_layers
+        if self.architecture == "dspark":
+            return self._dspark_hf(out)
         dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
         if self.input_embedding_scale != 1.0:
             dflash["input_embedding_scale"] = self.input_embedding_scale
@@ -472,6 +555,21 @@ class DraftConfig:
         if self.target_hidden_size is not None:
             out["target_hidden_size"] = self.target_hidden_size
         out["auto_map"] = {"AutoModel": f"dflash.{arch}"}
+        return out
+
+    def _dspark_hf(self, out: dict) -> dict:
+        """DeepSpec's layout (``build_draft_config``): its keys at the top level, no ``dflash_config``; the
+        optional ones only where DeepSpec writes them (the head type with a Markov head, the confidence head's
+        input with that head)."""
+        out.update(tie_word_embeddings=False, mask_token_id=self.mask_token_id,
+                   target_layer_ids=list(self.target_layer_ids), markov_rank=self.markov_rank,
+                   enable_confidence_head=self.confidence_head)
+        if self.markov_rank:
+            out["markov_head_type"] = self.markov_head_type
+        if self.confidence_head:
+            out["confidence_head_with_markov"] = self.confidence_with_markov
+        if self.num_anchors is not None:
+            out["num_anchors"] = self.num_anchors
         return out
 
     @classmethod

@@ -6,7 +6,9 @@ of queries anchored at position a sees context positions < a and its own block b
 (``attention.block_attention``); inference runs one block per row against the draft cache (with a
 ``decode_impl``: ``attention.decode_attention``, reading only the context below each row's anchor), training
 many blocks per sequence against the whole context: ``draft_hidden`` is the one forward of both.
-Embedding and lm_head are the target's.
+Embedding and lm_head are the target's, except for DSpark drafts, which carry frozen copies of their own and
+add a Markov head and a confidence head (``dflash_jax.dspark``); what a draft's architecture changes is asked of
+its config (``DraftConfig.shifted`` / ``own_embeddings`` / ``convolves`` / ``markov``), never of its name.
 """
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ from dflash_jax import target as target_lib
 from dflash_jax.attention import block_attention, decode_attention
 from dflash_jax.checkpoints import NameTable, export_params, load_params, resolve_path, save_safetensors
 from dflash_jax.config import DraftConfig
+from dflash_jax.dspark import ConfidenceHead, MarkovHead, walk
 from dflash_jax.families.dense import DecoderLayer
-from dflash_jax.layers import Linear, RMSNorm, initializer, random_params
+from dflash_jax.layers import Embed, Linear, RMSNorm, initializer, random_params
 from dflash_jax.sampling import categorical, row_keys
 from dflash_jax.state import DecodeCache, KVSpec
 from dflash_jax.target import Target, check_token_ids
@@ -113,14 +116,13 @@ class DraftLayer(DecoderLayer):
 
     def setup(self):
         super().setup()
-        d = self.draft
-        if d is not None and d.architecture == "dflash2":
-            args = (self.cfg.hidden_size, d.conv_kernel_size, d.conv_group_size)
+        if self.convolves:
+            args = (self.cfg.hidden_size, self.draft.conv_kernel_size, self.draft.conv_group_size)
             self.attention_conv, self.mlp_conv = DynamicConv(*args), DynamicConv(*args)
 
     @property
     def convolves(self) -> bool:
-        return self.draft is not None and self.draft.architecture == "dflash2"
+        return self.draft is not None and self.draft.convolves
 
     def context_kv(self, ctx, positions):
         return self.self_attn.keys_values(ctx, positions)
@@ -163,18 +165,47 @@ class DraftLayer(DecoderLayer):
 
 class DFlashDraft(nn.Module):
     """Parameter names as in the released checkpoints: ``fc``, ``hidden_norm``, ``layers_N``, ``norm``
-    (+ DFlash2's ``candidate_selector``)."""
+    (+ DFlash2's ``candidate_selector``; + DSpark's ``embed_tokens``, ``lm_head``, ``markov_head``,
+    ``confidence_head``)."""
 
     cfg: DraftConfig
 
     def setup(self):
-        c = self.cfg.layers
+        d = self.cfg
+        c = d.layers
         self.fc = Linear(c.hidden_size, False, ("features", "embed"))
         self.hidden_norm = RMSNorm(c.rms_norm_eps)
-        self.layers = [DraftLayer(c, i, draft=self.cfg) for i in range(c.num_hidden_layers)]
+        self.layers = [DraftLayer(c, i, draft=d) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps)
-        if self.cfg.architecture == "dflash2":
-            self.candidate_selector = CandidateSelector(c.vocab_size, self.cfg.selector_rank)
+        if d.convolves:
+            self.candidate_selector = CandidateSelector(c.vocab_size, d.selector_rank)
+        if d.own_embeddings:
+            self.embed_tokens = Embed(c.vocab_size, c.hidden_size)
+            self.lm_head = Linear(c.vocab_size, False, ("embed", "vocab"))
+        if d.markov:
+            self.markov_head = MarkovHead(c.vocab_size, d.markov_rank, d.markov_head_type)
+        if d.confidence_head:
+            self.confidence_head = ConfidenceHead()
+
+    def embed(self, ids):
+        """The draft's own embedding (DSpark): a plain lookup."""
+        return self.embed_tokens(ids)
+
+    def head(self, h):
+        """The draft's own lm_head (DSpark), float32 logits."""
+        return self.lm_head(h).astype(jnp.float32)
+
+    def spark_step(self, prev, h, state):
+        """One DSpark slot: previous tokens [B], hidden [B, D], rnn state -> (Markov bias [B, V] float32 (zero
+        without a Markov head), state, confidence logit [B] or None)."""
+        e = None
+        if self.cfg.markov:
+            bias, state, e = self.markov_head(prev, h, state)
+        else:
+            bias = jnp.zeros((h.shape[0], self.cfg.layers.vocab_size), jnp.float32)
+        if not self.cfg.confidence_head:
+            return bias, state, None
+        return bias, state, self.confidence_head(h, e if self.cfg.confidence_with_markov else None)
 
     def context_kv(self, features, positions):
         """Target features [B, T, n*D] at ``positions`` [B, T] -> per-layer (k, v) tuples, each [B, T, K, H]."""
@@ -207,7 +238,15 @@ class DFlashDraft(nn.Module):
         positions = jnp.broadcast_to(jnp.arange(features.shape[1]), features.shape[:2])
         k, v = self.context_kv(features, positions)
         h = self(x, jnp.full((x.shape[0], 1), features.shape[1]), k, v)
-        return self.candidate_selector(h) if self.cfg.architecture == "dflash2" else h
+        if self.cfg.own_embeddings:
+            self.embed(jnp.zeros(x.shape[:2], jnp.int32))
+            self.head(h)
+            self.spark_step(jnp.zeros(x.shape[:1], jnp.int32), h[:, 0], self.spark_state(x.shape[0], h.dtype))
+        return self.candidate_selector(h) if self.cfg.convolves else h
+
+    def spark_state(self, rows: int, dtype):
+        """The rnn Markov head's state at a block's start (zeros; width 0 for the other heads)."""
+        return jnp.zeros((rows, spark_state_width(self.cfg)), dtype)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -252,13 +291,26 @@ def init_draft_params(cfg: DraftConfig, seed: int = 0, dtype=jnp.float32):
     return random_params(draft_param_shapes(cfg), seed, dtype=dtype)
 
 
+def spark_state_width(cfg: DraftConfig) -> int:
+    """Width of the DSpark Markov head's recurrent state (the rnn head's rank; 0 for the others)."""
+    return cfg.markov_rank if cfg.markov and cfg.markov_head_type == "rnn" else 0
+
+
 def check_fits(target: Target, draft: Draft) -> None:
     """Config checks plus the fused-feature width, before any compute; messages name both sides."""
     draft.config.check_fits(target.config)
-    if draft.config.architecture == "dflash2":
+    vocab = target.config.vocab_size
+    if draft.config.convolves:
         rows = draft.params["candidate_selector"]["successor_codebook"].shape[0]
-        if rows < target.config.vocab_size:
-            raise ValueError(f"draft codebooks have {rows} rows for a target vocabulary of {target.config.vocab_size}")
+        if rows < vocab:
+            raise ValueError(f"draft codebooks have {rows} rows for a target vocabulary of {vocab}")
+    if draft.config.own_embeddings:
+        rows = {"embed_tokens": draft.params["embed_tokens"]["embedding"].shape[0],
+                "lm_head": draft.params["lm_head"]["kernel"].shape[1]}
+        short = {k: r for k, r in rows.items() if r != vocab}
+        if short:
+            raise ValueError(f"draft {', '.join(f'{k} has {r} rows' for k, r in short.items())} for a target "
+                             f"vocabulary of {vocab}")
     fc_in = draft.params["fc"]["kernel"].shape[0]
     want = draft.config.num_features * target.config.hidden_size
     if fc_in != want:
@@ -286,11 +338,15 @@ def draft_hidden(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_
                  ctx_start=None, decode_impl: str | None = None, block_len=None):
     """THE draft forward (decoding and training): block token ids [B, N*Bk], block b anchored at
     ``anchors[:, b]`` (seeing context slots from ``ctx_start[:, b]``, default 0), embedded with the
-    target's raw table times ``input_embedding_scale``; per-layer context K/V [B, S, K, H] (slot s =
+    target's raw table (a DSpark draft's own) times ``input_embedding_scale``; per-layer context K/V [B, S, K, H] (slot s =
     position s) -> final-normed hidden states [B, N*Bk, D] in the context's dtype. ``decode_impl`` given:
     decoding (one block per row) with that decode attention impl instead of ``impl``'s block attention;
     ``block_len``: see ``DFlashDraft.__call__`` (not differentiable; None for training)."""
-    x = target_lib.embed(tcfg, tparams, block_ids).astype(k_ctx[0].dtype)
+    if cfg.own_embeddings:
+        x = DFlashDraft(cfg).apply({"params": params}, block_ids, method=DFlashDraft.embed)
+    else:
+        x = target_lib.embed(tcfg, tparams, block_ids)
+    x = x.astype(k_ctx[0].dtype)
     if cfg.input_embedding_scale != 1.0:
         x = x * jnp.asarray(cfg.input_embedding_scale, x.dtype)
     decode = decode_impl is not None
@@ -298,10 +354,14 @@ def draft_hidden(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_
                                   ctx_start, decode=decode, block_len=block_len)
 
 
-def logits(tcfg, tparams, cfg: DraftConfig, h):
-    """Draft logits (float32) of final-normed draft hidden states: the target's lm_head, times the draft's
-    ``output_multiplier``, then ``cap * tanh(logits / cap)`` when ``final_logit_softcapping`` is set."""
-    out = target_lib.head(tcfg, tparams, h)
+def logits(tcfg, tparams, cfg: DraftConfig, params, h):
+    """Draft logits (float32) of final-normed draft hidden states: the target's lm_head (a DSpark draft's own),
+    times the draft's ``output_multiplier``, then ``cap * tanh(logits / cap)`` when ``final_logit_softcapping`` is
+    set. DSpark's Markov bias comes after (``spark``)."""
+    if cfg.own_embeddings:
+        out = DFlashDraft(cfg).apply({"params": params}, h, method=DFlashDraft.head)
+    else:
+        out = target_lib.head(tcfg, tparams, h)
     if cfg.output_multiplier != 1.0:
         out = out * jnp.float32(cfg.output_multiplier)
     if cfg.final_logit_softcapping is not None:
@@ -320,7 +380,7 @@ def block_logits(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_
     h = draft_hidden(tcfg, tparams, cfg, params, block_ids, anchors, k_ctx, v_ctx, impl=impl, decode_impl=decode_impl,
                      block_len=block_len)
     h = h[:, 1:] if drop_anchor else h
-    out = logits(tcfg, tparams, cfg, h)
+    out = logits(tcfg, tparams, cfg, params, h)
     return (out, h) if with_hidden else out
 
 
@@ -361,14 +421,27 @@ def on_vocab(candidates, values, vocab: int, fill=-jnp.inf):
     return jnp.full((b, t, vocab), fill, values.dtype).at[rows, cols, candidates].set(values)
 
 
+def spark(cfg: DraftConfig, params, h, base_logits, anchor, *, prev=None, sampling=None, key=None):
+    """DSpark's left-to-right walk (``dspark.walk``) over one block per row with this draft's heads: hidden h
+    [B, T, D], base logits [B, T, V] of every slot, ``anchor`` [B] -> (tokens [B, T], Markov-corrected scores
+    [B, T, V], confidence [B, T] or None)."""
+    model = DFlashDraft(cfg)
+    step = lambda x, h_j, s: model.apply({"params": params}, x, h_j, s, method=DFlashDraft.spark_step)  # noqa: E731
+    return walk(step, h, base_logits, anchor, state_width=spark_state_width(cfg), confident=bool(cfg.confidence_head),
+                prev=prev, sampling=sampling, key=key)
+
+
 # positional: the target's and the draft's (config, params), then the block and its context K/V
 def propose(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_ctx, v_ctx, *, impl: str = "auto",
             decode_impl: str | None = None, block_len=None):
     """Greedy draft tokens for one block per row: block_ids [B, K] = [anchor token, mask...] -> [B, K-1] int32
-    (the argmax of the draft logits; DFlash2: the candidate-selector walk)."""
-    out, h = block_logits(tcfg, tparams, cfg, params, block_ids, anchors, k_ctx, v_ctx, impl=impl, drop_anchor=True,
-                          decode_impl=decode_impl, block_len=block_len, with_hidden=True)
-    if cfg.architecture == "dflash2":
+    (the argmax of the draft logits; DFlash2: the candidate-selector walk); a DSpark draft (``cfg.shifted``) drafts
+    every slot of the block it is given: [B, K] (its Markov walk)."""
+    out, h = block_logits(tcfg, tparams, cfg, params, block_ids, anchors, k_ctx, v_ctx, impl=impl,
+                          drop_anchor=not cfg.shifted, decode_impl=decode_impl, block_len=block_len, with_hidden=True)
+    if cfg.shifted:
+        return spark(cfg, params, h, out, block_ids[:, 0])[0]
+    if cfg.convolves:
         return select(cfg, params, h, out, block_ids[:, 0])[0]
     return jnp.argmax(out, axis=-1).astype(jnp.int32)
 
@@ -386,8 +459,9 @@ def _context_cache(tcfg, tparams, cfg, params, context_ids, length):
 # positional: jitted; the target's and the draft's (config, params), the padded context, its length, the block
 @functools.partial(jax.jit, static_argnames=("tcfg", "cfg"))
 def _draft_block_logits(tcfg, tparams, cfg, params, context_ids, length, block_ids):
-    return block_logits(tcfg, tparams, cfg, params, block_ids,
-                        *_context_cache(tcfg, tparams, cfg, params, context_ids, length))
+    out, h = block_logits(tcfg, tparams, cfg, params, block_ids,
+                          *_context_cache(tcfg, tparams, cfg, params, context_ids, length), with_hidden=True)
+    return spark(cfg, params, h, out, block_ids[:, 0])[1] if cfg.shifted else out
 
 
 # positional: as _draft_block_logits
@@ -415,7 +489,8 @@ def _checked_inputs(target: Target, draft: Draft, context_ids, block_ids):
 def draft_block_logits(target: Target, draft: Draft, context_ids, block_ids) -> np.ndarray:
     """Target runs on ``context_ids`` [B, T] (positions 0..T-1); the draft predicts ``block_ids`` [B, L]
     placed at T..T+L-1 and returns its logits [B, L, V] (float32; ``logits``: the target's lm_head, then the
-    draft's output multiplier and soft cap)."""
+    draft's output multiplier and soft cap). DSpark: slot j's logits predict position T+j+1, Markov-corrected
+    given its greedy previous token (the anchor for slot 0)."""
     ctx, t, blk = _checked_inputs(target, draft, context_ids, block_ids)
     return np.asarray(_draft_block_logits(target.config, target.params, draft.config, draft.params, ctx, t, blk))
 
@@ -423,9 +498,9 @@ def draft_block_logits(target: Target, draft: Draft, context_ids, block_ids) -> 
 def draft_block_tokens(target: Target, draft: Draft, context_ids, block_ids) -> np.ndarray:
     """The draft's greedy proposal [B, L-1] (int) for block positions 1..L-1 of ``block_ids`` [B, L] placed
     after ``context_ids`` [B, T]: the argmax of ``draft_block_logits`` (DFlash v1), the candidate-selector
-    walk (DFlash2)."""
+    walk (DFlash2); a DSpark draft proposes L tokens [B, L] (positions T+1..T+L, its greedy Markov walk)."""
     ctx, t, blk = _checked_inputs(target, draft, context_ids, block_ids)
-    if blk.shape[1] < 2:
+    if blk.shape[1] < 2 and not draft.config.shifted:
         raise ValueError(f"block_ids needs at least 2 positions (an anchor and one to draft), got {blk.shape[1]}")
     return np.asarray(_draft_block_tokens(target.config, target.params, draft.config, draft.params, ctx, t, blk))
 
@@ -434,7 +509,8 @@ def draft_block_tokens(target: Target, draft: Draft, context_ids, block_ids) -> 
 
 
 def load_draft(path_or_hub_id, dtype="float32", place=None) -> Draft:
-    """Load a released-format DFlash draft (config.json + model.safetensors, no ``model.`` prefix)."""
+    """Load a released-format DFlash / DFlash2 draft, or a DSpark draft as DeepSpec saves it (config.json +
+    model.safetensors, no ``model.`` prefix)."""
     path = resolve_path(path_or_hub_id)
     cfg = DraftConfig.from_hf(path)
     params = load_params(path, draft_param_shapes(cfg), CHECKPOINT, dtype=dtype, place=place)

@@ -126,17 +126,18 @@ def rejection_sample(draft_scores, drafts, target_scores, keys, verified=None):
     """The ``rejection`` rule (module docstring). draft_scores [B, K-1, V] (q_1..q_{K-1} as log-weights),
     drafts [B, K-1] sampled from them, target_scores [B, K, V] (p_0..p_{K-1}: p_j predicts the token
     after block position j) -> (accepted drafts a [B], tokens [B, K]: d_1..d_a, then the residual or
-    bonus token at index a; entries after it are unused); ``keys`` [B, 2] per row. ``verified`` (default K-1): only d_1..d_verified
-    are verified (an adaptive verify length), the bonus after them drawn from p_verified; exact as long as
-    ``verified`` does not depend on the drawn drafts (a speculation cut before it is drawn)."""
-    k1 = drafts.shape[1]
-    verified = k1 if verified is None else verified
+    bonus token at index a; entries after it are unused); ``keys`` [B, 2] per row. ``verified`` (default K-1;
+    a scalar or per row [B]): only d_1..d_verified are verified (an adaptive verify length, a proposal cut short),
+    the bonus after them drawn from p_verified; exact as long as whether d_k is verified is decided before d_k is
+    drawn (from the context and d_1..d_{k-1} only)."""
+    b, k1 = drafts.shape
+    verified = jnp.broadcast_to(jnp.asarray(k1 if verified is None else verified, jnp.int32), (b,))
     p, q = jax.nn.softmax(target_scores, axis=-1), jax.nn.softmax(draft_scores, axis=-1)
     p_d = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     k_accept, k_next = row_keys(keys, 2)
     accept = jax.vmap(lambda k: jax.random.uniform(k, (k1,)))(k_accept) * q_d < p_d  # probability min(1, p / q)
-    accept &= jnp.arange(k1) < verified
+    accept &= jnp.arange(k1) < verified[:, None]
     a = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1)
     residual = jnp.maximum(p[:, :-1] - q, 0.0)
     residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 1e-9, residual, p[:, :-1])  # p == q: never rejects

@@ -43,7 +43,7 @@ from dflash_jax.progress import progress_bar
 from infer import bench_sets, synthetic
 from infer.timing import fastest, first_mismatch, step_split, time_forwards
 from infer.common import (DEMO_TARGET, adaptive_kwargs, add_model_args, check_overrides, decoding_kwargs, die, encode,
-                          exits_on_interrupt, load_models, param_dtype, read_prompts_file, resolve_block, tree_kwargs)
+                          exits_on_interrupt, load_models, param_dtype, read_prompts_file, resolve_block, draft_kwargs)
 
 
 def parse_args(argv=None):
@@ -219,11 +219,12 @@ def summarize(run: _Run, rows: list[dict], t: _Totals) -> dict:
     """The summary object: tau, histograms, speeds, speedup, identity, and the adaptive / tree / timing parts."""
     args, block, tree = run.args, run.block, run.tree
     acc = np.array(t.acc)
-    hist = np.bincount(acc, minlength=block + 1)[1:block + 1]
+    k = run.draft.config.verify_length(block)  # tokens a step verifies (a DSpark block of B slots verifies B + 1)
+    hist = np.bincount(acc, minlength=k + 1)[1:k + 1]
     # draft token k accepted, among the steps that verified it (adaptive verify may stop before position k; a
     # tree reaches every depth up to min(N, block - 1))
     ver = np.full(len(acc), min(args.tree_budget, block - 1) + 1) if tree else np.array(t.verified)
-    per_position = [float((acc[ver > k] > k).mean()) if (ver > k).any() else None for k in range(1, block)]
+    per_position = [float((acc[ver > j] > j).mean()) if (ver > j).any() else None for j in range(1, k)]
     plain_tps, spec_tps = t.plain_tokens / t.plain_time, t.spec_tokens / t.spec_time
     tau = float(acc.mean())
     summary = {"summary": True, "target": run.target.path, "draft": run.draft.path, "block_size": block,
@@ -326,7 +327,9 @@ def main(argv=None) -> int:
     from dflash_jax.decode import generate, speculative_generate
 
     check_plot_path(args.plot)  # every option the command line alone can check, before loading
-    records, adaptive, tree = prompt_records(args), adaptive_kwargs(args), tree_kwargs(args)
+    records, adaptive, extra = prompt_records(args), adaptive_kwargs(args), draft_kwargs(args)
+    tree = {k: v for k, v in extra.items() if k == "tree_budget"}
+    cut = {k: v for k, v in extra.items() if k != "tree_budget"}  # a DSpark proposal's confidence cut
     if args.max_batch is None and args.mixed_budgets:
         die("--mixed-budgets needs --max-batch (the batching comparison)")
     if args.max_batch is not None and args.max_batch < 1:
@@ -347,15 +350,16 @@ def main(argv=None) -> int:
         where = machine()
         warn_if_busy(where)
         return batching.run(args, target, draft, prompts, overrides, kw=kw,
-                            spec_kw=dict(block_size=block, **adaptive, **tree), where=where)
+                            spec_kw=dict(block_size=block, **adaptive, **extra), where=where)
     block, choice = resolve_block(args, target, draft, prompts[:1], kw)  # probed at batch 1, as the runs below
     block = block or draft.config.block_size
     own = {tuple(p): dict(kw, **o) for p, o in zip(prompts, overrides)}  # a row's own settings over the flags'
     methods = [lambda p: generate(target, [p], **own[tuple(p)])[0],
                lambda p: speculative_generate(target, draft, [p], block_size=block, **own[tuple(p)], **adaptive,
-                                              **tree)[0]]
+                                              **extra)[0]]
     if adaptive or tree:  # the fixed block (the chain) side by side
-        methods.append(lambda p: speculative_generate(target, draft, [p], block_size=block, **own[tuple(p)])[0])
+        methods.append(lambda p: speculative_generate(target, draft, [p], block_size=block, **own[tuple(p)],
+                                                      **cut)[0])
     where = machine()
     warn_if_busy(where)
     run = _Run(args, target, draft, prompts, block, choice, adaptive, tree, where)

@@ -58,6 +58,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="tree verification: each step the target verifies a tree of the N most probable draft "
                         "prefixes (plus the pending token: N + 1 tokens) and keeps its longest matching path; "
                         "lossless; full-attention targets only. 0 (default): the chain (the block)")
+    d.add_argument("--confidence-threshold", type=float, default=0.0,
+                   help="DSpark drafts with a confidence head: each step's proposal stops before its first slot "
+                        "whose predicted acceptance is below this, in [0, 1) (lossless at any setting). 0 (default): "
+                        "off, every slot proposed, as DeepSpec's evaluation")
     d.add_argument("--seed", type=int, default=0, help="sampling seed (default 0; greedy ignores it)")
     d.add_argument("--stop-token-ids", default=None,
                    help="comma-separated stop ids (default: the target's eos_token_id)")
@@ -123,9 +127,10 @@ def adaptive_kwargs(args) -> dict:
     return dict(verify_lengths=lengths, verify_threshold=args.verify_threshold)
 
 
-def tree_kwargs(args) -> dict:
-    """``tree_budget`` from the options (empty for the chain)."""
-    return dict(tree_budget=args.tree_budget) if args.tree_budget else {}
+def draft_kwargs(args) -> dict:
+    """The options only a speculative run takes (``tree_budget``, ``confidence_threshold``), those that are set."""
+    out = dict(tree_budget=args.tree_budget, confidence_threshold=args.confidence_threshold)
+    return {k: v for k, v in out.items() if v}
 
 
 def die(msg: str) -> None:
@@ -227,6 +232,13 @@ def check_before_loading(args, target_path: str, draft_path: str | None, prompts
         resolve_block_size(fixed_block_size(args), None if dcfg is None else dcfg.block_size, FLAGS)
         if args.tree_budget and dcfg is not None:
             check_tree_target(tcfg, fixed_block_size(args) or dcfg.block_size)
+        if dcfg is not None and dcfg.shifted and (args.tree_budget or args.verify_lengths):
+            raise ValueError("--tree-budget and --verify-lengths are not supported for DSpark drafts (each draft is "
+                             "conditional on the one before it); use the chain")
+        if args.confidence_threshold and not (dcfg is not None and dcfg.confidence_head):
+            raise ValueError("--confidence-threshold needs a DSpark draft with a confidence head")
+        if not 0 <= args.confidence_threshold < 1:
+            raise ValueError(f"--confidence-threshold must be in [0, 1), got {args.confidence_threshold}")
     except ValueError as e:
         die(str(e))
 

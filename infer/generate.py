@@ -14,7 +14,7 @@ import sys
 
 from infer.common import (adaptive_kwargs, add_max_batch_arg, add_model_args, check_overrides, decoding_kwargs, die,
                           encode, exits_on_interrupt, load_models, max_batch, param_dtype, read_prompts_file,
-                          requests_of, resolve_block, tree_kwargs)
+                          requests_of, resolve_block, draft_kwargs)
 
 DEMO_PROMPT = 'import os\n\n\ndef read_lines(path):\n    """Return the lines of the text file at path."""\n'
 
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     sources = prompt_sources(args)  # every option the command line alone can check, before loading
     overrides = overrides_of(sources)
     check_overrides(args, overrides)
-    extra = dict(**adaptive_kwargs(args), **tree_kwargs(args))
+    extra = dict(**adaptive_kwargs(args), **draft_kwargs(args))
     target, draft, tokenizer = load_models(args, records_of(sources))
     prompts = prompt_ids(args, tokenizer, sources)
     if args.baseline is None:  # the first run (the demo) shows what DFlash does: plain decoding beside it

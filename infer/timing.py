@@ -42,9 +42,10 @@ def time_forwards(target, draft, block_sizes=(4, 8, 16), *, context: int = 256, 
             best = min(best, time.perf_counter() - start)
         return best / iters
 
-    def draft_fwd(ids, tp, dp, dk, dv):
+    def draft_fwd(ids, tp, dp, dk, dv):  # ids: the k tokens a step verifies (a DSpark draft reads k - 1 slots)
         anchors = jnp.full((batch, 1), context)
-        return ids.at[:, 1:].set(draft_lib.propose(tcfg, tp, draft.config, dp, ids, anchors, dk, dv,
+        inputs = ids[:, :-1] if draft.config.shifted else ids
+        return ids.at[:, 1:].set(draft_lib.propose(tcfg, tp, draft.config, dp, inputs, anchors, dk, dv,
                                                    decode_impl=attention_impl))
 
     layer_ids = draft.config.target_layer_ids if draft is not None else ()
@@ -61,7 +62,7 @@ def time_forwards(target, draft, block_sizes=(4, 8, 16), *, context: int = 256, 
     dcache = draft.new_cache(batch, cache_len).replace(lengths=committed) if draft is not None else None
     for k in sorted(set(block_sizes) | {1}):
         ids = jnp.zeros((batch, k), jnp.int32)
-        if draft is not None and 1 < k <= draft.config.block_size:
+        if draft is not None and 1 < k <= draft.config.verify_length(draft.config.block_size):
             out[f"draft_forward_s_block{k}"] = timed(draft_fwd, ids, target.params, draft.params,
                                                      *draft_lib.cache_kv(dcache))
         out[f"verify_forward_s_block{k}"] = timed(verify, (ids, tcache), target.params)

@@ -244,9 +244,11 @@ def positions_for(ids, lengths=None):
 
 
 def torch_greedy(model, prompt, new: int, stop=None) -> list[int]:
-    """transformers' greedy ``generate``: prompt + up to ``new`` tokens, ending at the ``stop`` token."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=stop,
-                         pad_token_id=0 if stop is None else stop)
+    """transformers' greedy ``generate``: prompt + up to ``new`` tokens, ending at the ``stop`` token. The attention
+    mask is given: generate would otherwise mask every prompt token equal to the pad id it is told."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                         eos_token_id=stop, pad_token_id=0 if stop is None else stop)
     return out[0].tolist()
 
 

@@ -17,7 +17,9 @@ from p_1 where the full block would draw the residual or d_2). In two of the cas
 with 6 nodes (every node's target token drawn independently, then the greedy walk) and a random DFlash2
 draft (block 4, selector over its top-5 of the 8 tokens, weights drawn large enough that the pairwise
 selector terms move its proposals) under both rules: the walk samples from softmax(s / T) over the
-candidates, and the rejection rule must use exactly that q, zero off the candidates.
+candidates, and the rejection rule must use exactly that q, zero off the candidates; and a random DSpark draft
+(3 slots, rnn Markov head; its own head unscaled so that its drafts are accepted in 28% of rows) under the
+rejection rule: each slot drawn from its Markov-corrected law given the slot before, and q must be that law.
 
 Statistic: Pearson's chi-square over the 512 outcomes, outcomes with expected count < 5 pooled into one
 cell (a sequence the target cannot produce at all: infinite); it must stay below the chi-square quantile
@@ -47,6 +49,11 @@ Mutations run by hand once each, one at a time (never committed); statistic / th
       from softmax(s / T)): CAUGHT at T = 0.5, 6.3x.
   (k) DFlash2: the rejection rule's q taken from the draft logits (the v1 chain's processed
       distribution) instead of the walk's: CAUGHT at T = 0.5, 14.7x.
+  (l) DSpark: the rejection rule's q taken from the base logits, before the Markov correction (the draws still from
+      the corrected law): CAUGHT, 17x at T = 0.5, 37x at T = 1.5 with top-k + top-p.
+  Not a law bug, so not caught here: DSpark drafting from slots 1.. as DFlash does (the anchor slot's prediction
+      dropped), with q still the law of what was drawn: any such proposal stays exact; it loses acceptance, which
+      tests/test_dspark.py's comparison with DeepSpec's loop catches (every case).
   Not reliably caught: acceptance without the ``cumprod`` (d_2 accepted after d_1 was rejected): only
       the T = 1.5 case fails, at 1.1x. It changes the output only when d_1 is rejected AND the target's
       sample after the rejected d_1 equals d_2, and then only token 3; rare with this random draft.
@@ -58,10 +65,12 @@ import pytest
 import scipy.stats
 
 from dflash_jax import decode as S
+from dflash_jax import draft as D
 from dflash_jax.target import Target, target_logits
 from pairs import random_pair
 from test_draft import make_draft
 from test_draft_formats import DFLASH2
+from test_dspark import make_dspark
 
 V, N, NEW, PROMPT = 8, 4000, 3, [3]
 P_FALSE_ALARM = 1e-6
@@ -130,7 +139,10 @@ def peaked():
     l2 = target_logits(target, np.array([PROMPT + [a] for a in range(V)]))[:, -1]
     l3 = target_logits(target, np.array([PROMPT + [a, b] for a in range(V) for b in range(V)]))[:, -1]
     dflash2 = make_draft(target.config, layers=1, block=4, ids=(0, 1), seed=3, dflash2_scale=0.6, **DFLASH2)
-    return target, (draft, dflash2), (l1, l2, l3.reshape(V, V, V))
+    dspark = make_dspark(target, seed=4, head="rnn", rank=4, block=3)  # 3 slots propose 3: 4 verified
+    # its own head unscaled (the target's x16 made its random drafts as peaked as the target, rarely accepted)
+    dspark = D.Draft(dspark.config, dict(dspark.params, lm_head={"kernel": dspark.params["lm_head"]["kernel"] / 16}))
+    return target, (draft, dflash2, dspark), (l1, l2, l3.reshape(V, V, V))
 
 
 CASES = [  # (temperature, top_k, top_p)
@@ -144,7 +156,7 @@ DFLASH2_CASES = CASES[0::2]  # the tree's and the DFlash2 draft's runs (two case
 
 @pytest.mark.parametrize("temperature,top_k,top_p", CASES)
 def test_joint_law_of_first_three_tokens_is_the_targets(peaked, temperature, top_k, top_p):
-    target, (draft, dflash2), logits = peaked
+    target, (draft, dflash2, dspark), logits = peaked
     want = exact_joint(logits, temperature, top_k, top_p)
     # The top-p cut is not a near-tie anywhere (fp32 vs float64 could not flip it).
     for lg in logits:
@@ -177,6 +189,9 @@ def test_joint_law_of_first_three_tokens_is_the_targets(peaked, temperature, top
                                                              acceptance="match", **kw)
         runs["DFlash2, rejection rule"] = S.speculative_generate(target, dflash2, [PROMPT] * N, seed=6,
                                                                  acceptance="rejection", **kw)
+        # DSpark: the Markov walk samples each slot given the drafted previous token; q is that corrected law
+        runs["DSpark, rejection rule"] = S.speculative_generate(target, dspark, [PROMPT] * N, seed=8,
+                                                                acceptance="rejection", **kw)
     assert {v for r in runs["speculative, rejection rule, verify 2 of 4"] for v in r.verify_lengths} == {2}
     rates = {k: np.mean([r.acceptance_lengths[0] > 1 for r in runs[k]]) for k in runs if k != "plain"}
     accepted = min(rates.values())
@@ -200,7 +215,7 @@ def test_mixed_settings_in_one_batch_keep_each_rows_law(peaked):
     rejection rule): each setting's rows follow the exact law of that setting, and the greedy rows equal greedy
     decoding. Per-row temperature / top-k / top-p must not leak between rows (a batch-wide setting fails one
     group's statistic: the two laws differ far beyond the threshold, checked below)."""
-    target, (draft, _), logits = peaked
+    target, (draft, _, _), logits = peaked
     a, b = CASES[0], CASES[2]
     want = {case: exact_joint(logits, *case) for case in (a, b)}
     for x, y in ((a, b), (b, a)):  # power: rows of one setting drawn with the other's would fail its statistic

@@ -458,11 +458,15 @@ def _init_draft(cfg: TrainConfig) -> Draft:
     """The --init-draft to start from (DFlash v1 only); warns about the architecture flags it overrides."""
     init = load_draft(cfg.init_draft, dtype=cfg.param_dtype)
     dcfg = init.config
-    if dcfg.architecture == "dflash2":
+    if dcfg.convolves:
         raise TrainingError(f"--init-draft {cfg.init_draft} is a DFlash2 draft (DFlash2DraftModel): DFlash2 "
                             "drafts can be loaded and served but not trained here, because the training recipe "
                             "of their candidate selector is not public; start from a DFlash (DFlashDraftModel) "
                             "draft or train a new one")
+    if dcfg.shifted:
+        raise TrainingError(f"--init-draft {cfg.init_draft} is a DSpark draft (Qwen3DSparkModel): DSpark drafts "
+                            "can be loaded and served but this trainer does not train them yet (its loss and block "
+                            "layout differ); start from a DFlash (DFlashDraftModel) draft or train a new one")
     ignored = _ignored_draft_flags(cfg, dcfg)
     if ignored:
         sliding = [i for i, t in enumerate(dcfg.layers.layer_types) if t == "sliding_attention"]

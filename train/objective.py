@@ -164,7 +164,7 @@ def chunked_cross_entropy(tcfg, tparams, dcfg: DraftConfig, hidden, labels, chun
     y = jnp.pad(labels, (0, pad)).reshape(-1, c)
     @jax.checkpoint
     def one(hc, yc):
-        logits = draft_lib.logits(tcfg, tparams, dcfg, hc)
+        logits = draft_lib.logits(tcfg, tparams, dcfg, None, hc)  # the target head: DFlash v1 drafts only
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, yc[:, None], axis=-1)[:, 0]
         return lse - picked, jnp.argmax(logits, axis=-1) == yc

@@ -52,7 +52,9 @@ class DecodeOptions:
     ``proposer``: what each step drafts (``decode.proposers``; default: the draft architecture's own rule).
     ``attention_impl``: the decode attention (``attention.decode_attention``). ``cache_len``: at least this many
     cache slots per row. ``verify_lengths`` (e.g. (4, 8, 16)): adaptive verify at ``verify_threshold``.
-    ``tree_budget`` N > 0: tree verification of the N most probable draft prefixes (attention-only targets)."""
+    ``tree_budget`` N > 0: tree verification of the N most probable draft prefixes (attention-only targets).
+    ``confidence_threshold`` > 0 (DSpark drafts with a confidence head): each proposal stops before its first slot
+    whose predicted acceptance is below it (0: off, as in DeepSpec)."""
 
     max_new_tokens: int
     block_size: int | None = None
@@ -69,6 +71,7 @@ class DecodeOptions:
     verify_lengths: tuple[int, ...] | None = None
     verify_threshold: float = 0.1
     tree_budget: int = 0
+    confidence_threshold: float = 0.0
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (normalising a frozen field)
@@ -87,6 +90,9 @@ class DecodeOptions:
             raise ValueError(f"tree_budget must be an integer >= 0, got {tb!r}")
         if tb and self.verify_lengths is not None:
             raise ValueError("tree_budget cannot be combined with verify_lengths")
+        c = self.confidence_threshold
+        if not isinstance(c, (int, float, np.floating)) or isinstance(c, bool) or not 0 <= c < 1:
+            raise ValueError(f"confidence_threshold must be a number in [0, 1), got {c!r}")
         for name in ("max_length", "cache_len"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
@@ -100,12 +106,20 @@ class DecodeOptions:
         return dataclasses.replace(self, **kw)
 
     def block_for(self, draft) -> int:
-        """The block to decode with this draft (None: plain decoding), checked."""
+        """The tokens a step verifies with this draft (None: plain decoding, 1), checked: the block size, or for a
+        DSpark draft (every slot drafts) its ``block_size`` input slots + 1."""
         block = resolve_block_size(self.block_size, draft.config.block_size if draft is not None else None)
+        if draft is not None:
+            block = draft.config.verify_length(block)
         if self.proposer is not None and (draft is None or block == 1):
             raise ValueError("a proposer needs a draft")
         if self.tree_budget and block == 1:
             raise ValueError("tree_budget needs a draft and a block size > 1")
+        if draft is not None and draft.config.shifted and (self.tree_budget or self.verify_lengths is not None):
+            raise ValueError("tree_budget and verify_lengths are not supported for DSpark drafts (each draft is "
+                             "conditional on the one before it); use the chain")
+        if self.confidence_threshold and not (draft is not None and draft.config.confidence_head):
+            raise ValueError("confidence_threshold needs a DSpark draft with a confidence head")
         return block
 
     def verify_lengths_for(self, block: int) -> tuple[int, ...] | None:

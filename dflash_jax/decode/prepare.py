@@ -74,7 +74,8 @@ def engine(target: Target, draft, options: DecodeOptions, cache_len: int, *, gre
     dparams = draft.params if speculative else None
     proposer = options.proposer
     if speculative and proposer is None:
-        proposer = proposers.for_draft(draft.config, sampled=not greedy and options.acceptance == "rejection")
+        proposer = proposers.for_draft(draft.config, sampled=not greedy and options.acceptance == "rejection",
+                                       confidence_threshold=options.confidence_threshold)
     spec = EngineSpec(target.config, draft.config if draft is not None else None, block, greedy,
                       sharding.mesh_of(target.params, dparams), options.acceptance, proposer if speculative else None,
                       options.attention_impl, verify_lengths, options.tree_budget, cache_len, stop_width)

@@ -14,6 +14,10 @@ its ``scores`` are the draft's plain (temperature 1) distribution, for the adapt
   * ``Selector``: DFlash2, the candidate-selector walk (``draft.select``); at temperature > 0 the walk
     samples from softmax(s / T) over the candidates and q is that, scattered onto the vocabulary (0 off
     the candidate list), so the rejection rule's residual is p minus q on the candidates.
+  * ``Spark``: DSpark, the Markov walk (``draft.spark``) over the block's first K-1 slots (every slot drafts the
+    token after it, the pending token's too); q_k is the Markov-corrected distribution given the drafted prefix
+    (processed as the target's). With ``confidence_threshold`` > 0 a row's proposal stops before its first slot
+    whose confidence is below it (``Proposal.length``; the verify stays K tokens, the cut is a mask).
   * benchmarks' replay draft: ``dflash_jax.synthetic.ReplayProposer``.
 
 Tree verification (``tree_budget``) asks instead for ``propose_tree``: the best tree of N prefixes under
@@ -32,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import draft as draft_lib
+from dflash_jax import dspark
 from dflash_jax import tree as tree_lib
 from dflash_jax.sampling import categorical, filtered_scores, if_sampling
 
@@ -55,6 +60,7 @@ class StepView:
 class Proposal:
     tokens: jax.Array  # [B, K-1] int32 draft tokens d_1..d_{K-1}
     scores: jax.Array  # [B, K-1, V] float32 log-weights of the distribution each d_k was drawn from
+    length: Any = None  # [B] int32: drafts d_1..d_length proposed (a cut decided before each later draft); None: all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,12 +130,42 @@ class Selector(Proposer):
         return Proposal(tokens, draft_lib.on_vocab(cand, q, logits.shape[-1]))
 
 
-PROPOSERS = {"dflash": Chain, "dflash2": Selector}  # DraftConfig.architecture -> its proposal rule
+@dataclasses.dataclass(frozen=True)
+class Spark(Proposer):
+    """DSpark: the Markov walk over slots 0..K-2 (greedy: the argmax of each corrected slot; sampled: a draw from
+    it), cut at the first slot below ``confidence_threshold`` (> 0; needs the draft's confidence head)."""
+
+    confidence_threshold: float = 0.0
+
+    def propose(self, spec, view: StepView) -> Proposal:
+        k1 = view.block.shape[1] - 1  # the draft's input slots: the pending token and K-2 masks
+        logits, h = draft_lib.block_logits(spec.target_config, view.tparams, spec.draft_config, view.dparams,
+                                           view.block[:, :k1], view.lengths[:, None], *draft_lib.cache_kv(view.dcache),
+                                           decode_impl=spec.attention_impl, with_hidden=True)
+        tokens, scores, confidence = draft_lib.spark(spec.draft_config, view.dparams, h, logits, view.block[:, 0],
+                                                     sampling=view.sampling if self.sampled else None,
+                                                     key=view.key if self.sampled else None)
+        length = None
+        if self.confidence_threshold > 0:
+            length = dspark.confident_length(confidence, self.confidence_threshold)
+        return Proposal(tokens, scores, length)
+
+    def propose_tree(self, spec, view: StepView, max_depth):
+        raise ValueError("tree verification is not supported for DSpark drafts (their drafts are conditional on the "
+                         "previous token, not factorised over positions); use the chain (tree_budget=0)")
 
 
-def for_draft(draft_cfg, sampled: bool) -> Proposer:
-    """The proposer a draft's architecture defines (``PROPOSERS``)."""
+PROPOSERS = {"dflash": Chain, "dflash2": Selector, "dspark": Spark}  # DraftConfig.architecture -> its rule
+
+
+def for_draft(draft_cfg, sampled: bool, confidence_threshold: float = 0.0) -> Proposer:
+    """The proposer a draft's architecture defines (``PROPOSERS``); ``confidence_threshold`` > 0 (DSpark drafts
+    with a confidence head only) cuts each proposal at its first slot below it."""
     if draft_cfg.architecture not in PROPOSERS:
         raise ValueError(f"no proposer for draft architecture {draft_cfg.architecture!r} "
                          f"(known: {', '.join(PROPOSERS)})")
+    if confidence_threshold > 0:
+        if not draft_cfg.confidence_head:
+            raise ValueError("confidence_threshold needs a DSpark draft with a confidence head")
+        return PROPOSERS[draft_cfg.architecture](sampled=sampled, confidence_threshold=float(confidence_threshold))
     return PROPOSERS[draft_cfg.architecture](sampled=sampled)

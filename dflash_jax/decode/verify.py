@@ -120,13 +120,16 @@ def chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_t
     # p_0..p_{k-1}; with the rejection rule only greedy rows use these (the argmax), sampled rows draw below
     posterior = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if spec.rejection
                  else choose(logits, k_target, *state.sampling, greedy=spec.greedy))
-    a = jnp.minimum(accepted_length(block[:, 1:], posterior), length - 1) if k > 1 else jnp.zeros((b,), jnp.int32)
+    verified = length - 1  # drafts the target verifies: the verify length's, or fewer where a proposal was cut
+    if spec.speculative and proposal.length is not None:
+        verified = jnp.minimum(verified, proposal.length)
+    a = jnp.minimum(accepted_length(block[:, 1:], posterior), verified) if k > 1 else jnp.zeros((b,), jnp.int32)
     if spec.rejection:  # sampled rows: d_1..d_a, then the residual / bonus token; greedy rows keep the match rule
         sampled = state.temperature > 0
         a_r, posterior_r = if_sampling(
             jnp.where(active, state.temperature, 0),
             lambda: rejection_sample(proposal.scores, proposal.tokens, filtered_scores(logits, *state.sampling),
-                                     k_target, verified=length - 1), (a, posterior))
+                                     k_target, verified=verified), (a, posterior))
         a, posterior = jnp.where(sampled, a_r, a), jnp.where(sampled[:, None], posterior_r, posterior)
     return posterior, a, length, tcache, dcache
 

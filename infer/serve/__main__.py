@@ -16,7 +16,7 @@ import signal
 import sys
 
 from infer.common import (DEFAULT_MAX_BATCH, adaptive_kwargs, add_max_batch_arg, add_model_args, decoding_kwargs, die,
-                          fixed_block_size, load_models, slots_that_fit, tree_kwargs)
+                          fixed_block_size, load_models, slots_that_fit, draft_kwargs)
 
 DEFAULT_PORT = 8000
 DEFAULT_MAX_LENGTH = 4096  # the default --max-length cap: every slot's cache holds this many tokens
@@ -71,7 +71,7 @@ def build_service(args):
         draft = None
     max_length = min(args.max_length or DEFAULT_MAX_LENGTH, target.config.max_position_embeddings)
     kw = dict(decoding_kwargs(args, target), max_length=max_length, block_size=fixed_block_size(args),
-              **adaptive_kwargs(args), **tree_kwargs(args))
+              **adaptive_kwargs(args), **draft_kwargs(args))
     try:
         options = DecodeOptions(**kw)
         block = options.block_for(draft)
