@@ -37,7 +37,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "prompts (evenly spread) at each of 4, 8, ..., the trained block (step costs and acceptance), "
                         "before the timed run (docs/block-size.md); the trained block unprobed for runs under 48 new "
                         "tokens and with --tree-budget / --verify-lengths. Or an integer in [1, the draft's trained "
-                        "block]: no probe")
+                        "block]: no probe. A DSpark draft's block is its input slots: B slots draft B tokens, B + 1 "
+                        "verified")
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     d.add_argument("--top-k", type=int, default=0, help="0 = off")
     d.add_argument("--acceptance", default="rejection", choices=["match", "rejection"],

@@ -270,3 +270,21 @@ def test_generate_cli(hf_target, tmp_path, capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and re.search(msg, err), err
+
+
+def test_mesh_equals_one_device(small):
+    """Params over tensor=2 (the draft's own tables and Markov head over the vocabulary), rows and caches over
+    data=2: outputs and acceptance lengths equal one device's (greedy, with the confidence cut: the per-row cut
+    and the confidence head run on the mesh too)."""
+    from dflash_jax import model_sharding as ms
+    from dflash_jax import sharding as sh
+
+    draft = make_dspark(small, head="rnn", seed=3)
+    prompts = [[5, 7, 3, 4, 9, 6], [7, 7, 1, 2, 3, 11, 12, 9, 14], [2, 8, 13], [4, 4]]
+    mesh = sh.make_mesh("data=2,tensor=2", devices=jax.devices()[:4])
+    ts, ds = ms.shard_target(small, mesh), ms.shard_draft(draft, mesh)
+    kw = dict(max_new_tokens=12, stop_token_ids=[], confidence_threshold=0.5)
+    single = S.speculative_generate(small, draft, prompts, **kw)
+    out = S.speculative_generate(ts, ds, prompts, **kw)
+    assert [r.output_ids for r in out] == [r.output_ids for r in single]
+    assert [r.acceptance_lengths for r in out] == [r.acceptance_lengths for r in single]
