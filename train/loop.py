@@ -136,8 +136,9 @@ def with_target_copies(params, target: Target, dtype):
                             "draft to copy")
     emb = tp["embed_tokens"]["embedding"]
     head = tp["lm_head"]["kernel"] if "lm_head" in tp else emb.T
-    return dict(params, embed_tokens={"embedding": jnp.asarray(emb, dtype)},
-                lm_head={"kernel": jnp.asarray(head, dtype)})
+    # copies, not views: the step donates the draft's buffers, and the target's must survive it
+    return dict(params, embed_tokens={"embedding": jnp.array(emb, dtype, copy=True)},
+                lm_head={"kernel": jnp.array(head, dtype, copy=True)})
 
 
 def feature_layer_ids(tcfg, dcfg: DraftConfig) -> tuple[int, ...]:
