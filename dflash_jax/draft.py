@@ -421,14 +421,16 @@ def on_vocab(candidates, values, vocab: int, fill=-jnp.inf):
     return jnp.full((b, t, vocab), fill, values.dtype).at[rows, cols, candidates].set(values)
 
 
-def spark(cfg: DraftConfig, params, h, base_logits, anchor, *, prev=None, sampling=None, key=None):
+def spark(cfg: DraftConfig, params, h, base_logits, anchor, *, prev=None, sampling=None, key=None,
+          confidence_logits: bool = False):
     """DSpark's left-to-right walk (``dspark.walk``) over one block per row with this draft's heads: hidden h
     [B, T, D], base logits [B, T, V] of every slot, ``anchor`` [B] -> (tokens [B, T], Markov-corrected scores
-    [B, T, V], confidence [B, T] or None)."""
+    [B, T, V], confidence [B, T] or None); ``prev`` [B, T - 1] teacher-forces the previous tokens (training),
+    ``confidence_logits`` returns the confidence head's logits instead."""
     model = DFlashDraft(cfg)
     step = lambda x, h_j, s: model.apply({"params": params}, x, h_j, s, method=DFlashDraft.spark_step)  # noqa: E731
     return walk(step, h, base_logits, anchor, state_width=spark_state_width(cfg), confident=bool(cfg.confidence_head),
-                prev=prev, sampling=sampling, key=key)
+                prev=prev, sampling=sampling, key=key, confidence_logits=confidence_logits)
 
 
 # positional: the target's and the draft's (config, params), then the block and its context K/V

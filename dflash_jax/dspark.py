@@ -65,7 +65,8 @@ class ConfidenceHead(nn.Module):
 
 
 # positional: the slot function, then the block's hidden states, base logits and anchor
-def walk(step, h, base_logits, anchor, *, state_width: int, confident: bool, prev=None, sampling=None, key=None):
+def walk(step, h, base_logits, anchor, *, state_width: int, confident: bool, prev=None, sampling=None, key=None,
+         confidence_logits: bool = False):
     """Draft a block left to right: ``step(x, h_j, state) -> (bias [B, V], state, confidence logit [B] or None)``
     (the draft's ``DFlashDraft.spark_step``; ``state`` [B, ``state_width``] starts at zero), h [B, T, D], base
     logits [B, T, V] float32, ``anchor`` [B] (slot 0's previous token) -> (tokens [B, T] int32, scores [B, T, V]
@@ -74,7 +75,9 @@ def walk(step, h, base_logits, anchor, *, state_width: int, confident: bool, pre
     Slot j's previous token is the token drafted at slot j - 1, or ``prev[:, j - 1]`` when ``prev`` [B, T - 1] is
     given (teacher forcing). Greedy (``sampling`` None): the argmax of l'_j and scores = l'_j. Sampled
     (``sampling`` = per-row (temperature, top_k, top_p), ``key`` [B, 2]): a draw from the processed l'_j (a row at
-    temperature 0 takes the argmax) and scores = those processed log-weights: the q of the rejection rule."""
+    temperature 0 takes the argmax) and scores = those processed log-weights: the q of the rejection rule.
+    ``confidence_logits``: the confidence head's raw logits u_j instead of sigmoid(u_j) (training's
+    BCE-with-logits; differentiable, as the scores are)."""
     b, t = base_logits.shape[:2]
     keys = row_keys(key, t) if key is not None else jnp.zeros((t, b, 2), jnp.uint32)
     forced = jnp.zeros((t, b), jnp.int32) if prev is None else jnp.swapaxes(
@@ -97,7 +100,8 @@ def walk(step, h, base_logits, anchor, *, state_width: int, confident: bool, pre
     xs = (jnp.swapaxes(h, 0, 1), jnp.swapaxes(base_logits, 0, 1), keys, forced)
     state0 = jnp.zeros((b, state_width), h.dtype)
     _, (tokens, scores, conf) = jax.lax.scan(slot, (anchor.astype(jnp.int32), state0), xs)
-    confidence = jax.nn.sigmoid(jnp.swapaxes(conf, 0, 1)) if confident else None
+    conf = jnp.swapaxes(conf, 0, 1)
+    confidence = (conf if confidence_logits else jax.nn.sigmoid(conf)) if confident else None
     return jnp.swapaxes(tokens, 0, 1), jnp.swapaxes(scores, 0, 1), confidence
 
 

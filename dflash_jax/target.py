@@ -85,6 +85,12 @@ def head(cfg, params, h):
     return decoder(cfg).apply({"params": params}, h, method="head")
 
 
+def logits(cfg, params, h):
+    """The target's own float32 logits of final-normed hidden states: ``head`` plus any transform of its family
+    (a soft cap); a DSpark draft's training target distribution."""
+    return decoder(cfg).apply({"params": params}, h, method="logits")
+
+
 def load_target(path_or_hub_id, dtype="float32", place=None) -> Target:
     """Load a Hugging Face checkpoint of any supported family (directory or hub id)."""
     path = resolve_path(path_or_hub_id)

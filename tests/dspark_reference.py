@@ -1,6 +1,6 @@
 """An independent NumPy statement of DeepSpec's DSpark draft (shifted prediction, Markov head, confidence head) and
 its temperature-0 evaluation loop, plus a writer of tiny DSpark checkpoints in DeepSpec's on-disk layout; written
-from the spec (/work/shared/DSPARK.md, sections 1-5 and 9), to test dflash_jax's implementation against.
+from the published rules (DeepSpec at afdfa7c: its DSpark modeling, Markov head and evaluation loop), to test dflash_jax's implementation against.
 
 Conventions (DSPARK.md section 0.1 / 9): a block is B slots [anchor, mask x (B-1)] at positions p..p+B-1 right
 after the context (positions ..p-1); EVERY slot j produces logits and slot j predicts the token at p+j+1, so a

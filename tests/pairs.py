@@ -174,9 +174,10 @@ def lossless_greedy_with_partial_acceptance(model, target, blocks=(4, 8), new: i
     assert partial, "no partial acceptance: the rollback was not exercised"
 
 
-def train_briefly(path, target, root, steps: int = 30):
+def train_briefly(path, target, root, steps: int = 30, **overrides):
     """A 1-layer block-4 draft trained ``steps`` steps on ``target``'s own greedy answers to 8 random prompts
-    (make_data + train, as a user would); returns (draft, per-step losses)."""
+    (make_data + train, as a user would); ``overrides``: other TrainConfig fields (e.g. ``draft_arch="dspark"``);
+    returns (draft, per-step losses)."""
     import json
     import os
 
@@ -199,6 +200,6 @@ def train_briefly(path, target, root, steps: int = 30):
     cfg = TrainConfig(target=path, data=data, out=os.path.join(root, "run"), draft_layers=1, block_size=4,
                       num_target_features=2, num_anchors=8, seq_len=32, batch_size=4, steps=steps, lr=1e-2,
                       warmup_frac=0.1, dtype="float32", save_every=steps, log_every=steps, progress=False,
-                      eval_num_prompts=0, mask_token_id=vocab - 1)
+                      eval_num_prompts=0, mask_token_id=vocab - 1, **overrides)
     draft = train(cfg, target=target, on_step=lambda s, m: losses.append(m["loss"]), log=quiet)
     return draft, losses

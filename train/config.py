@@ -18,6 +18,12 @@ from dflash_jax.checkpoints import DTYPES
 # --draft-causal -> DraftConfig.is_causal (auto: the newest reference's rule, sliding layers causal, full ones not)
 DRAFT_CAUSAL = {"auto": None, "true": True, "false": False}
 
+# --draft-arch: the draft's architecture and the objective it trains with
+DRAFT_ARCHS = ("dflash", "dspark")
+MARKOV_HEADS = ("vanilla", "gated", "rnn")
+# DSpark's loss-weight decay (DeepSpec's loss_decay_gamma): w_j = exp(-j/4), slot j 0-based
+DSPARK_GAMMA = 4.0
+
 # Loss-weight decay gamma of the paper per block size (w_k = exp(-(k-1)/gamma)).
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -76,10 +82,23 @@ class TrainConfig:
                                        "(final_logit_softcapping; 0: off)", default=0.0)
     draft_embedding_scale: float = _help("multiplier of the draft block's raw token embeddings "
                                          "(input_embedding_scale)", default=1.0)
+    # DSpark drafts (--draft-arch dspark: DeepSpec's Qwen3DSparkModel)
+    draft_arch: str = _help("draft architecture: dflash (DFlashDraftModel, the DFlash objective) | dspark "
+                            "(Qwen3DSparkModel: every block slot predicts the next token, a Markov head and a "
+                            "confidence head, frozen copies of the target's embedding and lm_head, the DSpark "
+                            "loss)", default="dflash")
+    markov_rank: int = _help("DSpark: rank r of the Markov head (0: none)", default=256)
+    markov_head_type: str = _help("DSpark: the Markov head: vanilla | gated | rnn", default="vanilla")
+    confidence_head: bool = _help("DSpark: train a confidence head (per-slot acceptance estimate, fed the Markov "
+                                  "embedding when there is a Markov head)", default=True)
+    ce_weight: float = _help("DSpark: weight of the cross-entropy term", default=0.1)
+    l1_weight: float = _help("DSpark: weight of the L1 distance between the draft's and the target's "
+                             "next-token distributions", default=0.9)
+    confidence_weight: float = _help("DSpark: weight of the confidence head's BCE term", default=1.0)
     # the objective
     num_anchors: int = _help("anchors (blocks) per row, re-drawn every epoch", default=512)
-    gamma: float = _help("loss weight decay gamma, w_k = exp(-(k-1)/gamma); 0: 7/5/4 for B=16/10/8, "
-                         "interpolated otherwise", default=0.0)
+    gamma: float = _help("loss weight decay gamma, w_k = exp(-(k-1)/gamma) for the label k tokens after the anchor; "
+                         "0: 7/5/4 for B=16/10/8, interpolated otherwise (dspark: 4)", default=0.0)
     seq_len: int = _help("row length (longer sequences are truncated, shorter padded)", default=2048)
     pack: bool = _help("pack several sequences into each --seq-len row (anchors, labels, target features and "
                        "each block's context stay within its sequence; equal to training them unpacked, with "
@@ -168,7 +187,18 @@ class TrainConfig:
 
     @property
     def gamma_value(self) -> float:
-        return self.gamma if self.gamma > 0 else default_gamma(self.block_size)
+        return self.gamma_of(self.dspark)
+
+    def gamma_of(self, dspark: bool) -> float:
+        """--gamma, or its default for a DSpark draft (DeepSpec's 4) or a DFlash one (``default_gamma``); the
+        draft's architecture decides (an --init-draft's may differ from --draft-arch)."""
+        if self.gamma > 0:
+            return self.gamma
+        return DSPARK_GAMMA if dspark else default_gamma(self.block_size)
+
+    @property
+    def dspark(self) -> bool:
+        return self.draft_arch == "dspark"
 
     @property
     def global_batch(self) -> int:
@@ -221,6 +251,35 @@ class TrainConfig:
                 errors.append(f"--{name.replace('_', '-')} must be a finite non-zero number, got {getattr(self, name)}")
         if not (math.isfinite(self.draft_logit_softcap) and self.draft_logit_softcap >= 0):
             errors.append(f"--draft-logit-softcap must be >= 0 (0: off), got {self.draft_logit_softcap}")
+        return errors + self._dspark_option_errors()
+
+    def _dspark_option_errors(self) -> list[str]:
+        """--draft-arch and the DSpark flags: valid values; DSpark flags only with --draft-arch dspark; a DSpark
+        draft's layers are full bidirectional attention with plain logits (DeepSpec's)."""
+        errors = []
+        if self.draft_arch not in DRAFT_ARCHS:
+            return [f"--draft-arch must be one of {', '.join(DRAFT_ARCHS)}, got {self.draft_arch!r}"]
+        if self.markov_head_type not in MARKOV_HEADS:
+            errors.append(f"--markov-head-type must be one of {', '.join(MARKOV_HEADS)}, got {self.markov_head_type!r}")
+        if self.markov_rank < 0:
+            errors.append(f"--markov-rank must be >= 0 (0: no Markov head), got {self.markov_rank}")
+        weights = ("ce_weight", "l1_weight", "confidence_weight")
+        for name in weights:
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                errors.append(f"--{name.replace('_', '-')} must be a finite number >= 0, got {getattr(self, name)}")
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        dspark_only = ("markov_rank", "markov_head_type", "confidence_head") + weights
+        if not self.dspark:
+            changed = [n for n in dspark_only if getattr(self, n) != defaults[n]]
+            if changed:
+                errors.append(f"{', '.join('--' + n.replace('_', '-') for n in changed)} set for a "
+                              f"--draft-arch {self.draft_arch} draft: DSpark options (--draft-arch dspark)")
+            return errors
+        changed = [n for n in ("draft_sliding_layers", "draft_causal", "draft_output_multiplier",
+                               "draft_logit_softcap", "draft_embedding_scale") if getattr(self, n) != defaults[n]]
+        if changed:
+            errors.append(f"{', '.join('--' + n.replace('_', '-') for n in changed)}: a DSpark draft's layers are "
+                          "full bidirectional attention with plain logits (DeepSpec's); leave them at their defaults")
         return errors
 
     def to_json(self) -> dict:
@@ -256,6 +315,10 @@ def _choices(name: str):
         return list(DTYPES)
     if name == "draft_causal":
         return list(DRAFT_CAUSAL)
+    if name == "draft_arch":
+        return list(DRAFT_ARCHS)
+    if name == "markov_head_type":
+        return list(MARKOV_HEADS)
     return ["auto", "kernel", "reference", "interpret"] if name == "impl" else None
 
 

@@ -23,7 +23,8 @@ from dflash_jax.config import DraftConfig
 from dflash_jax.draft import Draft, draft_param_shapes, save_draft
 from train.checkpoint import Checkpointer, CheckpointError, find_checkpoint
 
-DRAFT_ARCHITECTURES = ["DFlashDraftModel"]
+# the architectures this trainer exports (config.json "architectures"): DFlash and DSpark (DeepSpec's layout)
+DRAFT_ARCHITECTURES = (["DFlashDraftModel"], ["Qwen3DSparkModel"])
 EXPORT_FILES = ("config.json", "model.safetensors", "training_info.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz", ".npy",
                    ".index.json")
@@ -48,7 +49,7 @@ def check_export_dir(out: str, train_config: dict) -> None:
                 arch = json.load(f).get("architectures")
         except (OSError, ValueError, AttributeError):
             arch = "unreadable"
-        if arch != DRAFT_ARCHITECTURES:
+        if arch not in DRAFT_ARCHITECTURES:
             raise ExportError(f"--out {out} holds another model (config.json architectures {arch}, not a DFlash "
                               "draft); exporting would overwrite it: choose another --out, or pass --force")
         if not same_run(os.path.join(out, "training_info.json"), train_config):

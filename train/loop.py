@@ -20,6 +20,7 @@ state (with its step count) and the data position, so a resumed run continues bi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -42,7 +43,7 @@ from dflash_jax.config import MASK_TOKEN, DraftConfig, choose_target_layer_ids
 from dflash_jax.draft import Draft, check_fits, draft_param_shapes, init_draft_params, load_draft
 from dflash_jax.prompts import encode_prompt, read_prompts
 from dflash_jax.target import Target, load_target
-from train import objective
+from train import dspark_objective, objective
 from train.checkpoint import CHECKPOINT_DIR, CheckpointError, Checkpointer
 from train.config import TrainConfig
 from train.data import TrainData
@@ -57,7 +58,9 @@ from dflash_jax.progress import progress_bar
 RESUME_FIXED = ("draft_layers", "block_size", "num_target_features", "target_layer_ids",
                 "mask_token_id", "draft_sliding_layers", "draft_sliding_window", "draft_causal",
                 "draft_output_multiplier", "draft_logit_softcap", "draft_embedding_scale", "num_anchors", "gamma",
-                "seq_len", "batch_size", "grad_accum", "seed", "dtype", "param_dtype", "init_draft", "pack")
+                "seq_len", "batch_size", "grad_accum", "seed", "dtype", "param_dtype", "init_draft", "pack",
+                "draft_arch", "markov_rank", "markov_head_type", "confidence_head", "ce_weight", "l1_weight",
+                "confidence_weight")
 _RESUME_ROUNDING = ("impl", "loss_chunk")
 # The collapse warning: this many consecutive steps with the loss within COLLAPSE_TOL nats of ln(vocab)
 # (uniform predictions) or a gradient norm of exactly 0.
@@ -102,8 +105,45 @@ def build_draft_config(cfg: TrainConfig, target: Target, tokenizer=None) -> Draf
     if bad:
         raise ValueError(f"--target-layer-ids {list(ids)}: ids {bad} are outside the target's {L} layers (0..{L - 1})")
     mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else default_mask_token_id(target, tokenizer)
-    return DraftConfig.for_target(target.config, draft_layers=cfg.draft_layers, block_size=cfg.block_size,
+    dcfg = DraftConfig.for_target(target.config, draft_layers=cfg.draft_layers, block_size=cfg.block_size,
                                   mask_token_id=mask_id, target_layer_ids=ids, **cfg.draft_options())
+    return dspark_config(cfg, dcfg) if cfg.dspark else dcfg
+
+
+def dspark_config(cfg: TrainConfig, dcfg: DraftConfig) -> DraftConfig:
+    """The DSpark draft (DeepSpec's ``build_draft_config``) of the DFlash draft ``dcfg`` made from the same flags:
+    the same layer stack, block, target layers and mask token, DeepSpec's top-level keys instead of
+    ``dflash_config``, its Markov and confidence heads from the flags; ``num_anchors`` written back as DeepSpec
+    does."""
+    hf = {k: v for k, v in dcfg.to_hf().items() if k not in ("dflash_config", "auto_map", "is_causal")}
+    hf.update(architectures=["Qwen3DSparkModel"], mask_token_id=dcfg.mask_token_id,
+              target_layer_ids=list(dcfg.target_layer_ids), markov_rank=cfg.markov_rank,
+              enable_confidence_head=cfg.confidence_head, num_anchors=cfg.num_anchors, tie_word_embeddings=False,
+              layer_types=["full_attention"] * dcfg.layers.num_hidden_layers)
+    if cfg.markov_rank:
+        hf["markov_head_type"] = cfg.markov_head_type
+    if cfg.confidence_head:
+        hf["confidence_head_with_markov"] = cfg.markov_rank > 0
+    return DraftConfig.from_hf(hf)
+
+
+def with_target_copies(params, target: Target, dtype):
+    """A new DSpark draft's params with ``embed_tokens`` / ``lm_head`` copied from the target (a tied target's head
+    is its embedding, transposed), as DeepSpec initialises them; they stay frozen."""
+    tp = target.params
+    if "embed_tokens" not in tp:
+        raise TrainingError(f"the target ({target.config.model_type}) keeps no plain embed_tokens table for a DSpark "
+                            "draft to copy")
+    emb = tp["embed_tokens"]["embedding"]
+    head = tp["lm_head"]["kernel"] if "lm_head" in tp else emb.T
+    # copies, not views: the step donates the draft's buffers, and the target's must survive it
+    return dict(params, embed_tokens={"embedding": jnp.array(emb, dtype, copy=True)},
+                lm_head={"kernel": jnp.array(head, dtype, copy=True)})
+
+
+def feature_layer_ids(tcfg, dcfg: DraftConfig) -> tuple[int, ...]:
+    """The target layers whose outputs a training step reads (a DSpark draft's also the last one, for p_t)."""
+    return dspark_objective.feature_layer_ids(tcfg, dcfg) if dcfg.shifted else tuple(dcfg.target_layer_ids)
 
 
 # The flags of TrainConfig.draft_options, by DraftConfig.for_target keyword
@@ -125,8 +165,14 @@ def _draft_options_of(dcfg: DraftConfig) -> dict:
 def _ignored_draft_flags(cfg: TrainConfig, dcfg: DraftConfig) -> list[str]:
     """The draft-architecture flags whose values ``dcfg`` (an --init-draft's config, which wins) does not have."""
     flags = [f for f, ours, theirs in (("--block-size", cfg.block_size, dcfg.block_size),
-                                       ("--draft-layers", cfg.draft_layers, dcfg.layers.num_hidden_layers))
+                                       ("--draft-layers", cfg.draft_layers, dcfg.layers.num_hidden_layers),
+                                       ("--draft-arch", cfg.draft_arch, dcfg.architecture))
              if ours != theirs]
+    if dcfg.shifted:
+        theirs = {"markov_rank": dcfg.markov_rank, "confidence_head": dcfg.confidence_head}
+        if dcfg.markov:
+            theirs["markov_head_type"] = dcfg.markov_head_type
+        flags += [f"--{k.replace('_', '-')}" for k, v in theirs.items() if getattr(cfg, k) != v]
     ours, theirs = cfg.draft_options(), _draft_options_of(dcfg)
     return flags + [flag for k, flag in _DRAFT_OPTION_FLAGS.items() if ours[k] != theirs[k]]
 
@@ -140,7 +186,7 @@ def lr_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
 
 
 _STEP_FIELDS = ("seed", "num_anchors", "block_size", "gamma", "impl", "loss_chunk", "dtype", "clip",
-                "weight_decay", "beta1", "beta2", "mesh")
+                "weight_decay", "beta1", "beta2", "mesh", "draft_arch", "ce_weight", "l1_weight", "confidence_weight")
 _step_cache: dict = {}
 
 
@@ -151,7 +197,8 @@ def cached_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, *, offline: boo
     if key not in _step_cache:
         if len(_step_cache) >= 8:
             _step_cache.pop(next(iter(_step_cache)))
-        optimizer = make_optimizer(cfg.clip, cfg.beta1, cfg.beta2, cfg.weight_decay)
+        frozen = dspark_objective.FROZEN if dcfg.own_embeddings else ()
+        optimizer = make_optimizer(cfg.clip, cfg.beta1, cfg.beta2, cfg.weight_decay, frozen)
         _step_cache[key] = (optimizer, make_train_step(cfg, tcfg, dcfg, optimizer, offline=offline))
     return _step_cache[key]
 
@@ -163,19 +210,26 @@ def make_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, optimizer, *, off
     params / opt_state are donated; when ``ok`` is False they come back unchanged. On ``cfg.mesh`` the
     block-attention kernel runs per shard (traced with that mesh: ``sharding.mesh_scope``)."""
     mesh = sharding.make_mesh(cfg.mesh) if cfg.mesh else None
-    weights = objective.position_weights(dcfg.block_size, cfg.gamma_value)
     dtype = resolve_dtype(cfg.dtype)
+    if dcfg.shifted:  # DSpark: shifted labels, the Markov / confidence heads, the three-term loss
+        weights = dspark_objective.slot_weights(dcfg.block_size, cfg.gamma_of(True))
+        loss_sums = functools.partial(dspark_objective.loss_sums,
+                                      loss_weights=(cfg.ce_weight, cfg.l1_weight, cfg.confidence_weight))
+    else:
+        weights = objective.position_weights(dcfg.block_size, cfg.gamma_of(False))
+        loss_sums = objective.loss_sums
+    layer_ids = feature_layer_ids(tcfg, dcfg)
 
     def micro(params, tparams, batch, epoch):
         """(grads, sums) of one micro-batch ``batch`` = (ids, mask, idx, feats or None, starts or None)."""
         ids, mask, idx, feats, starts = batch
         anchors = objective.sample_batch_anchors(cfg.seed, epoch, idx, mask, cfg.num_anchors, starts)
         if feats is None:
-            feats = objective.target_features(tcfg, tparams, ids, dcfg.target_layer_ids, starts)
+            feats = objective.target_features(tcfg, tparams, ids, layer_ids, starts)
 
         def f(p):
-            s = objective.loss_sums(tcfg, tparams, dcfg, p, ids, mask, anchors, feats, weights=weights,
-                                    impl=cfg.impl, chunk=cfg.loss_chunk, dtype=dtype, doc_start=starts)
+            s = loss_sums(tcfg, tparams, dcfg, p, ids, mask, anchors, feats, weights=weights,
+                          impl=cfg.impl, chunk=cfg.loss_chunk, dtype=dtype, doc_start=starts)
             return s["wce"], s
 
         (_, sums), grads = jax.value_and_grad(f, has_aux=True)(params)
@@ -455,7 +509,7 @@ class ResumePoints:
 
 
 def _init_draft(cfg: TrainConfig) -> Draft:
-    """The --init-draft to start from (DFlash v1 only); warns about the architecture flags it overrides."""
+    """The --init-draft to start from (DFlash v1 or DSpark); warns about the architecture flags it overrides."""
     init = load_draft(cfg.init_draft, dtype=cfg.param_dtype)
     dcfg = init.config
     if dcfg.convolves:
@@ -463,10 +517,6 @@ def _init_draft(cfg: TrainConfig) -> Draft:
                             "drafts can be loaded and served but not trained here, because the training recipe "
                             "of their candidate selector is not public; start from a DFlash (DFlashDraftModel) "
                             "draft or train a new one")
-    if dcfg.shifted:
-        raise TrainingError(f"--init-draft {cfg.init_draft} is a DSpark draft (Qwen3DSparkModel): DSpark drafts "
-                            "can be loaded and served but this trainer does not train them yet (its loss and block "
-                            "layout differ); start from a DFlash (DFlashDraftModel) draft or train a new one")
     ignored = _ignored_draft_flags(cfg, dcfg)
     if ignored:
         sliding = [i for i, t in enumerate(dcfg.layers.layer_types) if t == "sliding_attention"]
@@ -496,6 +546,8 @@ def _choose_draft(cfg: TrainConfig, target: Target, tokenizer, data: TrainData, 
         else:
             dcfg = build_draft_config(cfg, target, tokenizer)
             params = init_draft_params(dcfg, cfg.seed, param_dtype)
+            if dcfg.own_embeddings:
+                params = with_target_copies(params, target, param_dtype)
         check_fits(target, Draft(dcfg, params))
     if dcfg.block_size != cfg.block_size:
         cfg = cfg.replace(block_size=dcfg.block_size)
@@ -588,7 +640,9 @@ class TrainRun:
                  f"{target.config.hidden_size}, vocab {target.config.vocab_size}); draft: "
                  f"{dcfg.layers.num_hidden_layers} layers, {n_params / 1e6:.2f}M params, block {dcfg.block_size}, "
                  f"target_layer_ids {list(dcfg.target_layer_ids)}, mask id {dcfg.mask_token_id}, gamma "
-                 f"{cfg.gamma_value:.3g}")
+                 f"{cfg.gamma_of(dcfg.shifted):.3g}" + (f"; DSpark (Markov rank {dcfg.markov_rank}, confidence head "
+                                                        f"{dcfg.confidence_head}; embed_tokens / lm_head frozen)"
+                                                        if dcfg.shifted else ""))
         self.log(f"data: {len(data)} sequences, {data.num_tokens} tokens; {self.spe} steps/epoch of "
                  f"{cfg.global_batch} {'rows' if cfg.pack else 'sequences'}; {self.total} steps")
         if self.primary:
@@ -603,7 +657,7 @@ class TrainRun:
             return None
         from train.features import build_feature_store
 
-        store = build_feature_store(self.target, self.dcfg.target_layer_ids, self.data,
+        store = build_feature_store(self.target, feature_layer_ids(self.target.config, self.dcfg), self.data,
                                     cfg.feature_dir or os.path.join(cfg.out, "features"),
                                     batch_size=cfg.batch_size, dtype=cfg.feature_dtype, progress=cfg.progress,
                                     log=self.log)

@@ -210,13 +210,16 @@ def loss_sums(tcfg, tparams, dcfg: DraftConfig, dparams, input_ids, loss_mask, a
 
 
 def summarize(sums: dict) -> dict:
-    """Sums (possibly added over micro-batches) -> loss and readable metrics (host floats)."""
+    """Sums (possibly added over micro-batches) -> loss and readable metrics (host floats); ``acc_k[i]``: the
+    accuracy on labels i + 1 tokens after the anchor."""
     s = jax.device_get(sums)
     weight = max(float(s["weight"]), 1e-12)
     count = np.maximum(np.asarray(s["count_k"]), 1)
     acc = (np.asarray(s["correct_k"]) / count)[1:]
     blocks = max(float(s["blocks"]), 1.0)
-    return {"loss": float(s["wce"]) / weight, "ce": float(s["ce"]) / max(float(s["tokens"]), 1.0),
+    # a DSpark objective's terms (train/dspark_objective.py), each weighted as the loss
+    terms = {f"loss_{k}": float(s[f"w_{k}"]) / weight for k in ("ce", "l1", "conf") if f"w_{k}" in s}
+    return {"loss": float(s["wce"]) / weight, **terms, "ce": float(s["ce"]) / max(float(s["tokens"]), 1.0),
             "acc": float(np.asarray(s["correct_k"])[1:].sum() / max(float(s["tokens"]), 1.0)),
             "acc_k": [round(float(a), 4) for a in acc],
             "tau_proxy": 1.0 + float(s["accepted"]) / blocks,

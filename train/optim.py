@@ -14,15 +14,28 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) == "kernel", params)
 
 
-def make_optimizer(clip: float, b1: float, b2: float, weight_decay: float) -> optax.GradientTransformation:
+def frozen_labels(params, frozen: tuple[str, ...]):
+    """"frozen" on the leaves under the top-level keys ``frozen``, "trained" elsewhere."""
+    return {k: jax.tree_util.tree_map(lambda _, f=k in frozen: "frozen" if f else "trained", v)
+            for k, v in params.items()}
+
+
+def make_optimizer(clip: float, b1: float, b2: float, weight_decay: float,
+                   frozen: tuple[str, ...] = ()) -> optax.GradientTransformation:
     """Global-norm clipping (``clip`` > 0) -> Adam moments -> decoupled weight decay on ``decay_mask``
     (``weight_decay`` > 0). The learning rate is not inside: the step applies ``-lr * update`` (i.e.
-    AdamW) with ``lr`` passed in per step, so a compiled step does not depend on the schedule."""
+    AdamW) with ``lr`` passed in per step, so a compiled step does not depend on the schedule.
+    ``frozen``: top-level parameter groups (a DSpark draft's embed_tokens / lm_head) that get a zero update and no
+    optimizer state (their gradient is stopped in the loss, so the clipping norm never sees them)."""
     parts = [optax.clip_by_global_norm(clip)] if clip > 0 else []
     parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=1e-8))
     if weight_decay > 0:
         parts.append(optax.add_decayed_weights(weight_decay, mask=decay_mask))
-    return optax.chain(*parts)
+    chain = optax.chain(*parts)
+    if not frozen:
+        return chain
+    return optax.multi_transform({"trained": chain, "frozen": optax.set_to_zero()},
+                                 lambda params: frozen_labels(params, frozen))
 
 
 def warmup_cosine(step: int, *, peak: float, warmup: int, cosine_steps: int, final_frac: float) -> float:
