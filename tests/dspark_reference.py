@@ -2,7 +2,7 @@
 its temperature-0 evaluation loop, plus a writer of tiny DSpark checkpoints in DeepSpec's on-disk layout; written
 from the published rules (DeepSpec at afdfa7c: its DSpark modeling, Markov head and evaluation loop), to test dflash_jax's implementation against.
 
-Conventions (DSPARK.md section 0.1 / 9): a block is B slots [anchor, mask x (B-1)] at positions p..p+B-1 right
+Conventions (docs/models.md, "DSpark"): a block is B slots [anchor, mask x (B-1)] at positions p..p+B-1 right
 after the context (positions ..p-1); EVERY slot j produces logits and slot j predicts the token at p+j+1, so a
 block gives B drafts and the target verifies B+1 tokens [anchor, y_0..y_{B-1}]. Slot j's previous token x_j is the
 anchor for j = 0 and the drafted (greedy) token of slot j-1 after it.

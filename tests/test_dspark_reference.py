@@ -1,5 +1,5 @@
 """Self-checks of the NumPy DSpark reference (tests/dspark_reference.py) and its checkpoint writer, not of
-dflash_jax: the on-disk layout of DSPARK.md sections 1.1 / 1.3 / 9, the Markov / confidence rules of sections 3-4,
+dflash_jax: DeepSpec's on-disk layout (the DSpark spec's sections 1.1 / 1.3 / 9), the Markov / confidence rules of sections 3-4,
 the backbone against the DFlash v1 reference, and the section 5 loop on hand-worked cases."""
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ def _batch():
 
 
 def _numpy_loss(w, cfg, ids, mask, anchors, feats, target_logits, gamma=4.0, loss_weights=(0.1, 0.9, 1.0)):
-    """DeepSpec's loss (DSPARK.md section 6) in float64, block by block: -> (total, {ce, l1, conf})."""
+    """DeepSpec's loss (train/README.md, "Training a DSpark draft") in float64, block by block: -> (total, {ce, l1, conf})."""
     n_feat = len(IDS) * feats.shape[-1] // (len(IDS) + 1)
     num = {"ce": 0.0, "l1": 0.0, "conf": 0.0}
     den = 0.0
