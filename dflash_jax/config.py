@@ -509,6 +509,8 @@ class DraftConfig:
                 extra["markov_head_type"] = None
             elif extra["markov_head_type"] is None:
                 extra["markov_head_type"] = "vanilla"
+            else:  # DeepSpec lower-cases it
+                extra["markov_head_type"] = str(extra["markov_head_type"]).lower()
             if extra["num_anchors"] is not None:
                 extra["num_anchors"] = int(extra["num_anchors"])
             if any(i < 0 for i in ids):
@@ -568,8 +570,7 @@ class DraftConfig:
             out["markov_head_type"] = self.markov_head_type
         if self.confidence_head:
             out["confidence_head_with_markov"] = self.confidence_with_markov
-        if self.num_anchors is not None:
-            out["num_anchors"] = self.num_anchors
+        out["num_anchors"] = 512 if self.num_anchors is None else self.num_anchors  # DeepSpec's model requires it
         return out
 
     @classmethod

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.layers import Embed, Linear
-from dflash_jax.sampling import categorical, filtered_scores, per_row, row_keys
+from dflash_jax.sampling import categorical, filtered_scores, if_sampling, per_row, row_keys
 
 
 class MarkovHead(nn.Module):
@@ -92,7 +92,7 @@ def walk(step, h, base_logits, anchor, *, state_width: int, confident: bool, pre
         if sampling is not None:
             temperature = sampling[0]
             scores = filtered_scores(scores, *sampling)
-            drawn = categorical(key_j, scores)
+            drawn = if_sampling(temperature, lambda: categorical(key_j, scores), token)
             token = jnp.where(per_row(temperature, 1) == 0, token, drawn)
         nxt = token if prev is None else forced_j
         return (nxt, state), (token, scores, jnp.zeros((b,), jnp.float32) if conf is None else conf)

@@ -94,9 +94,10 @@ class Choice:
                 "timed)")
 
 
-def choose(step_s: dict, p) -> int:
-    """The block of the largest expected tau per second (ties: the shorter block)."""
-    return max(sorted(step_s), key=lambda k: expected_tau(p, k) / step_s[k])
+def choose(step_s: dict, p, verify=lambda k: k) -> int:
+    """The block of the largest expected tau per second (ties: the shorter block); ``verify(k)``: the tokens a
+    step of block k verifies (a DSpark draft's k slots: k + 1)."""
+    return max(sorted(step_s), key=lambda k: expected_tau(p, verify(k)) / step_s[k])
 
 
 def choose_block_size(target, draft, prompts, decoding_kw: dict) -> Choice:
@@ -106,7 +107,7 @@ def choose_block_size(target, draft, prompts, decoding_kw: dict) -> Choice:
     updates); the acceptance lengths of all probes estimate each position's acceptance. Then choose."""
     from dflash_jax.decode import cache_length, speculative_generate
 
-    trained = draft.config.block_size
+    trained, verify = draft.config.block_size, draft.config.verify_length
     budget = decoding_kw["max_new_tokens"]
     lens = [len(p) for p in prompts]
     blocks = candidates(trained)
@@ -121,7 +122,8 @@ def choose_block_size(target, draft, prompts, decoding_kw: dict) -> Choice:
         probe = min((run(max_new_tokens=min(PROBE_TOKENS, budget)) for _ in range(2)), key=lambda r: r[0].wall_time_s)
         steps = max(max(len(r.acceptance_lengths) for r in probe), 1)
         step_s[k] = max(probe[0].wall_time_s - prefill, 1e-9) / steps
-        runs += [(r.acceptance_lengths, k) for r in probe]
-    p = position_acceptance(runs, trained)
-    return Choice(block_size=choose(step_s, p), step_s=step_s, expected_tau={k: expected_tau(p, k) for k in blocks},
+        runs += [(r.acceptance_lengths, verify(k)) for r in probe]
+    p = position_acceptance(runs, verify(trained))
+    return Choice(block_size=choose(step_s, p, verify), step_s=step_s,
+                  expected_tau={k: expected_tau(p, verify(k)) for k in blocks},
                   position_acceptance=p, probe_steps=sum(len(a) for a, _ in runs), probe_rows=len(probed))

@@ -256,9 +256,9 @@ def summarize(run: _Run, rows: list[dict], t: _Totals) -> dict:
     summary["plain_step_s"] = t.plain_time / t.plain_tokens
     summary["dflash_step_s"] = t.spec_time / (len(t.acc) + len(run.prompts))
     if not args.no_timing_split:
-        timings = time_forwards(run.target, run.draft, block_sizes=sorted({4, 8, 16, block}),
-                                attention_impl=args.attention, parts_block=block)
-        summary["step_split_s"] = step_split(timings, block, summary["dflash_step_s"])
+        timings = time_forwards(run.target, run.draft, block_sizes=sorted({4, 8, 16, k}),  # k: tokens verified
+                                attention_impl=args.attention, parts_block=k)
+        summary["step_split_s"] = step_split(timings, k, summary["dflash_step_s"])
         timings.pop("step_parts_s", None)
         summary.update(timings)
     return summary

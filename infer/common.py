@@ -100,6 +100,8 @@ def resolve_block(args, target, draft, prompts, kw: dict):
     if (draft is None or args.tree_budget or args.verify_lengths is not None
             or not worth_probing(draft.config.block_size, args.max_new_tokens)):
         return None, None
+    if args.confidence_threshold:  # the probes decode as the run will: with its confidence cut
+        kw = dict(kw, confidence_threshold=args.confidence_threshold)
     try:
         choice = choose_block_size(target, draft, prompts, kw)
     except ValueError as e:

@@ -66,7 +66,8 @@ def time_forwards(target, draft, block_sizes=(4, 8, 16), *, context: int = 256, 
             out[f"draft_forward_s_block{k}"] = timed(draft_fwd, ids, target.params, draft.params,
                                                      *draft_lib.cache_kv(dcache))
         out[f"verify_forward_s_block{k}"] = timed(verify, (ids, tcache), target.params)
-    if draft is not None and parts_block is not None and 1 < parts_block <= draft.config.block_size:
+    if draft is not None and parts_block is not None and 1 < parts_block <= draft.config.verify_length(
+            draft.config.block_size):
         out["step_parts_s"] = _step_parts(timed, target, draft, tcache, dcache, parts_block, context)
     return out
 

@@ -373,8 +373,9 @@ def truncate_metrics(path: str, step: int) -> int:
 
 
 class CollapseDetector:
-    """Warns once (``warn(message)``) when the loss sits at ln(vocab) -- the draft predicts the uniform
-    distribution -- or the gradient norm is exactly 0 for ``COLLAPSE_STEPS`` consecutive steps."""
+    """Warns once (``warn(message)``) when the cross-entropy sits at ln(vocab) -- the draft predicts the uniform
+    distribution -- or the gradient norm is exactly 0 for ``COLLAPSE_STEPS`` consecutive steps (the cross-entropy,
+    not the loss: a DSpark loss adds other terms)."""
 
     def __init__(self, vocab_size: int, lr: float, warn: Callable[[str], None]):
         self.ln_v, self.lr, self.warn = math.log(vocab_size), lr, warn
@@ -761,7 +762,7 @@ class TrainRun:
                     window.add(sums, n_tok, dt)
                 cur = objective.summarize(sums)
                 cur.update(step=self.step, epoch=epoch, lr=lr, grad_norm=float(gnorm))
-                self.collapse.update(self.step, cur["loss"], cur["grad_norm"])
+                self.collapse.update(self.step, cur["ce"], cur["grad_norm"])
                 if window.time > 0:
                     cur["tokens_per_s"] = window.tokens / window.time
                 self.last = cur

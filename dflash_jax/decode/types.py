@@ -55,6 +55,13 @@ class EngineSpec:
         return self.draft_config is not None and self.block_size > 1
 
     @property
+    def draft_block(self) -> int:
+        """The block as the draft's ``block_size`` counts it: the tokens verified, or a DSpark draft's input
+        slots (one fewer: every slot drafts the token after it)."""
+        shifted = self.speculative and self.draft_config.shifted
+        return self.block_size - 1 if shifted else self.block_size
+
+    @property
     def rejection(self) -> bool:
         return self.speculative and not self.greedy and self.acceptance == "rejection" and not self.tree_budget
 

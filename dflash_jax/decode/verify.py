@@ -123,6 +123,7 @@ def chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_t
     verified = length - 1  # drafts the target verifies: the verify length's, or fewer where a proposal was cut
     if spec.speculative and proposal.length is not None:
         verified = jnp.minimum(verified, proposal.length)
+        length = verified + 1  # recorded per row: the tokens whose verification counted
     a = jnp.minimum(accepted_length(block[:, 1:], posterior), verified) if k > 1 else jnp.zeros((b,), jnp.int32)
     if spec.rejection:  # sampled rows: d_1..d_a, then the residual / bonus token; greedy rows keep the match rule
         sampled = state.temperature > 0

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     if jax.process_count() > 1:
         die("infer.serve runs on one host (a --mesh over its local devices); multi-host serving is not supported")
     spec = service.engine.spec
-    what = f"DFlash, block {spec.block_size}" if spec.speculative else "plain decoding"
+    what = f"DFlash, block {spec.draft_block}" if spec.speculative else "plain decoding"
     print(f"serving {service.name!r}: {what}, {service.engine.rows} slots of {service.max_length} tokens, queue "
           f"{args.queue_size}" + ("" if args.no_warm else "; compiling the short-prompt programs..."), file=sys.stderr)
     service.start(warm=not args.no_warm)

@@ -124,7 +124,7 @@ class Service:
         return ok, {"status": "ok" if ok else "stopped", "model": self.name,
                     "slots": self.engine.rows, "slots_busy": len(self.scheduler.active),
                     "queue_depth": self.scheduler.queue.qsize(), "max_length": self.max_length,
-                    "speculative": self.engine.spec.speculative, "block_size": self.engine.spec.block_size}
+                    "speculative": self.engine.spec.speculative, "block_size": self.engine.spec.draft_block}
 
 
 class NoText(TextStream):
