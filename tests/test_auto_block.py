@@ -56,11 +56,28 @@ def test_probes_decode_a_bounded_spread_subset(monkeypatch):
 
     monkeypatch.setattr(decode, "speculative_generate", probe)
     prompts = [[i, 1, 2] for i in range(200)]
-    choice = ab.choose_block_size(None, types.SimpleNamespace(config=types.SimpleNamespace(block_size=8)), prompts,
-                                  {"max_new_tokens": 128})
+    config = types.SimpleNamespace(block_size=8, verify_length=lambda k: k)
+    choice = ab.choose_block_size(None, types.SimpleNamespace(config=config), prompts, {"max_new_tokens": 128})
     assert seen and all(p == ab.probe_prompts(prompts) for p in seen) and len(seen[0]) == ab.PROBE_ROWS
     assert seen[0][0] == prompts[0] and seen[0][-1] == prompts[-1]
     assert choice.probe_rows == ab.PROBE_ROWS and f"probe of {ab.PROBE_ROWS} prompts" in choice.describe()
+
+
+def test_a_dspark_block_verifies_one_more_token(monkeypatch):
+    """A DSpark block of k slots verifies k + 1 tokens: probes accepting everything (acceptance k + 1) give an
+    expected tau above k for every block (counting k verified tokens would cap it at k)."""
+    import types
+
+    from dflash_jax import decode
+
+    def probe(target, draft, prompts, max_new_tokens, block_size, **kw):
+        return [types.SimpleNamespace(wall_time_s=1e-3 * max_new_tokens, acceptance_lengths=[block_size + 1] * 8)
+                ] * len(prompts)
+
+    monkeypatch.setattr(decode, "speculative_generate", probe)
+    config = types.SimpleNamespace(block_size=8, verify_length=lambda k: k + 1)
+    choice = ab.choose_block_size(None, types.SimpleNamespace(config=config), [[1, 2, 3]], {"max_new_tokens": 128})
+    assert all(tau > k for k, tau in choice.expected_tau.items()), choice.expected_tau
 
 
 def test_generate_block_size_auto_probes_and_stays_lossless(pair_dirs, capsys):

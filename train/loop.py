@@ -381,16 +381,16 @@ class CollapseDetector:
         self.ln_v, self.lr, self.warn = math.log(vocab_size), lr, warn
         self.run, self.warned = 0, False
 
-    def update(self, step: int, loss: float, grad_norm: float) -> None:
+    def update(self, step: int, loss: float, grad_norm: float) -> None:  # loss: the cross-entropy
         flat = abs(loss - self.ln_v) <= COLLAPSE_TOL or grad_norm == 0.0
         self.run = self.run + 1 if flat else 0
         if self.run >= COLLAPSE_STEPS and not self.warned:
             self.warned = True
             self.warn(f"the draft has collapsed: for {self.run} steps in a row (steps {step - self.run + 1}..{step}) "
-                      f"the loss sat at ln(vocab) = {self.ln_v:.4f} (uniform predictions) or the gradient norm was 0 "
-                      f"(now: loss {loss:.4f}, gradient norm {grad_norm:.3g}); it is not learning and will not "
-                      f"recover. The learning rate is probably too high: start over with a lower --lr (now "
-                      f"{self.lr:g}; default 6e-4) and a new --out")
+                      f"the cross-entropy sat at ln(vocab) = {self.ln_v:.4f} (uniform predictions) or the gradient "
+                      f"norm was 0 (now: cross-entropy {loss:.4f}, gradient norm {grad_norm:.3g}); it is not learning "
+                      f"and will not recover. The learning rate is probably too high: start over with a lower --lr "
+                      f"(now {self.lr:g}; default 6e-4) and a new --out")
 
 def device_batch(data: TrainData, store, idx, mesh, dtype):
     """(ids, mask, idx, feats or None, doc starts or None) of the global step ``idx`` [A, B] on the device(s).
