@@ -241,12 +241,9 @@ class DFlashDraft(nn.Module):
         if self.cfg.own_embeddings:
             self.embed(jnp.zeros(x.shape[:2], jnp.int32))
             self.head(h)
-            self.spark_step(jnp.zeros(x.shape[:1], jnp.int32), h[:, 0], self.spark_state(x.shape[0], h.dtype))
+            state = jnp.zeros((x.shape[0], spark_state_width(self.cfg)), h.dtype)
+            self.spark_step(jnp.zeros(x.shape[:1], jnp.int32), h[:, 0], state)
         return self.candidate_selector(h) if self.cfg.convolves else h
-
-    def spark_state(self, rows: int, dtype):
-        """The rnn Markov head's state at a block's start (zeros; width 0 for the other heads)."""
-        return jnp.zeros((rows, spark_state_width(self.cfg)), dtype)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

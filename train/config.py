@@ -14,13 +14,13 @@ import types
 import typing
 
 from dflash_jax.checkpoints import DTYPES
+from dflash_jax.config import MARKOV_HEAD_TYPES
 
 # --draft-causal -> DraftConfig.is_causal (auto: the newest reference's rule, sliding layers causal, full ones not)
 DRAFT_CAUSAL = {"auto": None, "true": True, "false": False}
 
 # --draft-arch: the draft's architecture and the objective it trains with
 DRAFT_ARCHS = ("dflash", "dspark")
-MARKOV_HEADS = ("vanilla", "gated", "rnn")
 # DSpark's loss-weight decay (DeepSpec's loss_decay_gamma): w_j = exp(-j/4), slot j 0-based
 DSPARK_GAMMA = 4.0
 
@@ -259,8 +259,9 @@ class TrainConfig:
         errors = []
         if self.draft_arch not in DRAFT_ARCHS:
             return [f"--draft-arch must be one of {', '.join(DRAFT_ARCHS)}, got {self.draft_arch!r}"]
-        if self.markov_head_type not in MARKOV_HEADS:
-            errors.append(f"--markov-head-type must be one of {', '.join(MARKOV_HEADS)}, got {self.markov_head_type!r}")
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            errors.append(f"--markov-head-type must be one of {', '.join(MARKOV_HEAD_TYPES)}, "
+                          f"got {self.markov_head_type!r}")
         if self.markov_rank < 0:
             errors.append(f"--markov-rank must be >= 0 (0: no Markov head), got {self.markov_rank}")
         weights = ("ce_weight", "l1_weight", "confidence_weight")
@@ -318,7 +319,7 @@ def _choices(name: str):
     if name == "draft_arch":
         return list(DRAFT_ARCHS)
     if name == "markov_head_type":
-        return list(MARKOV_HEADS)
+        return list(MARKOV_HEAD_TYPES)
     return ["auto", "kernel", "reference", "interpret"] if name == "impl" else None
 
 

@@ -111,20 +111,15 @@ def build_draft_config(cfg: TrainConfig, target: Target, tokenizer=None) -> Draf
 
 
 def dspark_config(cfg: TrainConfig, dcfg: DraftConfig) -> DraftConfig:
-    """The DSpark draft (DeepSpec's ``build_draft_config``) of the DFlash draft ``dcfg`` made from the same flags:
-    the same layer stack, block, target layers and mask token, DeepSpec's top-level keys instead of
-    ``dflash_config``, its Markov and confidence heads from the flags; ``num_anchors`` written back as DeepSpec
-    does."""
-    hf = {k: v for k, v in dcfg.to_hf().items() if k not in ("dflash_config", "auto_map", "is_causal")}
-    hf.update(architectures=["Qwen3DSparkModel"], mask_token_id=dcfg.mask_token_id,
-              target_layer_ids=list(dcfg.target_layer_ids), markov_rank=cfg.markov_rank,
-              enable_confidence_head=cfg.confidence_head, num_anchors=cfg.num_anchors, tie_word_embeddings=False,
-              layer_types=["full_attention"] * dcfg.layers.num_hidden_layers)
-    if cfg.markov_rank:
-        hf["markov_head_type"] = cfg.markov_head_type
-    if cfg.confidence_head:
-        hf["confidence_head_with_markov"] = cfg.markov_rank > 0
-    return DraftConfig.from_hf(hf)
+    """The DSpark draft of the DFlash draft ``dcfg`` made from the same flags (the same layer stack, block, target
+    layers and mask token; full bidirectional layers, which the flags' checks keep): its Markov and confidence
+    heads from the flags, the confidence head reading the Markov embedding when there is one (DeepSpec's default),
+    ``num_anchors`` kept for the export as DeepSpec writes it. DraftConfig checks the result."""
+    return dataclasses.replace(dcfg, architecture="dspark", markov_rank=cfg.markov_rank,
+                               markov_head_type=cfg.markov_head_type if cfg.markov_rank else None,
+                               confidence_head=cfg.confidence_head,
+                               confidence_with_markov=cfg.markov_rank > 0 if cfg.confidence_head else None,
+                               num_anchors=cfg.num_anchors)
 
 
 def with_target_copies(params, target: Target, dtype):

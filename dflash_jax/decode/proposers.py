@@ -137,11 +137,15 @@ class Spark(Proposer):
 
     confidence_threshold: float = 0.0
 
+    def draft_forward(self, spec, view: StepView):
+        """(base logits [B, K-1, V] of every input slot, their hidden states): the slots are the pending token and
+        K-2 masks (each drafts the token after it), never shortened at the end (DeepSpec's loop does not)."""
+        return draft_lib.block_logits(spec.target_config, view.tparams, spec.draft_config, view.dparams,
+                                      view.block[:, :-1], view.lengths[:, None], *draft_lib.cache_kv(view.dcache),
+                                      decode_impl=spec.attention_impl, with_hidden=True)
+
     def propose(self, spec, view: StepView) -> Proposal:
-        k1 = view.block.shape[1] - 1  # the draft's input slots: the pending token and K-2 masks
-        logits, h = draft_lib.block_logits(spec.target_config, view.tparams, spec.draft_config, view.dparams,
-                                           view.block[:, :k1], view.lengths[:, None], *draft_lib.cache_kv(view.dcache),
-                                           decode_impl=spec.attention_impl, with_hidden=True)
+        logits, h = self.draft_forward(spec, view)
         tokens, scores, confidence = draft_lib.spark(spec.draft_config, view.dparams, h, logits, view.block[:, 0],
                                                      sampling=view.sampling if self.sampled else None,
                                                      key=view.key if self.sampled else None)
