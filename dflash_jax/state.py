@@ -10,13 +10,14 @@ bonus; 0 for a finished row), and every state rolls back in its own way:
 * ``SlidingKV`` (sliding-window attention): a ring of ``window + max_block`` slots that remember their
   positions. Rejected slots hold positions >= the committed length, which the next forward ignores;
   the ring is large enough that they never overwrite a key still inside the window.
-* ``Recurrent`` (linear attention, conv windows): the state after each new token of the last forward
-  (when it had at most ``max_block`` tokens); ``commit`` keeps the one after the last kept token.
+* ``Recurrent`` (linear attention, conv windows): a forward of at most ``max_block`` tokens stashes what each
+  token would add (for Gated DeltaNet: its key, corrected value, log decay and conv input) instead of
+  writing the state; ``commit`` folds the kept tokens into the committed state (no per-token state copies).
 * ``SharedKV`` (a layer reading an earlier layer's keys / values): nothing to keep or undo.
 
 Tree verification (``speculative``, ``tree_budget``) writes its N + 1 tree tokens as positions n..n+N (slot
 order, not their repeating tree positions: ``tree_write``), then ``DecodeCache.compact`` moves the accepted
-path to positions n..n+a before the commit; ``FullKV`` and ``SlidingKV`` support it, ``Recurrent`` does not.
+path to positions n..n+a before the commit (``Recurrent``: its stash slots), so the commit is the chain's.
 
 A token at a position < 0 is padding: never written, never attended to, never advancing a recurrence.
 
@@ -158,43 +159,57 @@ class SlidingKV:
 
 @flax.struct.dataclass
 class Recurrent:
-    """A recurrent layer state ``value`` (a pytree of [B, ...] arrays) plus the last forward's snapshots
-    (each leaf [B, max_block + 1, ...]: index i = the state after i of its new tokens) and ``count`` [B],
-    the number of new tokens that forward had per row."""
+    """A recurrent layer's committed state ``value`` (a pytree of [B, ...] arrays) and what its last forward of at
+    most ``max_block`` tokens stashed per token (``stash``: leaves [B, max_block, ...], the forward's real tokens in
+    order, or a tree's slots in slot order) instead of writing ``value``: ``fold(value, stash, kept)`` (the layer's,
+    static) is the state after the first ``kept`` stashed tokens. ``count`` [B]: tokens stashed (0: none pending; a
+    longer forward, a prefill, writes ``value`` itself and is committed whole); ``start`` [B]: the stashed
+    forward's first position (``compact`` maps positions to stash slots)."""
 
     LOGICAL_AXES: ClassVar[dict] = {"value": ("cache_batch", "cache_state"),
-                                    "snapshots": ("cache_batch", "cache_snapshot"), "count": ("cache_batch",)}
+                                    "stash": ("cache_batch", "cache_snapshot"), "count": ("cache_batch",),
+                                    "start": ("cache_batch",)}
     value: Any
-    snapshots: Any
+    stash: Any
     count: jax.Array
+    start: jax.Array
+    fold: Any = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def max_block(self) -> int:
-        return jax.tree_util.tree_leaves(self.snapshots)[0].shape[1] - 1
+        return jax.tree_util.tree_leaves(self.stash)[0].shape[1]
 
-    def advance(self, before, after_each, valid) -> "Recurrent":
-        """Record a forward: ``before`` the state it started from, ``after_each`` the state after each of its
-        T tokens (leaves [B, T, ...]), ``valid`` [B, T] (padding tokens must leave the state unchanged).
-        Snapshots are kept when T <= max_block; a longer forward (a prefill) can only be committed whole."""
+    def pend(self, stash, valid, positions) -> "Recurrent":
+        """Record a forward of T <= max_block tokens (``stash``: leaves [B, T, ...], the real tokens first, in order;
+        ``valid`` [B, T]; ``positions`` [B, T]) without changing ``value``; ``commit`` folds the kept ones in."""
         t = valid.shape[1]
-        count = jnp.sum(valid, axis=1).astype(jnp.int32)
-        value = jax.tree_util.tree_map(lambda a: a[:, -1], after_each)
-        snaps = self.snapshots
-        if t <= self.max_block:
-            snaps = jax.tree_util.tree_map(
-                lambda s, b, a: s.at[:, 0].set(b).at[:, 1:t + 1].set(a), self.snapshots, before, after_each)
-        return Recurrent(value, snaps, count)
+        stash = jax.tree_util.tree_map(lambda s, a: s.at[:, :t].set(a.astype(s.dtype)), self.stash, stash)
+        start = jnp.min(jnp.where(valid, positions, _FAR), axis=1).astype(jnp.int32)
+        return self.replace(stash=stash, count=jnp.sum(valid, axis=1).astype(jnp.int32), start=start)
+
+    def set_value(self, value) -> "Recurrent":
+        """Record a forward that wrote ``value`` itself (longer than max_block: committed whole)."""
+        return self.replace(value=value, count=jnp.zeros_like(self.count))
 
     def commit(self, kept) -> "Recurrent":
-        whole = kept >= self.count
-        idx = jnp.clip(kept, 0, self.max_block)
+        kept = jnp.minimum(kept, self.count)
+        folded = self.fold(self.value, self.stash, kept)
+        fold = kept > 0
 
-        def pick(v, s):
-            chosen = jnp.take_along_axis(s, idx.reshape((-1, 1) + (1,) * (s.ndim - 2)), axis=1)[:, 0]
-            return jnp.where(whole.reshape((-1,) + (1,) * (v.ndim - 1)), v, chosen)
+        def pick(new, old):
+            return jnp.where(fold.reshape((-1,) + (1,) * (old.ndim - 1)), new.astype(old.dtype), old)
 
-        return self.replace(value=jax.tree_util.tree_map(pick, self.value, self.snapshots),
-                            count=jnp.where(whole, self.count, kept))
+        return self.replace(value=jax.tree_util.tree_map(pick, folded, self.value), count=jnp.zeros_like(self.count))
+
+    def compact(self, src, dst) -> "Recurrent":
+        """``FullKV.compact`` on the stash (position p -> stash slot p - start): the accepted path of a tree
+        verify becomes the stash's first tokens, in order, so ``commit`` folds in exactly that path."""
+        keep = src >= 0
+        m = self.max_block
+        src_slot = jnp.clip(src - self.start[:, None], 0, m - 1)
+        dst_slot = jnp.where(keep, dst - self.start[:, None], m)
+        return self.replace(stash=jax.tree_util.tree_map(
+            lambda s: put_rows(s, dst_slot, take_rows(s, src_slot)), self.stash))
 
 
 @flax.struct.dataclass
@@ -244,15 +259,19 @@ class KVSpec:
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentSpec:
-    """A recurrent layer's state: ``shapes`` maps each leaf name to its per-row shape (and dtype, or None
-    for the cache dtype)."""
+    """A recurrent layer's state: ``shapes`` maps each leaf name of its value to its per-row shape (and dtype, or
+    None for the cache dtype); ``stash`` the same for what a forward keeps per token; ``fold`` (value, stash, kept)
+    -> the value after the first ``kept`` stashed tokens (``Recurrent``)."""
 
     shapes: tuple[tuple[str, tuple[int, ...], Any], ...]
+    stash: tuple[tuple[str, tuple[int, ...], Any], ...]
+    fold: Any
 
     def init(self, batch: int, max_len: int, dtype, max_block: int):
         value = {n: jnp.zeros((batch,) + s, d or dtype) for n, s, d in self.shapes}
-        snaps = {n: jnp.zeros((batch, max_block + 1) + s, d or dtype) for n, s, d in self.shapes}
-        return Recurrent(value, snaps, jnp.zeros((batch,), jnp.int32))
+        stash = {n: jnp.zeros((batch, max_block) + s, d or dtype) for n, s, d in self.stash}
+        zeros = jnp.zeros((batch,), jnp.int32)
+        return Recurrent(value, stash, zeros, zeros, self.fold)
 
 
 @flax.struct.dataclass
@@ -277,8 +296,5 @@ class DecodeCache:
         return self.replace(layers=tuple(s.commit(kept) for s in self.layers), lengths=self.lengths + kept)
 
     def compact(self, src, dst) -> "DecodeCache":
-        """``compact`` in every layer (tree verification supports attention caches only)."""
-        bad = {type(s).__name__ for s in self.layers if not isinstance(s, (FullKV, SlidingKV, SharedKV))}
-        if bad:
-            raise ValueError(f"tree verification needs attention caches; this cache has {', '.join(sorted(bad))}")
+        """``compact`` in every layer."""
         return self.replace(layers=tuple(s.compact(src, dst) for s in self.layers))

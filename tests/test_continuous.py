@@ -77,7 +77,7 @@ def kind_pair(kind: str):
 @pytest.mark.parametrize("kind", ["sliding", "recurrent", pytest.param("latent", marks=pytest.mark.slow),
                                   pytest.param("shared_kv", marks=pytest.mark.slow)])
 def test_every_cache_kind_admits_rows_beside_running_ones(kind):
-    """Rings, recurrent snapshots, latent K/V and kv-shared layers: rows admitted while others run keep both
+    """Rings, recurrent stashes, latent K/V and kv-shared layers: rows admitted while others run keep both
     caches row-local, so each row's greedy output equals its prompt decoded alone (plain), speculative included."""
     target, draft = kind_pair(kind)
     vocab = target.config.vocab_size

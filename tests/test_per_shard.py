@@ -139,17 +139,17 @@ def test_cache_layouts_follow_the_logical_rules():
     from dflash_jax.state import DecodeCache, KVSpec, RecurrentSpec, SharedKVSpec
 
     mesh = sh.make_mesh("data=2,tensor=4")
-    specs = (KVSpec(4, 16), KVSpec(4, 16, window=4), RecurrentSpec((("conv", (3, 8), None),)), SharedKVSpec())
+    specs = (KVSpec(4, 16), KVSpec(4, 16, window=4), RecurrentSpec((("conv", (3, 8), None),), (("x", (3,), None),), None), SharedKVSpec())
     cache = DecodeCache.create(specs, 8, 32, jnp.float32, max_block=4)
 
     def layouts(rules):
         out = jax.jit(lambda c: sh.constrain_cache(c, mesh, rules))(cache)
         full, ring, rec, _ = out.layers
         return {"full.k": full.k, "ring.v": ring.v, "ring.pos": ring.pos, "rec.value": rec.value["conv"],
-                "rec.snapshots": rec.snapshots["conv"], "rec.count": rec.count, "lengths": out.lengths}
+                "rec.stash": rec.stash["x"], "rec.count": rec.count, "lengths": out.lengths}
 
     want = {"full.k": P("data", None, "tensor"), "ring.v": P("data", None, "tensor"), "ring.pos": P("data"),
-            "rec.value": P("data"), "rec.snapshots": P("data"), "rec.count": P("data"), "lengths": P("data")}
+            "rec.value": P("data"), "rec.stash": P("data"), "rec.count": P("data"), "lengths": P("data")}
     for name, x in layouts(sh.LOGICAL_RULES).items():
         assert x.sharding.is_equivalent_to(NamedSharding(mesh, want[name]), x.ndim), name
     moved = tuple((k, {"cache_batch": None, "cache_len": "data"}.get(k, v)) for k, v in sh.LOGICAL_RULES)

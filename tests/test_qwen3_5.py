@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax.families.qwen3_5 import Qwen35Config, chunked_delta_rule, recurrent_delta_rule, snapshot_bytes
+from dflash_jax.families.qwen3_5 import Qwen35Config, chunked_delta_rule, recurrent_delta_rule, stash_bytes
 from dflash_jax.target import forward
 from hf_models import packed_features_match, positions_for, ragged_parity, vision_language_loads
 from pairs import decode_in_chunks, lossless_greedy_with_partial_acceptance
@@ -70,8 +70,9 @@ def test_config_reads_the_released_vision_language_layout():
     assert Qwen35Config.from_hf(text.to_hf()) == text
     no_types = {k: v for k, v in RELEASED_TEXT.items() if k != "layer_types"}  # full_attention_interval decides
     assert Qwen35Config.from_hf(no_types).layer_types == c.layer_types
-    # Qwen3.5-9B: 24 linear layers, each (16+1) snapshots of [8192 x 3] bf16 + [32 x 128 x 128] fp32 per row
-    assert snapshot_bytes(c, 16) == 17 * 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
+    # Qwen3.5-9B: 24 linear layers, each stashing 16 tokens of a key, a corrected value and a log decay per value
+    # head (fp32) and a conv input of 8192 (bf16) per row: 24 * 16 * 49 KiB, where a state per token was 2 MiB
+    assert stash_bytes(c, 16) == 16 * 24 * (32 * (128 + 128 + 1) * 4 + 8192 * 2)
 
 
 def test_logits_and_every_layer_match_transformers_on_a_ragged_batch(qwen):
@@ -99,15 +100,15 @@ def _delta_depth(q, chunk: int = 4) -> int:
 
 
 def test_chunked_form_equals_recurrent_form():
-    """Chunks of 4 over 11 tokens (a ragged last chunk), from a nonzero state: outputs, the state after
-    each token and the final state equal the one-token recurrence."""
+    """Chunks of 4 over 11 tokens (a ragged last chunk), from a nonzero state: outputs, the corrected values
+    each token writes and the final state equal the one-token recurrence."""
     q, k, v, g, beta, s0 = _delta_inputs(0)
-    want_out, want_states = recurrent_delta_rule(q, k, v, g, beta, s0)
-    out, final, states = chunked_delta_rule(q, k, v, g, beta, s0, chunk=4, per_token=True)
+    want_out, want_final, want_u = recurrent_delta_rule(q, k, v, g, beta, s0)
+    out, final, u = chunked_delta_rule(q, k, v, g, beta, s0, chunk=4)
     depth = _delta_depth(q)
     assert_close(out, want_out, depth, what="outputs")
-    assert_close(states, want_states, depth, what="states")
-    assert_close(final, want_states[:, -1], depth, what="final state")
+    assert_close(u, want_u, depth, what="corrected values")
+    assert_close(final, want_final, depth, what="final state")
 
 
 def test_chunked_form_restarts_at_segment_starts():
@@ -117,13 +118,13 @@ def test_chunked_form_restarts_at_segment_starts():
     b, t = q.shape[:2]
     cuts = [(0, 3), (3, 9), (9, 11)]
     segments = jnp.asarray(np.repeat([lo for lo, hi in cuts], [hi - lo for lo, hi in cuts])[None].repeat(b, 0))
-    out, final, states = chunked_delta_rule(q, k, v, g, beta, s0, chunk=4, per_token=True, segments=segments)
+    out, final, u = chunked_delta_rule(q, k, v, g, beta, s0, chunk=4, segments=segments)
     for lo, hi in cuts:
         init = s0 if lo == 0 else jnp.zeros_like(s0)
-        want_out, want_states = recurrent_delta_rule(*(a[:, lo:hi] for a in (q, k, v, g, beta)), init)
+        want_out, want_final, want_u = recurrent_delta_rule(*(a[:, lo:hi] for a in (q, k, v, g, beta)), init)
         assert_close(out[:, lo:hi], want_out, _delta_depth(q), what=f"outputs {lo}:{hi}")
-        assert_close(states[:, lo:hi], want_states, _delta_depth(q), what=f"states {lo}:{hi}")
-    assert_close(final, want_states[:, -1], _delta_depth(q), what="final state")
+        assert_close(u[:, lo:hi], want_u, _delta_depth(q), what=f"corrected values {lo}:{hi}")
+    assert_close(final, want_final, _delta_depth(q), what="final state")
 
 
 def test_packed_documents_keep_their_features(qwen):
@@ -188,7 +189,7 @@ def test_rollback_keeps_the_state_of_exactly_the_accepted_tokens(qwen):
 def test_speculative_equals_plain_equals_transformers_greedy(qwen):
     """Batch of 3 ragged prompts, a random draft, blocks 4 and 8, with and without a stop token. Partial
     acceptance (1 < acceptance < block) must occur: it is what exercises the recurrent rollback. Adaptive
-    verify (2 or 8 tokens) too: the snapshots of a short verify roll back as well."""
+    verify (2 or 8 tokens) too: the stash of a short verify folds in as well."""
     _, model, target = qwen
     lossless_greedy_with_partial_acceptance(model, target, adaptive=True)
 

@@ -14,18 +14,29 @@ D = 3  # width of the toy recurrent state
 MAX_BLOCK = 4
 
 
+def add_kept(value, stash, kept):
+    """The toy layer's fold: value + the first ``kept`` stashed inputs."""
+    first = jnp.arange(stash["x"].shape[1])[None, :, None] < kept[:, None, None]
+    return {"s": value["s"] + jnp.sum(jnp.where(first, stash["x"], 0.0), axis=1)}
+
+
+SPEC = RecurrentSpec((("s", (D,), jnp.float32),), (("x", (D,), jnp.float32),), add_kept)
+
+
 def running_sum(state: Recurrent, x, positions) -> Recurrent:
-    """A toy recurrent layer: value["s"] += x_t for every real token (padding leaves it unchanged)."""
+    """A toy recurrent layer: value["s"] += x_t for every real token (padding leaves it unchanged); a forward
+    of at most max_block tokens stashes its real inputs (in order) for the commit to fold in."""
     valid = positions >= 0
-    steps = jnp.where(valid[..., None], x, 0.0)
-    after_each = {"s": state.value["s"][:, None] + jnp.cumsum(steps, axis=1)}
-    return state.advance(state.value, after_each, valid)
+    if x.shape[1] > state.max_block:
+        return state.set_value({"s": state.value["s"] + jnp.sum(jnp.where(valid[..., None], x, 0.0), axis=1)})
+    order = jnp.argsort(~valid, axis=1, stable=True)
+    return state.pend({"x": jnp.take_along_axis(x, order[..., None], axis=1)}, valid, positions)
 
 
 def test_recurrent_commit_keeps_exactly_the_accepted_prefix():
     rng = np.random.RandomState(0)
     b = 4
-    cache = DecodeCache.create([RecurrentSpec((("s", (D,), jnp.float32),))], b, 64, jnp.float32, MAX_BLOCK)
+    cache = DecodeCache.create([SPEC], b, 64, jnp.float32, MAX_BLOCK)
     # a prefill longer than max_block with ragged lengths (padding at position -1), committed whole
     lens = np.array([5, 2, 7, 1])
     prompt = rng.randn(b, 7, D).astype(np.float32)
@@ -43,8 +54,8 @@ def test_recurrent_commit_keeps_exactly_the_accepted_prefix():
         pos = np.asarray(cache.lengths)[:, None] + np.arange(MAX_BLOCK)
         state = running_sum(cache.layers[0], block, pos)
         block64 = block.astype(np.float64)
-        # before commit: all of it
-        assert_close(state.value["s"], want + block64.sum(1), lens.max() + MAX_BLOCK, what=f"{kept} before")
+        # before commit: nothing of it
+        np.testing.assert_array_equal(state.value["s"], cache.layers[0].value["s"])
         cache = cache.replace(layers=(state,)).commit(jnp.asarray(kept))
         want = want + np.stack([block64[r, :k].sum(0) for r, k in enumerate(kept)])
         assert_close(cache.layers[0].value["s"], want, lens.max() + MAX_BLOCK, what=f"{kept} committed")
@@ -54,7 +65,7 @@ def test_recurrent_commit_keeps_exactly_the_accepted_prefix():
 
 def test_recurrent_commit_is_traceable_in_a_while_loop():
     """Static shapes: the commit runs inside lax.while_loop with runtime kept counts."""
-    cache = DecodeCache.create([RecurrentSpec((("s", (D,), jnp.float32),))], 2, 64, jnp.float32, MAX_BLOCK)
+    cache = DecodeCache.create([SPEC], 2, 64, jnp.float32, MAX_BLOCK)
     x = jnp.ones((2, MAX_BLOCK, D))
 
     def body(carry):

@@ -47,14 +47,14 @@ def pair(kind: str):
 
 def carried_buffers(cache) -> list:
     """The buffers a step must update in place: K / V of attention layers (full, ring, latent) and the per-token
-    snapshots of recurrent ones. A recurrent layer's state itself is recomputed by the recurrence every token
-    (its snapshots are T + 1 of them), so a copy of it is the recurrence's own work, not a cache copy."""
+    stash of recurrent ones. A recurrent layer's state itself is recomputed by the commit's fold every step, so a
+    copy of it is the recurrence's own work, not a cache copy."""
     out = []
     for layer in cache.layers:
         if isinstance(layer, (state.FullKV, state.SlidingKV)):
             out += [layer.k, layer.v]
         elif isinstance(layer, state.Recurrent):
-            out += jax.tree_util.tree_leaves(layer.snapshots)
+            out += jax.tree_util.tree_leaves(layer.stash)
     return out
 
 

@@ -1,7 +1,7 @@
 """Tree verification in the decode loop (``tree_budget``): greedy output identical to plain decoding (ragged
 batches, budgets 1 / 4 / 16 / 64, stop tokens and max_new_tokens / max_length cut inside a step, a DFlash2
 draft, qwen3_moe and gpt_oss targets, sliding rings), verify lengths N + 1, tree tau >= chain tau with a
-trained draft, and clear refusals (hybrid targets, windows narrower than the block, bad budgets). The sampled law is in test_sampling.py."""
+trained draft, and clear refusals (windows narrower than the block, bad budgets). Hybrid (Gated DeltaNet) targets: test_gdn_tree.py. The sampled law is in test_sampling.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +16,6 @@ from dflash_jax import decode as S
 from dflash_jax import target as target_lib
 from dflash_jax import tree as tree_lib
 from dflash_jax.families.gpt_oss import GptOssConfig
-from dflash_jax.families.qwen3_5 import Qwen35Config
 from dflash_jax.families.qwen3_moe import Qwen3MoeConfig
 from dflash_jax.target import Target, init_params, target_logits
 from pairs import random_draft, random_pair, tiny_target_config
@@ -185,10 +184,6 @@ def test_refusals(pair, prompts):
     with pytest.raises(ValueError, match="verify_lengths"):
         run(target, draft, tree_budget=4, verify_lengths=(4, 16))
     base = tiny_target_config(vocab=16)
-    hybrid = _as(Qwen35Config, base, model_type="qwen3_5", layer_types=("linear_attention", "full_attention") * 2,
-                 linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
-    with pytest.raises(ValueError, match="Gated DeltaNet"):
-        run(Target(hybrid, init_params(hybrid, 0)), random_draft(hybrid, block_size=8), tree_budget=4)
     narrow = _as(GptOssConfig, base, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
                  sliding_window=4, layer_types=("sliding_attention", "full_attention") * 2)
     with pytest.raises(ValueError, match="sliding window of 4"):

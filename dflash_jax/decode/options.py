@@ -10,7 +10,7 @@ import numpy as np
 from dflash_jax.attention import DECODE_IMPLS
 from dflash_jax.families import family_of
 from dflash_jax.sampling import SamplingParams
-from dflash_jax.state import KVSpec, SharedKVSpec
+from dflash_jax.state import KVSpec
 
 # How the checks name the options in their messages: the library's parameter names (the CLIs pass their
 # flags: ``infer.common.FLAGS``).
@@ -52,7 +52,7 @@ class DecodeOptions:
     ``proposer``: what each step drafts (``decode.proposers``; default: the draft architecture's own rule).
     ``attention_impl``: the decode attention (``attention.decode_attention``). ``cache_len``: at least this many
     cache slots per row. ``verify_lengths`` (e.g. (4, 8, 16)): adaptive verify at ``verify_threshold``.
-    ``tree_budget`` N > 0: tree verification of the N most probable draft prefixes (attention-only targets).
+    ``tree_budget`` N > 0: tree verification of the N most probable draft prefixes.
     ``confidence_threshold`` > 0 (DSpark drafts with a confidence head): each proposal stops before its first slot
     whose predicted acceptance is below it (0: off, as in DeepSpec)."""
 
@@ -139,14 +139,11 @@ class DecodeOptions:
 
 
 def check_tree_target(cfg, block_size: int) -> None:
-    """Tree verification needs attention layers (full, or sliding with a window >= the block: the tree's own
-    keys get no window): a ValueError names what is not (recurrent Gated DeltaNet layers, narrow windows)."""
+    """Tree verification needs sliding windows >= the block (the tree's own keys get no window): a ValueError
+    names a narrower one. Full attention, kv-shared and recurrent (Gated DeltaNet) layers all verify trees."""
     for i, s in enumerate(family_of(cfg).state_specs(cfg)):
-        if isinstance(s, SharedKVSpec):  # attends to an earlier attention layer's keys
+        if not isinstance(s, KVSpec):  # kv-shared layers attend to an earlier layer's keys; recurrent: stashed
             continue
-        if not isinstance(s, KVSpec):
-            raise ValueError(f"tree_budget > 0 is not supported for {cfg.model_type} targets: layer {i} is "
-                             "recurrent (Gated DeltaNet); use the chain (tree_budget=0)")
         if s.window is not None and s.window < block_size:
             raise ValueError(f"tree_budget > 0 needs sliding windows >= the block size {block_size}: layer {i} "
                              f"has a sliding window of {s.window}; use the chain (tree_budget=0) or a smaller block")

@@ -16,7 +16,7 @@ Tree verification (``tree_budget`` N > 0; docs/tree-verification.md): the draft'
 most probable prefixes (``tree.build_tree``); the target verifies [pending, N nodes] at positions n + depth in one
 forward, each token seeing the cache [0, n) and its tree ancestors; the walk follows the target's own tokens from
 the root, and the accepted path's K/V and features are compacted to positions n..n+a, so ``commit`` and the
-rollback protocol are the chain's. Attention-only targets.
+rollback protocol are the chain's (a recurrent layer stashes every slot and folds in the path).
 
 Counting: each verify step's acceptance length is the number of tokens it committed: a+1 (accepted drafts plus the
 bonus token, as in the paper), except that the row's last step counts only the tokens kept before its budget or

@@ -14,11 +14,18 @@ across chunks, fp32 state; transformers' ``torch_chunk_gated_delta_rule``) for p
 training, and the **recurrent** form (one token per step; ``torch_recurrent_gated_delta_rule``) for
 single-token decoding. Decode state per layer (``state.Recurrent``): the conv window [conv_dim, K-1]
 (the last K-1 inputs, cache dtype) and the recurrent state [Hv, dk, dv] (float32). A forward of at most
-``max_block`` tokens records the state after each token (the chunked form yields them from its
-corrected values: S_t = exp(G_t) S_0 + sum_{j<=t} exp(G_t - G_j) k_j u_j^T), so the engine's
-``DecodeCache.commit(kept)`` keeps exactly the state after the last accepted token. Padding tokens
-(position < 0) get g = 0 and beta = 0 (the state passes through them bit-exactly) and are left out of
-the conv window.
+``max_block`` tokens leaves them as they are and stashes, per token, its key, its corrected value u, its
+summed log decay G and its conv input; the engine's ``DecodeCache.commit(kept)`` then folds the kept ones
+in (``fold``: S = exp(G_l) S_0 + sum_{j<=l} exp(G_l - G_j) k_j u_j^T, the chunked form's own state
+formula), so nothing is rolled back and no per-token state is stored. Padding tokens (position < 0) get
+g = 0 and beta = 0 (the state passes through them bit-exactly) and are left out of the conv window.
+
+Tree verification (``new_mask``, docs/tree-verification.md): every slot of [root, nodes] sees the
+committed state and its tree ancestors only, exactly as a sequential run over its root-to-node path: the
+conv taps walk up the tree (``tree_conv``), and the chunked form runs as one chunk with the ancestor mask
+for the causal one and path-summed log decays (``chunked_delta_rule(ancestors=)``). The stash holds every
+slot; ``DecodeCache.compact`` moves the accepted path's to the front, and the commit folds that path in as
+it folds a chain.
 
 Full-attention layers: ``dense`` attention with ``attn_output_gate`` (q_proj yields per head [query |
 gate], output * sigmoid(gate)), q/k RMSNorm, rotary on ``partial_rotary_factor`` (0.25) of the head dim.
@@ -174,26 +181,38 @@ class Qwen35Config(TargetConfig):
 
 def recurrent_delta_rule(q, k, v, g, beta, state):
     """One token at a time. q, k [B, T, H, dk] (normalised, q scaled), v [B, T, H, dv], g, beta [B, T, H],
-    state [B, H, dk, dv] (all float32) -> (outputs [B, T, H, dv], state after each token [B, T, H, dk, dv])."""
+    state [B, H, dk, dv] (all float32) -> (outputs [B, T, H, dv], final state, the corrected value each token
+    writes u_t = beta_t (v_t - (exp(g_t) S_{t-1})^T k_t) [B, T, H, dv])."""
     def step(s, x):
         q_t, k_t, v_t, g_t, b_t = x
         s = s * jnp.exp(g_t)[..., None, None]
         delta = (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t)) * b_t[..., None]
         s = s + k_t[..., :, None] * delta[..., None, :]
-        return s, (jnp.einsum("bhkv,bhk->bhv", s, q_t), s)
+        return s, (jnp.einsum("bhkv,bhk->bhv", s, q_t), delta)
 
-    _, (out, states) = jax.lax.scan(step, state, tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)))
-    return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
+    final, (out, u) = jax.lax.scan(step, state, tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)))
+    return jnp.moveaxis(out, 0, 1), final, jnp.moveaxis(u, 0, 1)
 
 
-def chunked_delta_rule(q, k, v, g, beta, state, *, chunk: int = CHUNK, per_token: bool = False, segments=None):
+def log_decay(g, ancestors=None):
+    """The summed log decay of each token since the forward's start: g [B, T, H] -> [B, T, H], the cumulative sum,
+    or over each node's path (``ancestors`` [B, T, T] bool, inclusive) for a tree."""
+    if ancestors is None:
+        return jnp.cumsum(g, axis=1)
+    return jnp.einsum("bij,bjh->bih", ancestors.astype(g.dtype), g, precision=jax.lax.Precision.HIGHEST)
+
+
+def chunked_delta_rule(q, k, v, g, beta, state, *, chunk: int = CHUNK, segments=None, ancestors=None):
     """Chunk-parallel within chunks, recurrent across them; same arguments as ``recurrent_delta_rule``.
     ``segments`` [B, T] (packed documents, contiguous, distinct ids): the state restarts from zero at each
-    segment's first token (``state`` feeds the first segment only).
-    -> (outputs [B, T, H, dv], final state [B, H, dk, dv], state after each token [B, T, H, dk, dv] when
-    ``per_token``, else None)."""
+    segment's first token (``state`` feeds the first segment only). ``ancestors`` [B, T, T] bool (tree
+    verification, inclusive, every ancestor before its node): each token sees ``state`` and its ancestors only,
+    as a sequential run over its root-to-node path would (one chunk: the causal mask becomes the ancestor mask,
+    the cumulative decay the path's); the final state is then meaningless.
+    -> (outputs [B, T, H, dv], final state [B, H, dk, dv], corrected values u [B, T, H, dv] as
+    ``recurrent_delta_rule``'s)."""
     b, t, h, dk = k.shape
-    c = min(chunk, t)
+    c = t if ancestors is not None else min(chunk, t)
     pad = -t % c
     n = (t + pad) // c
 
@@ -202,9 +221,14 @@ def chunked_delta_rule(q, k, v, g, beta, state, *, chunk: int = CHUNK, per_token
         a = a.reshape((b, n, c) + a.shape[2:])
         return jnp.moveaxis(jnp.moveaxis(a, 1, 0), 3, 2)
 
-    q, k, v, g, beta = (chunks(a) for a in (q, k, v, g, beta))
-    cum = jnp.cumsum(g, axis=-1)  # [N, B, H, C]
-    lower = jnp.tril(jnp.ones((c, c), bool))
+    if ancestors is None:
+        q, k, v, g, beta = (chunks(a) for a in (q, k, v, g, beta))
+        cum = jnp.cumsum(g, axis=-1)  # [N, B, H, C]
+        lower = jnp.tril(jnp.ones((c, c), bool))
+    else:
+        cum = chunks(log_decay(g, ancestors))
+        q, k, v, g, beta = (chunks(a) for a in (q, k, v, g, beta))
+        lower = ancestors[None, :, None]  # [1, B, 1, C, C]
     carried = last = None  # segments: the tokens the incoming state reaches / that reach the outgoing one
     if segments is not None:  # cut every path between tokens of different segments
         seg = jnp.pad(segments, [(0, 0), (0, pad)], mode="edge").reshape(b, n, 1, c)
@@ -225,32 +249,44 @@ def chunked_delta_rule(q, k, v, g, beta, state, *, chunk: int = CHUNK, per_token
     chunk_decay = keep(jnp.exp(cum[..., -1]), None if carried is None else carried[..., -1])[..., None, None]
 
     def step(s, x):
-        u_i, w_i, q_i, k_i, kd_i, intra_i, dec_i, cum_i, decay_i, carried_i = x
+        u_i, w_i, q_i, kd_i, intra_i, dec_i = x
         v_new = u_i - w_i @ s  # the corrections each token writes
         out = q_i @ s + intra_i @ v_new
-        states = None
-        if per_token:
-            states = (keep(jnp.exp(cum_i), carried_i)[..., None, None] * s[:, :, None]
-                      + jnp.einsum("bhij,bhjk,bhjv->bhikv", decay_i, k_i, v_new))
-        return s * dec_i + jnp.swapaxes(kd_i, -1, -2) @ v_new, (out, states)
+        return s * dec_i + jnp.swapaxes(kd_i, -1, -2) @ v_new, (out, v_new)
 
-    final, (out, states) = jax.lax.scan(step, state, (u, w, q_dec, k, k_dec, intra, chunk_decay, cum, decay, carried))
+    final, (out, v_new) = jax.lax.scan(step, state, (u, w, q_dec, k_dec, intra, chunk_decay))
 
     def unchunk(a):  # [N, B, H, C, ...] -> [B, T, H, ...]
         a = jnp.moveaxis(jnp.moveaxis(a, 2, 3), 0, 1)
         return a.reshape((b, n * c) + a.shape[3:])[:, :t]
 
-    return unchunk(out), final, (unchunk(states) if per_token else None)
+    return unchunk(out), final, unchunk(v_new)
 
 
-def causal_conv(x, window, weight, valid, windows_after, segments=None):
+def fold(value, stash, kept):
+    """A Gated DeltaNet layer's state after the first ``kept`` [B] stashed tokens (``state.Recurrent``):
+    S = exp(G_l) S_0 + sum_{j <= l} exp(G_l - G_j) k_j u_j^T (l = kept - 1, G the stashed log decay, u the
+    corrected values; the chunked form's own state formula, so a tree's accepted path folds like a chain), and
+    the conv window = the last K-1 of [window, x_0..x_{kept-1}]."""
+    cum, m = stash["cum"], stash["cum"].shape[1]
+    last = jnp.take_along_axis(cum, jnp.clip(kept - 1, 0, m - 1)[:, None, None], axis=1)  # [B, 1, H]
+    inside = (jnp.arange(m)[None, :] < kept[:, None])[..., None]
+    weight = jnp.exp(jnp.where(inside, last - cum, -jnp.inf))  # <= 1 on the path; 0 past it
+    ssm = (jnp.exp(last[:, 0])[..., None, None] * value["ssm"]
+           + jnp.einsum("bjh,bjhk,bjhv->bhkv", weight, stash["k"], stash["u"], precision=jax.lax.Precision.HIGHEST))
+    window = value["conv"]
+    xs = jnp.concatenate([jnp.swapaxes(window, 1, 2), stash["x"].astype(window.dtype)], axis=1)  # [B, K-1+M, C]
+    idx = kept[:, None] + jnp.arange(window.shape[-1])  # the last K-1 of the first K-1 + kept
+    return {"conv": jnp.swapaxes(jnp.take_along_axis(xs, idx[..., None], axis=1), 1, 2), "ssm": ssm}
+
+
+def causal_conv(x, window, weight, valid, segments=None):
     """Depthwise causal conv1d + SiLU over the valid tokens of each row, continuing from ``window``.
 
     x [B, T, C] new inputs, window [B, C, K-1] the K-1 inputs before them (oldest first), weight [C, 1, K],
-    valid [B, T]. Padding tokens are skipped (valid tokens keep their order). ``windows_after`` [B, T'] :
-    how many valid new tokens each returned window has taken in. ``segments`` [B, T] (packed documents):
-    a tap never reaches into another segment (``window`` feeds the first one). -> (outputs [B, T, C]
-    (padding: any value), windows [B, T', C, K-1])."""
+    valid [B, T]. Padding tokens are skipped (valid tokens keep their order). ``segments`` [B, T] (packed
+    documents): a tap never reaches into another segment (``window`` feeds the first one). -> (outputs
+    [B, T, C] (padding: any value), the window after every valid token [B, C, K-1])."""
     kernel = weight.shape[-1]
     order = jnp.argsort(~valid, axis=1, stable=True)  # valid tokens first
     xs = jnp.concatenate([jnp.swapaxes(window, 1, 2).astype(x.dtype), jnp.take_along_axis(x, order[..., None], 1)],
@@ -266,9 +302,32 @@ def causal_conv(x, window, weight, valid, windows_after, segments=None):
         xs_at = lambda j: xs[:, j:j + t]  # noqa: E731
     out = sum(xs_at(j) * w[:, j] for j in range(kernel))
     out = jnp.take_along_axis(jax.nn.silu(out), jnp.argsort(order, axis=1)[..., None], 1)
-    idx = windows_after[..., None] + jnp.arange(kernel - 1)  # [B, T', K-1]
-    windows = jnp.take_along_axis(xs[:, None], idx[..., None], axis=2)  # [B, T', K-1, C]
-    return out, jnp.swapaxes(windows, -1, -2)
+    idx = jnp.sum(valid, axis=1)[:, None] + jnp.arange(kernel - 1)  # [B, K-1]
+    return out, jnp.swapaxes(jnp.take_along_axis(xs, idx[..., None], axis=1), 1, 2)
+
+
+def tree_parents(ancestors):
+    """ancestors [B, T, T] bool (inclusive, every ancestor before its node) -> each slot's parent [B, T] (its
+    latest strict ancestor; -1: the committed prefix)."""
+    t = ancestors.shape[-1]
+    slot = jnp.arange(t, dtype=jnp.int32)
+    strict = ancestors & (slot[None, None, :] < slot[None, :, None])
+    return jnp.max(jnp.where(strict, slot, -1), axis=-1)
+
+
+def tree_conv(x, window, weight, parents):
+    """``causal_conv`` along each slot's root-to-node path: x [B, T, C], window [B, C, K-1], weight [C, 1, K],
+    parents [B, T] (``tree_parents``). The taps walk up the tree and past its root into ``window`` (newest
+    column first); siblings never enter. -> outputs [B, T, C]."""
+    kernel = weight.shape[-1]
+    xs = jnp.concatenate([jnp.swapaxes(window, 1, 2).astype(x.dtype), x], axis=1)  # slot i at K-1+i
+    cur = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), parents.shape)
+    taps = []  # taps[m]: the input m steps up the path
+    for _ in range(kernel):
+        taps.append(jnp.take_along_axis(xs, (cur + kernel - 1)[..., None], axis=1))
+        cur = jnp.where(cur >= 0, jnp.take_along_axis(parents, jnp.maximum(cur, 0), axis=1), cur - 1)
+    w = weight[:, 0, :].astype(x.dtype)  # [C, K]; tap m meets w[:, K-1-m]
+    return jax.nn.silu(sum(taps[kernel - 1 - j] * w[:, j] for j in range(kernel)))
 
 
 class DepthwiseConv(nn.Module):
@@ -301,20 +360,25 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(c.rms_norm_eps, axis_name="head_dim")
         self.out_proj = Linear(c.hidden_size, False, (None, "embed"))
 
-    def __call__(self, x, positions, state, segment_ids=None):
+    def __call__(self, x, positions, state, segment_ids=None, ancestors=None):
         c = self.cfg
         b, t, _ = x.shape
         hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                           c.linear_value_head_dim)
         valid = positions >= 0
-        snapshots = state is not None and t <= state.max_block
+        pending = state is not None and t <= state.max_block  # may be rolled back: stashed, folded in at commit
+        if ancestors is not None and not pending:
+            raise ValueError(f"a tree verify of {t} slots needs a cache with max_block >= {t}")
         if state is None:
             window = jnp.zeros((b, c.conv_dim, c.linear_conv_kernel_dim - 1), x.dtype)
             s0 = jnp.zeros((b, hv, dk, dv), jnp.float32)
         else:
             window, s0 = state.value["conv"], state.value["ssm"]
-        seen = jnp.cumsum(valid, axis=1) if snapshots else jnp.sum(valid, axis=1, keepdims=True)
-        mixed, windows = causal_conv(self.in_proj_qkv(x), window, self.conv1d.conv_weight, valid, seen, segment_ids)
+        inputs = self.in_proj_qkv(x)
+        if ancestors is None:
+            mixed, window_after = causal_conv(inputs, window, self.conv1d.conv_weight, valid, segment_ids)
+        else:
+            mixed = tree_conv(inputs, window, self.conv1d.conv_weight, tree_parents(ancestors))
         q, k, v = jnp.split(mixed.astype(jnp.float32), [hk * dk, 2 * hk * dk], axis=-1)
         q, k = (jnp.repeat(_l2norm(a.reshape(b, t, hk, dk)), hv // hk, axis=2) for a in (q, k))
         q = q * dk ** -0.5
@@ -324,18 +388,19 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_a(x).astype(jnp.float32) + jnp.asarray(self.dt_bias, jnp.float32))
         g = jnp.where(valid[..., None], g, 0.0)  # padding: decay 1, no write -> the state passes through
         if t == 1 and state is not None:  # single-token decoding: the recurrent form
-            out, states = recurrent_delta_rule(q, k, v, g, beta, s0)
-            final = states[:, -1]
+            out, final, u = recurrent_delta_rule(q, k, v, g, beta, s0)
         else:
-            out, final, states = chunked_delta_rule(q, k, v, g, beta, s0, per_token=snapshots, segments=segment_ids)
+            out, final, u = chunked_delta_rule(q, k, v, g, beta, s0, segments=segment_ids, ancestors=ancestors)
         z = self.in_proj_z(x).reshape(b, t, hv, dv)
         out = self.norm(out.astype(x.dtype)) * jax.nn.silu(z.astype(jnp.float32)).astype(x.dtype)
         out = self.out_proj(out.reshape(b, t, hv * dv))
-        if state is not None:
-            after = ({"conv": windows, "ssm": states} if snapshots
-                     else {"conv": windows, "ssm": final[:, None]})  # too long to roll back: the final state only
-            after["conv"] = after["conv"].astype(window.dtype)
-            state = state.advance(state.value, after, valid)
+        if pending:  # the real tokens first, in order (a tree's slots are all real)
+            order = jnp.argsort(~valid, axis=1, stable=True)[..., None]
+            first = lambda a: jnp.take_along_axis(a, order.reshape(order.shape + (1,) * (a.ndim - 3)), 1)  # noqa: E731
+            stash = {"k": k, "u": u, "cum": log_decay(g, ancestors), "x": inputs}
+            state = state.pend(jax.tree_util.tree_map(first, stash), valid, positions)
+        elif state is not None:  # too long to roll back: committed whole
+            state = state.set_value({"conv": window_after.astype(window.dtype), "ssm": final})
         return out, state
 
 
@@ -352,9 +417,7 @@ class DecoderLayer(dense.DecoderLayer):
 
     def mix(self, h, positions, state, segment_ids=None, new_mask=None):
         if self.cfg.is_linear(self.index):
-            if new_mask is not None:  # a scan cannot separate siblings (a state per node is not implemented)
-                raise ValueError("tree verification is not supported on Gated DeltaNet layers")
-            return self.linear_attn(h, positions, state, segment_ids)
+            return self.linear_attn(h, positions, state, segment_ids, new_mask)
         return super().mix(h, positions, state, segment_ids, new_mask)
 
 
@@ -370,19 +433,23 @@ def checkpoint(cfg: Qwen35Config):
 
 def state_specs(cfg: Qwen35Config) -> tuple:
     """Full-attention layers: a KV cache; linear-attention layers: the conv window [conv_dim, K-1] (cache
-    dtype) and the recurrent state [Hv, dk, dv] (float32)."""
-    linear = RecurrentSpec((("conv", (cfg.conv_dim, cfg.linear_conv_kernel_dim - 1), None),
-                            ("ssm", (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
-                             jnp.float32)))
+    dtype) and the recurrent state [Hv, dk, dv] (float32), with a stash per token of a forward that may be
+    rolled back (its key [Hv, dk], corrected value [Hv, dv], log decay [Hv], conv input [conv_dim]; ``fold``)."""
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    linear = RecurrentSpec(
+        (("conv", (cfg.conv_dim, cfg.linear_conv_kernel_dim - 1), None), ("ssm", (hv, dk, dv), jnp.float32)),
+        (("k", (hv, dk), jnp.float32), ("u", (hv, dv), jnp.float32), ("cum", (hv,), jnp.float32),
+         ("x", (cfg.conv_dim,), None)), fold)
     return tuple(linear if cfg.is_linear(i) else KVSpec(cfg.num_key_value_heads, cfg.head_dim)
                  for i in range(cfg.num_hidden_layers))
 
 
-def snapshot_bytes(cfg: Qwen35Config, max_block: int, dtype=jnp.bfloat16) -> int:
-    """Bytes of the rollback snapshots per row: (max_block + 1) states of every linear-attention layer."""
-    per_state = (cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * np.dtype(dtype).itemsize
-                 + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
-    return (max_block + 1) * per_state * sum(cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
+def stash_bytes(cfg: Qwen35Config, max_block: int, dtype=jnp.bfloat16) -> int:
+    """Bytes of the rollback stash per row: max_block tokens of every linear-attention layer (a key, a corrected
+    value and a log decay per value head in float32, and the conv input in the cache dtype)."""
+    hv = cfg.linear_num_value_heads
+    per_token = hv * (cfg.linear_key_head_dim + cfg.linear_value_head_dim + 1) * 4 + cfg.conv_dim * np.dtype(dtype).itemsize
+    return max_block * per_token * sum(cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
 
 
 FAMILY = Family(name="qwen3_5", config=Qwen35Config, decoder=Decoder, checkpoint=checkpoint, state_specs=state_specs)
