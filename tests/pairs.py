@@ -30,10 +30,10 @@ def random_pair(vocab: int = 96, block_size: int = 16, seed: int = 0, draft_laye
                                                                target_layer_ids)
 
 
-def trained_pair(root, vocab: int = 64, block_size: int = 16, steps: int = 60, seed: int = 0):
-    """A tiny random target with a peaked head and a draft trained for ``steps`` steps on the target's
-    own greedy continuations of random prompts (the project's make_data + train); returns
-    (target, draft, prompts). Partial acceptance of every length is then common."""
+def trained_pair(root, vocab: int = 64, block_size: int = 16, steps: int = 60, seed: int = 0, tcfg=None):
+    """A tiny random target (``tcfg``, default a Qwen3 one of ``vocab`` tokens) with a peaked head and a draft
+    trained for ``steps`` steps on the target's own greedy continuations of random prompts (the project's
+    make_data + train); returns (target, draft, prompts). Partial acceptance of every length is then common."""
     import json
     import os
 
@@ -46,7 +46,8 @@ def trained_pair(root, vocab: int = 64, block_size: int = 16, steps: int = 60, s
     from train.make_data import make_data
 
     quiet = lambda *a, **k: None  # noqa: E731
-    tcfg = tiny_target_config(vocab, eos_token_id=(vocab - 2,))
+    tcfg = tcfg or tiny_target_config(vocab, eos_token_id=(vocab - 2,))
+    vocab = tcfg.vocab_size
     params = random_params(param_shapes(tcfg), seed)
     params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 30  # peaked next-token distributions
     tdir = save_target(Target(tcfg, params), os.path.join(root, "target"))
