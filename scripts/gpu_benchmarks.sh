@@ -14,10 +14,12 @@
 #                16 sequences): tokens/s, target features vs draft step, MFU, peak memory
 #   adaptive     the demo pair: plain vs fixed block 16 vs adaptive verify lengths 4,8,16
 #   tree16, tree64, tree256   the demo pair: plain vs chain vs tree verification at 16 / 64 / 256 nodes
+#   gdntree      one Gated DeltaNet layer at Qwen3.5-4B's shape: chain verify of 16 vs tree verifies of 16 / 64
+#                nodes, forward + commit (scripts/gdn_verify_cost.py)
 set -u
 OUT=${1:-gpu_results}
 shift || true
-STEPS=${*:-kernel synthetic context train adaptive tree16 tree64 tree256}
+STEPS=${*:-kernel synthetic context train adaptive tree16 tree64 tree256 gdntree}
 mkdir -p "$OUT"
 python - <<'EOF' > "$OUT/devices.txt" 2>&1
 import jax
@@ -48,4 +50,5 @@ step adaptive 120 python -m infer.benchmark --verify-lengths 4,8,16 --verify-thr
 step tree16 150 python -m infer.benchmark --tree-budget 16 --json
 step tree64 150 python -m infer.benchmark --tree-budget 64 --json
 step tree256 200 python -m infer.benchmark --tree-budget 256 --json
+step gdntree 120 python scripts/gdn_verify_cost.py
 echo "results in $OUT/"
