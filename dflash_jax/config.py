@@ -322,6 +322,9 @@ def _assistant_as_dflash(d: Mapping) -> dict:
     """A ``muse_glimmer_assistant`` config.json as the DFlash layout it is (``MuseGlimmerAssistantModel``)."""
     d = {**_ASSISTANT_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
     d.setdefault("layer_types", ["sliding_attention"] * int(d["num_hidden_layers"]))
+    # its window is inclusive (transformers' bidirectional sliding mask: |q - k| <= W); the DFlash rule is
+    # |q - k| < W, so the same draft in the DFlash layout has a window of W + 1
+    d["sliding_window"] = int(d["sliding_window"]) + 1
     return {**d, "model_type": "qwen3", "architectures": ["DFlashDraftModel"], "is_causal": False,
             "dflash_config": {k: d[k] for k in ("mask_token_id", "target_layer_ids", "block_size")}}
 # DFlash2 keys of ``dflash_config`` -> their defaults (docs/models.md, "Draft formats")

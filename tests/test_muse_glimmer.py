@@ -251,10 +251,21 @@ def test_assistant_draft_loads_and_matches_transformers(muse, assistant):
     draft = dj.load_draft(path)
     c = draft.config
     assert (c.block_size, c.mask_token_id, c.target_layer_ids, c.is_causal) == (4, V - 1, (0, 2), False)
-    assert c.layers.layer_types == ("sliding_attention",) * 2 and c.layers.sliding_window == 64
+    # the assistant's window is inclusive (|q - k| <= 64): the DFlash rule's (< W) window of 65
+    assert c.layers.layer_types == ("sliding_attention",) * 2 and c.layers.sliding_window == 65
     assert c.layers.rope.theta == 500000.0 and c.layers.qk_norm and c.architecture == "dflash"
     assert c.output_multiplier == 1.0 and c.final_logit_softcapping is None
     assert DraftConfig.from_hf(c.to_hf()) == c
+    _assert_block_logits_match(model, target, draft, torch_draft)
+
+
+def _assert_block_logits_match(model, target, draft, torch_draft):
+    """Block logits of ``draft`` on 11 context tokens == MuseGlimmerAssistantModel's through the target's head, the
+    assistant called as transformers' generation calls it (a ``DFlashCache`` told the 11 accepted tokens, so its
+    mask places the block's queries at positions 11..14)."""
+    from transformers.cache_utils import DFlashCache
+
+    c = draft.config
     rng = np.random.RandomState(5)
     ctx = rng.randint(0, V, (2, 11)).astype(np.int32)
     block = np.concatenate([ctx[:, -1:], np.full((2, 3), V - 1, np.int32)], axis=1)
@@ -262,13 +273,35 @@ def test_assistant_draft_loads_and_matches_transformers(muse, assistant):
     depth = draft_depth(target.config, c.layers, 11, 4)
     table = model.model.language_model.embed_tokens.weight
     for r in range(2):
+        cache = DFlashCache(config=torch_draft.config)
+        cache.set_previous_accepted_tokens(11)
         with torch.no_grad():
             hs = model(torch.as_tensor(ctx[r:r + 1], dtype=torch.long), output_hidden_states=True).hidden_states
             feats = torch.cat([hs[i + 1] for i in c.target_layer_ids], -1)
             h = torch_draft(noise_embeds=table[torch.as_tensor(block[r:r + 1], dtype=torch.long)],
-                            context_hidden_states=feats, position_ids=torch.arange(11 + 4)[None]).last_hidden_state
+                            context_hidden_states=feats, position_ids=torch.arange(11 + 4)[None], cache=cache,
+                            use_cache=True).last_hidden_state
             want = model.lm_head(h).numpy()
         assert_close(got[r], want[0], depth, what=f"row {r}")
+
+
+def test_assistant_window_is_inclusive_at_its_boundary(muse, tmp_path):
+    """A window of 5 over 11 context + 4 block positions: transformers' assistant lets a query see the key exactly
+    5 positions away (|q - k| <= W, its bidirectional sliding mask), so it loads as the DFlash rule's (< W) window
+    of 6 and matches; read with the DFlash rule's window of 5 (the boundary key dropped), it does not. (A DFlash
+    draft keeps |q - k| < W: test_draft.py::test_sliding_window_sees_only_last_positions holds the key exactly W
+    back unread.)"""
+    _, model, target = muse
+    torch.manual_seed(4)
+    torch_draft = transformers.MuseGlimmerAssistantModel(
+        transformers.MuseGlimmerAssistantConfig(**{**ASSISTANT, "sliding_window": 5})).eval()
+    torch_draft.save_pretrained(str(tmp_path))
+    draft = dj.load_draft(str(tmp_path))
+    assert draft.config.layers.sliding_window == 6
+    _assert_block_logits_match(model, target, draft, torch_draft)
+    exclusive = dataclasses.replace(draft.config, layers=dataclasses.replace(draft.config.layers, sliding_window=5))
+    with pytest.raises(AssertionError, match="row 0"):
+        _assert_block_logits_match(model, target, D.Draft(exclusive, draft.params), torch_draft)
 
 
 PROMPTS = [[5, 7, 3, 4, 9, 6], [7, 7, 1, 2, 3, 11, 12, 9, 14], [2, 8, 13]]

@@ -448,7 +448,8 @@ def stash_bytes(cfg: Qwen35Config, max_block: int, dtype=jnp.bfloat16) -> int:
     """Bytes of the rollback stash per row: max_block tokens of every linear-attention layer (a key, a corrected
     value and a log decay per value head in float32, and the conv input in the cache dtype)."""
     hv = cfg.linear_num_value_heads
-    per_token = hv * (cfg.linear_key_head_dim + cfg.linear_value_head_dim + 1) * 4 + cfg.conv_dim * np.dtype(dtype).itemsize
+    per_token = (hv * (cfg.linear_key_head_dim + cfg.linear_value_head_dim + 1) * 4
+                 + cfg.conv_dim * np.dtype(dtype).itemsize)
     return max_block * per_token * sum(cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
 
 
