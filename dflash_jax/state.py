@@ -1,9 +1,9 @@
 """Per-layer decode state and the one rollback protocol, as static-shaped pytrees.
 
 Every layer of a model carries one state object between forwards; ``DecodeCache`` holds them plus each
-row's committed length. A forward writes ALL its new tokens into every layer's state; the engine then
-calls ``DecodeCache.commit(kept)`` with the number of those tokens each row keeps (accepted drafts +
-bonus; 0 for a finished row), and every state rolls back in its own way:
+row's committed length. A forward writes (a recurrent layer: stashes) ALL its new tokens in every layer's
+state; the engine then calls ``DecodeCache.commit(kept)`` with the number of those tokens each row keeps
+(accepted drafts + bonus; 0 for a finished row), and every state rolls back in its own way:
 
 * ``FullKV`` (full attention): slot == position. Nothing to undo: slots past the committed length are
   masked by position and overwritten before any query can see them.

@@ -68,7 +68,7 @@ def init_params(cfg, seed: int = 0, dtype=jnp.float32):
 def forward(cfg, params, input_ids, positions, cache=None, feature_layer_ids=(), logits_index=None, *,
             segment_ids=None, attention_impl: str = "auto", new_mask=None):
     """The family decoder's forward: (logits float32, features or None, cache); see ``dense.Decoder``
-    (``new_mask``: tree verification, full-attention families only).
+    (``new_mask``: tree verification).
     ``attention_impl``: how decode / verify forwards attend to a full-attention cache
     (``attention.decode_attention``: "auto", "kernel", "interpret", "loop"; "reference" = dense, unbounded)."""
     return decoder(cfg, attention_impl).apply({"params": params}, input_ids, positions, cache, feature_layer_ids,

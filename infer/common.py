@@ -58,7 +58,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--tree-budget", type=int, default=0,
                    help="tree verification: each step the target verifies a tree of the N most probable draft "
                         "prefixes (plus the pending token: N + 1 tokens) and keeps its longest matching path; "
-                        "lossless; full-attention targets only. 0 (default): the chain (the block)")
+                        "lossless. 0 (default): the chain (the block)")
     d.add_argument("--confidence-threshold", type=float, default=0.0,
                    help="DSpark drafts with a confidence head: each step's proposal stops before its first slot "
                         "whose predicted acceptance is below this, in [0, 1) (lossless at any setting). 0 (default): "
@@ -354,13 +354,15 @@ def max_batch(args, target, draft, prompts, overrides, kw: dict) -> int:
     from dflash_jax.decode import cache_length
 
     budget = [own.get("max_new_tokens", kw["max_new_tokens"]) for own in overrides]
-    cache_len = cache_length([len(p) for p in prompts], budget, 16)
-    return slots_that_fit(target, draft, cache_len, min(DEFAULT_MAX_BATCH, len(prompts)))
+    max_block = max(kw.get("block_size") or 16, (kw.get("tree_budget") or 0) + 1)
+    cache_len = cache_length([len(p) for p in prompts], budget, max_block)
+    return slots_that_fit(target, draft, cache_len, min(DEFAULT_MAX_BATCH, len(prompts)), max_block)
 
 
-def slots_that_fit(target, draft, cache_len: int, n: int) -> int:
-    """At most ``n`` rows of ``cache_len`` cache slots: fewer where their caches would pass a quarter of the
-    device's free memory (TPU / GPU report it; CPU: no cap)."""
+def slots_that_fit(target, draft, cache_len: int, n: int, max_block: int = 16) -> int:
+    """At most ``n`` rows of ``cache_len`` cache slots (forwards of up to ``max_block`` tokens rolled back: the
+    rings and recurrent stashes grow with it): fewer where their caches would pass a quarter of the device's free
+    memory (TPU / GPU report it; CPU: no cap)."""
     import jax
 
     from dflash_jax import draft as draft_lib
@@ -371,7 +373,7 @@ def slots_that_fit(target, draft, cache_len: int, n: int) -> int:
         return n
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     dtype = jax.tree_util.tree_leaves(target.params)[0].dtype
-    caches = [jax.eval_shape(lambda: target_lib.new_cache(target.config, 1, cache_len, dtype))]
+    caches = [jax.eval_shape(lambda: target_lib.new_cache(target.config, 1, cache_len, dtype, max_block))]
     if draft is not None:
         caches.append(jax.eval_shape(lambda: draft_lib.new_cache(draft.config, 1, cache_len, dtype)))
     per_row = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(caches))

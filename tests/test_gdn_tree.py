@@ -164,6 +164,29 @@ def test_a_chain_shaped_tree_matches_the_chain_verify():
             assert_close(tree_st.commit(k).value[leaf], chain_st.commit(k).value[leaf], depth, what=f"{kept} {leaf}")
 
 
+def test_a_stashed_forward_longer_than_a_chunk_folds_to_the_direct_state():
+    """A forward of 70 tokens (two chunks of the chunked form) with ragged rows (70 and 67 real tokens, padding at
+    the end) into a cache whose max_block (80) stashes it: committing any prefix (10, 64, 65, 66, all) leaves the
+    state that a forward of exactly that prefix writes directly (max_block below its length)."""
+    cfg, mod, params = layer()
+    rng = np.random.RandomState(4)
+    t, lens = 70, np.array([70, 67])
+    x = jnp.asarray(rng.randn(2, t, cfg.hidden_size), jnp.float32)
+    positions = jnp.asarray(np.where(np.arange(t) < lens[:, None], 3 + np.arange(t), -1), jnp.int32)
+    st0 = start_state(cfg, 2, 80, rng)
+    _, pending = mod.apply(params, x, positions, st0)
+    for kept in (10, 64, 65, 66, 70):
+        k = np.minimum(kept, lens)
+        got = pending.commit(jnp.asarray(k, jnp.int32))
+        direct = start_state(cfg, 2, 4, np.random.RandomState(4)).replace(value=st0.value)  # max_block 4: written
+        cut = jnp.asarray(np.where(np.arange(t) < k[:, None], np.asarray(positions), -1), jnp.int32)
+        _, want = mod.apply(params, x, cut, direct)
+        # the same delta rule summed in other orders over up to 70 tokens of width 16
+        for leaf in ("conv", "ssm"):
+            assert_close(got.value[leaf], want.value[leaf], 4 * t * (cfg.linear_key_head_dim + 64),
+                         what=f"{kept} {leaf}")
+
+
 @functools.cache
 def pair(family: str):
     cfg = CONFIGS[family]()
@@ -275,3 +298,25 @@ def test_tree_tau_above_chain_with_a_trained_draft(tmp_path):
         tau[budget] = np.mean([a for r in tree for a in r.acceptance_lengths])
     print("tau", {k: round(float(v), 3) for k, v in tau.items()})
     assert tau[64] >= tau[16] > tau["chain"] > 1.2
+
+
+def test_generate_cli_tree_budget_64_on_a_saved_hybrid_pair(tmp_path, capsys):
+    """``python -m infer.generate --tree-budget 64`` on a qwen3_5 checkpoint and draft written in the Hugging Face
+    layouts: every output equals plain decoding, 65 tokens verified per step."""
+    import json
+
+    import dflash_jax as dj
+    from dflash_jax.draft import save_draft
+    from dflash_jax.target import save_target
+    from infer import generate as g
+
+    target, draft = pair("qwen3_5")
+    tdir, ddir = save_target(target, str(tmp_path / "target")), str(tmp_path / "draft")
+    save_draft(draft, ddir, dtype="float32")
+    argv = ["--target", tdir, "--draft", ddir, "--max-new-tokens", "20", "--ignore-eos", "--tree-budget", "64",
+            "--json"] + [a for p in PROMPTS[:3] for a in ("--prompt-ids", ",".join(map(str, p)))]
+    assert g.main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    plain = S.generate(dj.load_target(tdir), PROMPTS[:3], max_new_tokens=20, stop_token_ids=[])
+    assert [r["output_ids"] for r in rows] == [p.output_ids for p in plain]
+    assert all(set(r["verify_lengths"]) == {65} for r in rows)

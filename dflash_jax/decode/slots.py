@@ -2,7 +2,7 @@
 rows while the other rows keep decoding, and released when they finish. ``continuous_generate`` streams a list of
 requests through the slots.
 
-The state is a ``DecodeState`` of S rows (every cache kind: full, sliding rings, recurrent snapshots, shared KV,
+The state is a ``DecodeState`` of S rows (every cache kind: full, sliding rings, recurrent stashes, shared KV,
 latent), functional like the rest: ``admit`` / ``step`` / ``run`` / ``release`` take a state and return the next
 (the old one is donated). ``run`` is one ``lax.while_loop`` that returns to the host when a row finishes (or after
 ``max_steps`` steps, for streaming). Programs compiled: one ``run`` (and ``step``), and two ``admit`` per prompt

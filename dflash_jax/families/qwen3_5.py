@@ -208,7 +208,7 @@ def chunked_delta_rule(q, k, v, g, beta, state, *, chunk: int = CHUNK, segments=
     segment's first token (``state`` feeds the first segment only). ``ancestors`` [B, T, T] bool (tree
     verification, inclusive, every ancestor before its node): each token sees ``state`` and its ancestors only,
     as a sequential run over its root-to-node path would (one chunk: the causal mask becomes the ancestor mask,
-    the cumulative decay the path's); the final state is then meaningless.
+    the cumulative decay the path's); the final state is then the incoming one.
     -> (outputs [B, T, H, dv], final state [B, H, dk, dv], corrected values u [B, T, H, dv] as
     ``recurrent_delta_rule``'s)."""
     b, t, h, dk = k.shape
@@ -245,8 +245,11 @@ def chunked_delta_rule(q, k, v, g, beta, state, *, chunk: int = CHUNK, segments=
     u, w = solve(v_beta), solve(k_beta * keep(jnp.exp(cum), carried)[..., None])
     intra = (q @ jnp.swapaxes(k, -1, -2)) * decay
     q_dec = q * keep(jnp.exp(cum), carried)[..., None]
-    k_dec = k * keep(jnp.exp(cum[..., -1:] - cum), last)[..., None]
-    chunk_decay = keep(jnp.exp(cum[..., -1]), None if carried is None else carried[..., -1])[..., None, None]
+    if ancestors is None:
+        k_dec = k * keep(jnp.exp(cum[..., -1:] - cum), last)[..., None]
+        chunk_decay = keep(jnp.exp(cum[..., -1]), None if carried is None else carried[..., -1])[..., None, None]
+    else:  # a tree has no last token: the state passes through (exp(G_last - G_j) would overflow off the paths)
+        k_dec, chunk_decay = jnp.zeros_like(k), jnp.ones(cum.shape[:-1] + (1, 1), cum.dtype)
 
     def step(s, x):
         u_i, w_i, q_i, kd_i, intra_i, dec_i = x
@@ -394,11 +397,13 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).reshape(b, t, hv, dv)
         out = self.norm(out.astype(x.dtype)) * jax.nn.silu(z.astype(jnp.float32)).astype(x.dtype)
         out = self.out_proj(out.reshape(b, t, hv * dv))
-        if pending:  # the real tokens first, in order (a tree's slots are all real)
-            order = jnp.argsort(~valid, axis=1, stable=True)[..., None]
-            first = lambda a: jnp.take_along_axis(a, order.reshape(order.shape + (1,) * (a.ndim - 3)), 1)  # noqa: E731
+        if pending:
             stash = {"k": k, "u": u, "cum": log_decay(g, ancestors), "x": inputs}
-            state = state.pend(jax.tree_util.tree_map(first, stash), valid, positions)
+            if ancestors is None:  # the real tokens first, in order; a tree keeps slot order (compact maps slots)
+                order = jnp.argsort(~valid, axis=1, stable=True)[..., None]
+                stash = jax.tree_util.tree_map(
+                    lambda a: jnp.take_along_axis(a, order.reshape(order.shape + (1,) * (a.ndim - 3)), 1), stash)
+            state = state.pend(stash, valid, positions)
         elif state is not None:  # too long to roll back: committed whole
             state = state.set_value({"conv": window_after.astype(window.dtype), "ssm": final})
         return out, state

@@ -18,7 +18,7 @@ cache_heads   'tensor'             query heads of decode attention (and its sink
 cache_kv_heads 'tensor'            KV heads of a cache
 cache_head_dim None                head dim of a cache
 cache_state   None                 per-row dims of a recurrent state (conv window, linear-attention state)
-cache_snapshot None                a recurrent state's per-token snapshots (index into the last forward)
+cache_snapshot None                a recurrent state's per-token stash (index into the last forward)
 ============  ===================  =====================================================
 
 Decode state (``dflash_jax.state``) declares the logical axes of its leaves (``LOGICAL_AXES`` of each state

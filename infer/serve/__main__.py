@@ -74,9 +74,9 @@ def build_service(args):
               **adaptive_kwargs(args), **draft_kwargs(args))
     try:
         options = DecodeOptions(**kw)
-        block = options.block_for(draft)
-        slots = args.max_batch or slots_that_fit(target, draft, cache_length([1], [max_length - 1], block),
-                                                 DEFAULT_MAX_BATCH)
+        max_block = max(options.block_for(draft), options.tree_budget + 1)
+        slots = args.max_batch or slots_that_fit(target, draft, cache_length([1], [max_length - 1], max_block),
+                                                 DEFAULT_MAX_BATCH, max_block)
         name, aliases = model_name(args.target, target.path)
         service = Service(target, draft, tokenizer, options, Limits(slots, max_length, args.queue_size),
                           name=args.served_model_name or name, aliases=aliases)
