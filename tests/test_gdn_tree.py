@@ -143,6 +143,33 @@ def test_every_slot_and_every_commit_equals_the_sequential_run_over_its_path(dec
                 assert_close(got.value[leaf], want_st.value[leaf], depth, what=f"row {r} slot {i} {leaf}")
 
 
+def test_another_topological_order_of_the_same_tree_gives_the_same_slots():
+    """The random tree of ``trees`` relabelled breadth-first (another order with every parent before its
+    children): each node's output is the same, within rounding (its path is the same; the solve runs in another
+    order)."""
+    cfg, mod, params = layer()
+    rng = np.random.RandomState(5)
+    parents = trees(rng)[5]
+    depth = np.zeros(N, int)
+    for i in range(N):
+        depth[i] = 1 if parents[i] < 0 else depth[parents[i]] + 1
+    order = np.argsort(depth, kind="stable")  # new node j is old node order[j]
+    new_of = np.argsort(order)
+    relabelled = np.array([-1 if parents[o] < 0 else new_of[parents[o]] for o in order], np.int32)
+    assert (relabelled < np.arange(N)).all() and not (order == np.arange(N)).all()
+    x = jnp.asarray(rng.randn(1, N + 1, cfg.hidden_size), jnp.float32)
+    slots = np.concatenate([[0], order + 1])  # the root stays slot 0
+    st0 = start_state(cfg, 1, N + 1, rng)
+    outs = []
+    for p, xs, d in ((parents, x, depth), (relabelled, x[:, slots], depth[order])):
+        positions = jnp.asarray(5 + np.concatenate([[0], d]))[None].astype(jnp.int32)
+        with jax.default_matmul_precision("highest"):
+            mask = tree_lib.ancestor_mask(jnp.asarray(p)[None])
+            outs.append(mod.apply(params, xs, positions, st0, ancestors=mask)[0])
+    assert_close(outs[1], outs[0][:, slots], 4 * (N + 1) * (cfg.linear_key_head_dim + N + 1) + cfg.hidden_size,
+                 what="relabelled outputs")
+
+
 def test_a_chain_shaped_tree_matches_the_chain_verify():
     """The chain is one tree: a chain-shaped tree's outputs and commits equal the chain path's (causal conv and
     chunked form without a mask) within the chunked form's rounding (the path sums of the log decay are an
