@@ -173,7 +173,7 @@ class Recurrent:
     stash: Any
     count: jax.Array
     start: jax.Array
-    fold: Any = flax.struct.field(pytree_node=False, default=None)
+    fold: Any = flax.struct.field(pytree_node=False)
 
     @property
     def max_block(self) -> int:

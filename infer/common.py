@@ -351,10 +351,10 @@ def max_batch(args, target, draft, prompts, overrides, kw: dict) -> int:
     of the device's free memory (``slots_that_fit``), never more than the prompts."""
     if args.max_batch is not None:
         return args.max_batch
-    from dflash_jax.decode import cache_length
+    from dflash_jax.decode import DecodeOptions, cache_length
 
     budget = [own.get("max_new_tokens", kw["max_new_tokens"]) for own in overrides]
-    max_block = max(kw.get("block_size") or 16, (kw.get("tree_budget") or 0) + 1)
+    max_block = DecodeOptions(**kw).max_block(draft)
     cache_len = cache_length([len(p) for p in prompts], budget, max_block)
     return slots_that_fit(target, draft, cache_len, min(DEFAULT_MAX_BATCH, len(prompts)), max_block)
 

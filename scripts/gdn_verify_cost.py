@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import tree as tree_lib
-from dflash_jax.families.qwen3_5 import GatedDeltaNet, Qwen35Config, state_specs
+from dflash_jax.families.qwen3_5 import GatedDeltaNet, Qwen35Config, stash_bytes, state_specs
 
 
 def layer_config(hidden=2560, key_heads=16, value_heads=32, head_dim=128) -> Qwen35Config:
@@ -39,8 +39,7 @@ def measure(cfg, slots: int, parents, repeats: int, max_block: int) -> float:
 
     @jax.jit
     def step(params, x, st):
-        _, st = mod.apply(params, x, positions, st, ancestors=mask) if mask is not None else mod.apply(
-            params, x, positions, st)
+        _, st = mod.apply(params, x, positions, st, ancestors=mask)
         return st.commit(jnp.full((1,), min(slots, 5), jnp.int32))
 
     jax.block_until_ready(step(params, x, st))
@@ -68,10 +67,9 @@ def main(argv=None) -> int:
         parents = np.array([-1] + [rng.randint(-1, i) for i in range(1, n)], np.int32)
         out[f"tree_{n}_s"] = measure(cfg, n + 1, parents, args.repeats, n + 1)
     hv, d, c = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.conv_dim
-    per_token_stash = hv * (2 * d + 1) * 4 + c * 2  # bf16 cache: the conv input
-    per_token_state = hv * d * d * 4 + c * 3 * 2
-    for n in (16, 65):
-        out[f"rollback_bytes_{n}_tokens"] = {"stash": n * per_token_stash, "state_per_token": (n + 1) * per_token_state}
+    per_token_state = hv * d * d * 4 + c * 3 * 2  # the scheme the fold replaced: a state (and window) per token
+    for n in (16, 65):  # one linear layer, a bf16 cache
+        out[f"rollback_bytes_{n}_tokens"] = {"stash": stash_bytes(cfg, n), "state_per_token": (n + 1) * per_token_state}
     print(json.dumps(out))
     return 0
 

@@ -28,6 +28,7 @@ from dflash_jax.target import Target, init_params
 from pairs import random_draft
 from test_draft import make_draft
 from test_draft_formats import DFLASH2
+from test_tree_verify import check
 from tolerances import assert_close
 
 HYBRID = dict(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -223,12 +224,6 @@ def pair(family: str):
 PROMPTS = [[3, 4, 5], [2, 6, 3, 5, 4, 2, 6, 3, 5], [4], [5, 2, 6, 6, 3, 2, 4, 5, 3, 6, 2, 4, 5, 3, 2, 6, 4]]
 
 
-def check(got, want, budget):
-    assert [r.output_ids for r in got] == [w.output_ids for w in want]
-    for r in got:
-        assert set(r.verify_lengths) <= {budget + 1} and r.num_generated == 1 + sum(r.acceptance_lengths)
-
-
 @pytest.mark.parametrize("family,budget", [("qwen3_5", 4), ("qwen3_5", 64), ("qwen3_5_moe", 16), ("qwen3_next", 16),
                                            pytest.param("qwen3_5", 1, marks=pytest.mark.slow),
                                            pytest.param("qwen3_5", 16, marks=pytest.mark.slow),
@@ -260,7 +255,7 @@ def test_dflash2_draft_on_a_hybrid_target():
     draft = make_draft(target.config, layers=1, block=8, ids=(0, 2, 3), seed=3, **DFLASH2)
     want = S.generate(target, PROMPTS, max_new_tokens=24, stop_token_ids=[])
     check(S.speculative_generate(target, draft, PROMPTS, max_new_tokens=24, stop_token_ids=[], tree_budget=8),
-          want, 8)
+          want, 8, block=8)
 
 
 def test_the_tree_is_never_deeper_than_a_row_can_commit(monkeypatch):

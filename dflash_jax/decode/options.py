@@ -122,6 +122,11 @@ class DecodeOptions:
             raise ValueError("confidence_threshold needs a DSpark draft with a confidence head")
         return block
 
+    def max_block(self, draft) -> int:
+        """The most tokens one forward writes that may be rolled back (``block_for``, or a tree's N + 1): what sliding
+        rings and recurrent stashes are sized for."""
+        return max(self.block_for(draft), self.tree_budget + 1)
+
     def verify_lengths_for(self, block: int) -> tuple[int, ...] | None:
         """The adaptive verify lengths as the engine takes them (None: always the whole block), checked."""
         lengths = self.verify_lengths

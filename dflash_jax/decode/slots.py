@@ -53,9 +53,7 @@ class Engine:
         self.sampled = options.temperature > 0 if sampled is None else bool(sampled)
         if options.temperature > 0 and not self.sampled:
             raise ValueError("options.temperature > 0 needs a sampled engine (sampled=True)")
-        block = options.block_for(draft)
-        max_block = max(block, options.tree_budget + 1)
-        cache_len = prepare.cache_length([1], [limit - 1], max_block, options.cache_len)
+        cache_len = prepare.cache_length([1], [limit - 1], options.max_block(draft), options.cache_len)
         mesh = sharding.mesh_of(target.params)
         self.unit = sharding.batch_multiple(mesh)  # rows split over data*fsdp: every group a multiple of it
         self.rows = int(max_batch) + sharding.pad_rows(int(max_batch), mesh)

@@ -450,12 +450,10 @@ def state_specs(cfg: Qwen35Config) -> tuple:
 
 
 def stash_bytes(cfg: Qwen35Config, max_block: int, dtype=jnp.bfloat16) -> int:
-    """Bytes of the rollback stash per row: max_block tokens of every linear-attention layer (a key, a corrected
-    value and a log decay per value head in float32, and the conv input in the cache dtype)."""
-    hv = cfg.linear_num_value_heads
-    per_token = (hv * (cfg.linear_key_head_dim + cfg.linear_value_head_dim + 1) * 4
-                 + cfg.conv_dim * np.dtype(dtype).itemsize)
-    return max_block * per_token * sum(cfg.is_linear(i) for i in range(cfg.num_hidden_layers))
+    """Bytes of the rollback stash per row: max_block tokens of every linear-attention layer's ``state_specs``
+    stash (key, corrected value and log decay in float32, the conv input in the cache ``dtype``)."""
+    return max_block * sum(int(np.prod(shape)) * np.dtype(d or dtype).itemsize for spec in state_specs(cfg)
+                           if isinstance(spec, RecurrentSpec) for _, shape, d in spec.stash)
 
 
 FAMILY = Family(name="qwen3_5", config=Qwen35Config, decoder=Decoder, checkpoint=checkpoint, state_specs=state_specs)

@@ -74,7 +74,7 @@ def build_service(args):
               **adaptive_kwargs(args), **draft_kwargs(args))
     try:
         options = DecodeOptions(**kw)
-        max_block = max(options.block_for(draft), options.tree_budget + 1)
+        max_block = options.max_block(draft)
         slots = args.max_batch or slots_that_fit(target, draft, cache_length([1], [max_length - 1], max_block),
                                                  DEFAULT_MAX_BATCH, max_block)
         name, aliases = model_name(args.target, target.path)
