@@ -58,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     cfg = layer_config()
     rng = np.random.RandomState(1)
     out = {"shape": "Qwen3.5-4B linear attention (hidden 2560, 16 / 32 heads of 128)", "load_1min": os.getloadavg()[0]}
