@@ -175,6 +175,11 @@ class TargetConfig:
         """The sliding window of layer i, or None for full attention."""
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
+    def layer_attention(self, i: int) -> "TargetConfig":
+        """Layer i's attention sizes as a config (head_dim, num_key_value_heads, rope); one for every layer here,
+        a family whose layers differ overrides it."""
+        return self
+
     @classmethod
     def from_hf(cls, path_or_dict) -> "TargetConfig":
         d = read_config_json(path_or_dict)
@@ -305,9 +310,10 @@ def _first(*values):
     return next((v for v in values if v is not None), None)
 
 
-DRAFT_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2", "Qwen3DSparkModel": "dspark"}
-# DSpark architectures of DeepSpec that this library does not run yet (a clear refusal, not a wrong draft)
-UNSUPPORTED_DRAFTS = {"Gemma4DSparkModel": "Gemma 4 DSpark drafts (sandwich-norm layers) are not supported yet"}
+DRAFT_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2", "Qwen3DSparkModel": "dspark",
+                       "Gemma4DSparkModel": "dspark"}
+# DeepSpec's DSpark architectures -> the model_type of their layer stack (Qwen3 layers; Gemma 4's sandwich-norm ones)
+DSPARK_STACKS = {"Qwen3DSparkModel": "qwen3", "Gemma4DSparkModel": "gemma4_text"}
 # transformers' MuseGlimmerAssistantConfig: a DFlash draft with a flat config (no dflash_config), non-causal, its
 # layers sliding by default; its defaults (vocab_size, absent there: Muse-Glimmer's, which check_fits then requires)
 ASSISTANT_MODEL_TYPE = "muse_glimmer_assistant"
@@ -342,8 +348,9 @@ class DraftConfig:
 
     ``architecture`` "dflash" (``DFlashDraftModel``), "dflash2" (``DFlash2DraftModel``: grouped dynamic
     causal convolutions around each sublayer and a candidate selector; its ``conv_*`` / ``selector_*`` fields) or
-    "dspark" (DeepSpec's ``Qwen3DSparkModel``: every block slot predicts the next position, the anchor's too; its
-    own frozen embedding and head; a Markov head of ``markov_rank`` (0: none) and an optional confidence head).
+    "dspark" (DeepSpec's ``Qwen3DSparkModel``, or ``Gemma4DSparkModel`` with Gemma 4 ``layers``: every block slot
+    predicts the next position, the anchor's too; its own frozen embedding and head; a Markov head of
+    ``markov_rank`` (0: none) and an optional confidence head).
     ``is_causal`` None: sliding layers are causal inside the block, full layers bidirectional (the newest
     reference and vLLM); True / False: every layer. ``input_embedding_scale`` multiplies the block's raw
     embeddings; ``output_multiplier`` then ``final_logit_softcapping`` (> 0) shape the draft logits."""
@@ -414,8 +421,12 @@ class DraftConfig:
             raise ValueError("a DSpark draft needs enable_confidence_head (true or false)")
         if self.confidence_with_markov and not self.markov_rank:
             raise ValueError("confidence_head_with_markov needs a Markov head (markov_rank > 0)")
-        if any(self.layer_causal(i) for i in range(self.layers.num_hidden_layers)) or self.layers.sliding_window:
+        n = self.layers.num_hidden_layers
+        if any(self.layer_causal(i) or self.layers.layer_window(i) for i in range(n)):
             raise ValueError("DSpark draft layers are full, bidirectional attention (no causal or sliding layers)")
+        if self.layers.model_type not in DSPARK_STACKS.values():
+            raise ValueError(f"a DSpark draft's layers are one of {sorted(DSPARK_STACKS.values())}, "
+                             f"got {self.layers.model_type!r}")
 
     @property
     def shifted(self) -> bool:
@@ -472,9 +483,6 @@ class DraftConfig:
             return _first(dflash.get(name), d.get(name), default)
 
         archs = [a for a in architectures(d) if a in DRAFT_ARCHITECTURES]
-        refused = [a for a in architectures(d) if a in UNSUPPORTED_DRAFTS]
-        if refused:
-            raise ValueError(f"{refused[0]}: {UNSUPPORTED_DRAFTS[refused[0]]}")
         unknown = [a for a in architectures(d) if ("DFlash" in a or "DSpark" in a) and a not in DRAFT_ARCHITECTURES]
         if unknown:
             raise ValueError(f"unsupported draft architecture {unknown[0]!r}; supported: "
@@ -489,7 +497,12 @@ class DraftConfig:
             raise ValueError("draft config has no dflash_config.mask_token_id")
         if arch == "dspark":  # every DSpark layer is full bidirectional attention (DeepSpec ignores other types)
             d = {**d, "layer_types": None, "use_sliding_window": False, "is_causal": None}
-        layers = TargetConfig._from_dict(d, "qwen3")
+        if archs and DSPARK_STACKS.get(archs[0]) == "gemma4_text":
+            from dflash_jax.families import gemma4  # the family imports this module
+
+            layers = gemma4.dspark_layers(d)
+        else:
+            layers = TargetConfig._from_dict(d, "qwen3")
         n_target = int(key("num_target_layers", 0))
         ids = key("target_layer_ids")
         if ids is None:
@@ -538,13 +551,13 @@ class DraftConfig:
         """The released layout; optional keys only when they differ from their defaults (older readers that
         know none of them then read the same draft)."""
         out = self.layers.to_hf()
-        arch = {v: k for k, v in DRAFT_ARCHITECTURES.items()}[self.architecture]
-        out["architectures"] = [arch]
-        out["model_type"] = "qwen3"
         out["block_size"] = self.block_size
         out["num_target_layers"] = self.num_target_layers
         if self.architecture == "dspark":
             return self._dspark_hf(out)
+        arch = {v: k for k, v in DRAFT_ARCHITECTURES.items()}[self.architecture]
+        out["architectures"] = [arch]
+        out["model_type"] = "qwen3"
         dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
         if self.input_embedding_scale != 1.0:
             dflash["input_embedding_scale"] = self.input_embedding_scale
@@ -565,7 +578,12 @@ class DraftConfig:
     def _dspark_hf(self, out: dict) -> dict:
         """DeepSpec's layout (``build_draft_config``): its keys at the top level, no ``dflash_config``; the
         optional ones only where DeepSpec writes them (the head type with a Markov head, the confidence head's
-        input with that head)."""
+        input with that head); a Gemma 4 stack also names the target's model types and keeps its logit soft cap."""
+        arch = {v: k for k, v in DSPARK_STACKS.items()}[self.layers.model_type]
+        out.update(architectures=[arch], model_type=self.layers.model_type)
+        if arch == "Gemma4DSparkModel":
+            out.update(target_model_type="gemma4", target_text_model_type="gemma4_text",
+                       final_logit_softcapping=self.final_logit_softcapping)
         out.update(tie_word_embeddings=False, mask_token_id=self.mask_token_id,
                    target_layer_ids=list(self.target_layer_ids), markov_rank=self.markov_rank,
                    enable_confidence_head=self.confidence_head)

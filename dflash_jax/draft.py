@@ -28,6 +28,7 @@ from dflash_jax.attention import block_attention, decode_attention
 from dflash_jax.checkpoints import NameTable, export_params, load_params, resolve_path, save_safetensors
 from dflash_jax.config import DraftConfig
 from dflash_jax.dspark import ConfidenceHead, MarkovHead, walk
+from dflash_jax.families import gemma4
 from dflash_jax.families.dense import DecoderLayer
 from dflash_jax.layers import Embed, Linear, RMSNorm, initializer, random_params
 from dflash_jax.sampling import categorical, row_keys
@@ -49,8 +50,8 @@ def _draft_names(stream):
 
 
 # released drafts: layer names without a prefix; DFlash2's own leaves keep their names
-CHECKPOINT = NameTable(leaves=(("base_kernel", "base_kernel", False),) + tuple((c, c, False) for c in _CODEBOOKS),
-                       rewrite=_draft_names)
+CHECKPOINT = NameTable(leaves=(("base_kernel", "base_kernel", False), ("layer_scalar", "layer_scalar", False))
+                       + tuple((c, c, False) for c in _CODEBOOKS), rewrite=_draft_names)
 
 
 class DynamicConv(nn.Module):
@@ -108,6 +109,32 @@ class CandidateSelector(nn.Module):
         return self.hidden_projection(h), self.predecessor_codebook, self.successor_codebook
 
 
+def injected_attention(layer, h, positions, anchors, k_ctx, v_ctx, *, impl: str, decode: bool, ctx_start=None,
+                       block_len=None):
+    """A draft layer's attention on its normed input h [B, N*Bk, D]: the block's queries against the injected
+    context K/V plus the block's own keys, through ``layer.self_attn`` (its projections, norms, rope and scale) ->
+    the output projection [B, N*Bk, D]. ``decode`` False (training, N blocks per row): ``block_attention`` with
+    ``impl`` (and ``ctx_start``); True (one block per row): ``decode_attention`` with ``impl`` (and
+    ``block_len``)."""
+    block = h.shape[1] // anchors.shape[1]
+    q = layer.self_attn.queries(h, positions)
+    k, v = layer.self_attn.keys_values(h, positions)
+    window = layer.cfg.layer_window(layer.index)
+    causal = layer.draft is not None and layer.draft.layer_causal(layer.index)
+    scale = layer.self_attn.attention_scale()
+    if not decode:
+        o = block_attention(q, k_ctx, v_ctx, k, v, anchors, block_size=block, sliding_window=window, impl=impl,
+                            ctx_start=ctx_start, block_causal=causal, scale=scale)
+    else:  # one block per row: context slots < its anchor, its own block (positions < block_len, if given)
+        live = anchors >= 0
+        if block_len is not None:
+            live = live & (jnp.arange(block)[None] < block_len[:, None])
+        q_pos = jnp.where(live, positions, -1)
+        o = decode_attention(q, k_ctx, v_ctx, q_pos, jnp.maximum(anchors[:, 0], 0), k, v, sliding_window=window,
+                             impl=impl, new_causal=causal, scale=scale)
+    return layer.self_attn.output(o)
+
+
 class DraftLayer(DecoderLayer):
     """A Qwen3 layer whose queries (the block) attend to injected context K/V plus the block itself;
     a DFlash2 layer also convolves around each sublayer (``DynamicConv``)."""
@@ -136,21 +163,8 @@ class DraftLayer(DecoderLayer):
         h = self.input_layernorm(x)
         if self.convolves:
             h, dyn = self.attention_conv.prepare(h, block)
-        q = self.self_attn.queries(h, positions)
-        k, v = self.self_attn.keys_values(h, positions)
-        window = self.cfg.layer_window(self.index)
-        causal = self.draft is not None and self.draft.layer_causal(self.index)
-        if not decode:
-            o = block_attention(q, k_ctx, v_ctx, k, v, anchors, block_size=block, sliding_window=window, impl=impl,
-                                ctx_start=ctx_start, block_causal=causal)
-        else:  # one block per row: context slots < its anchor, its own block (positions < block_len, if given)
-            live = anchors >= 0
-            if block_len is not None:
-                live = live & (jnp.arange(block)[None] < block_len[:, None])
-            q_pos = jnp.where(live, positions, -1)
-            o = decode_attention(q, k_ctx, v_ctx, q_pos, jnp.maximum(anchors[:, 0], 0), k, v, sliding_window=window,
-                                 impl=impl, new_causal=causal)
-        o = self.self_attn.output(o)
+        o = injected_attention(self, h, positions, anchors, k_ctx, v_ctx, impl=impl, decode=decode,
+                               ctx_start=ctx_start, block_len=block_len)
         if self.convolves:
             o = self.attention_conv.finish(o, dyn, block)
         x = x + o
@@ -161,6 +175,26 @@ class DraftLayer(DecoderLayer):
         if self.convolves:
             h = self.mlp_conv.finish(h, dyn, block)
         return x + h
+
+
+class Gemma4DraftLayer(gemma4.DecoderLayer):
+    """A Gemma 4 DSpark layer (DeepSpec's ``Gemma4DSparkDecoderLayer``): ``gemma4.DecoderLayer``'s sandwich norms,
+    GeLU-tanh MLP and layer scalar around the injected attention (full, bidirectional, scale 1, the full layers'
+    head dim, k = v when ``attention_k_eq_v``)."""
+
+    draft: DraftConfig | None = None
+
+    def context_kv(self, ctx, positions):
+        return self.self_attn.keys_values(ctx, positions)
+
+    def __call__(self, x, positions, anchors, k_ctx, v_ctx, *, impl: str, decode: bool, ctx_start=None,
+                 block_len=None):
+        """As ``DraftLayer.__call__``."""
+        o = injected_attention(self, self.input_layernorm(x), positions, anchors, k_ctx, v_ctx, impl=impl,
+                               decode=decode, ctx_start=ctx_start, block_len=block_len)
+        x = x + self.post_attention_layernorm(o)
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x * jnp.asarray(self.layer_scalar, x.dtype)
 
 
 class DFlashDraft(nn.Module):
@@ -175,7 +209,8 @@ class DFlashDraft(nn.Module):
         c = d.layers
         self.fc = Linear(c.hidden_size, False, ("features", "embed"))
         self.hidden_norm = RMSNorm(c.rms_norm_eps)
-        self.layers = [DraftLayer(c, i, draft=d) for i in range(c.num_hidden_layers)]
+        layer = Gemma4DraftLayer if isinstance(c, gemma4.Gemma4Config) else DraftLayer
+        self.layers = [layer(c, i, draft=d) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps)
         if d.convolves:
             self.candidate_selector = CandidateSelector(c.vocab_size, d.selector_rank)
@@ -188,8 +223,12 @@ class DFlashDraft(nn.Module):
             self.confidence_head = ConfidenceHead()
 
     def embed(self, ids):
-        """The draft's own embedding (DSpark): a plain lookup."""
-        return self.embed_tokens(ids)
+        """The draft's own embedding (DSpark): a lookup; Gemma 4 layers' times sqrt(hidden) in the table's dtype
+        (``Gemma4TextScaledWordEmbedding``)."""
+        x = self.embed_tokens(ids)
+        if isinstance(self.cfg.layers, gemma4.Gemma4Config):
+            x = x * jnp.asarray(self.cfg.layers.hidden_size ** 0.5, x.dtype)
+        return x
 
     def head(self, h):
         """The draft's own lm_head (DSpark), float32 logits."""
@@ -259,8 +298,9 @@ class Draft:
 
 
 def new_cache(cfg: DraftConfig, batch: int, max_len: int, dtype) -> DecodeCache:
-    c = cfg.layers
-    return DecodeCache.create([KVSpec(c.num_key_value_heads, c.head_dim)] * c.num_hidden_layers, batch, max_len, dtype)
+    specs = [KVSpec(a.num_key_value_heads, a.head_dim)
+             for a in map(cfg.layers.layer_attention, range(cfg.layers.num_hidden_layers))]
+    return DecodeCache.create(specs, batch, max_len, dtype)
 
 
 def cache_kv(cache: DecodeCache) -> tuple[tuple, tuple]:

@@ -54,11 +54,21 @@ def _validate_target_layer_ids(ids, num_target_layers):
     return ids
 
 
+def is_gemma4(cfg) -> bool:
+    """A ``Gemma4DSparkModel`` draft config (section 7)."""
+    return "Gemma4DSparkModel" in (cfg.get("architectures") or ())
+
+
 def dims(cfg) -> dict[str, int]:
-    """The sizes of section 1.3's notation from a (draft or target) config dict."""
+    """The sizes of section 1.3's notation from a (draft or target) config dict; a Gemma 4 draft's attention is
+    the full layers' (section 7): hd = global_head_dim, KV = num_global_key_value_heads with attention_k_eq_v,
+    else num_key_value_heads."""
     d, h = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    return dict(V=int(cfg["vocab_size"]), d=d, H=h, KV=int(cfg["num_key_value_heads"]),
-                hd=int(cfg.get("head_dim") or d // h), I=int(cfg["intermediate_size"]),
+    hd, kv = int(cfg.get("head_dim") or d // h), int(cfg["num_key_value_heads"])
+    if is_gemma4(cfg):
+        hd = int(cfg["global_head_dim"])
+        kv = int(cfg["num_global_key_value_heads"]) if cfg.get("attention_k_eq_v") else kv
+    return dict(V=int(cfg["vocab_size"]), d=d, H=h, KV=kv, hd=hd, I=int(cfg["intermediate_size"]),
                 n=len(cfg["target_layer_ids"]), r=int(cfg.get("markov_rank", 0)), N=int(cfg["num_hidden_layers"]))
 
 
@@ -77,9 +87,16 @@ def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
                     p + "mlp.gate_proj.weight": (s["I"], d), p + "mlp.up_proj.weight": (s["I"], d),
                     p + "mlp.down_proj.weight": (d, s["I"]),
                     p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
+        if is_gemma4(cfg):  # sandwich norms and the layer scalar; k = v: no v_proj
+            out.update({p + "pre_feedforward_layernorm.weight": (d,), p + "post_feedforward_layernorm.weight": (d,),
+                        p + "layer_scalar": (1,)})
+            if cfg.get("attention_k_eq_v"):
+                del out[p + "self_attn.v_proj.weight"]
         if cfg.get("attention_bias"):
             out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                        p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (d,)})
+                        p + "self_attn.o_proj.bias": (d,)})
+            if p + "self_attn.v_proj.weight" in out:
+                out[p + "self_attn.v_proj.bias"] = (kv,)
     if r > 0:
         out.update({"markov_head.markov_w1.weight": (s["V"], r), "markov_head.markov_w2.weight": (s["V"], r)})
         kind = str(cfg["markov_head_type"]).lower()
@@ -91,6 +108,26 @@ def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
         width = d + r if cfg.get("confidence_head_with_markov") else d
         out.update({"confidence_head.proj.weight": (1, width), "confidence_head.proj.bias": (1,)})
     return out
+
+
+def gemma4_text_config(target_cfg: dict) -> dict:
+    """Section 7's start of ``build_draft_config`` for Gemma 4: a copy of the target's text config (the VL layout's
+    ``text_config``, or a text-only config) with ``target_model_type`` / ``target_text_model_type``, and the full
+    layers' sizes as DeepSpec's pinned transformers writes them (``global_head_dim``,
+    ``num_global_key_value_heads``) where a newer one wrote a ``per_layer_config``. MoE blocks and per-layer
+    inputs are refused (DeepSpec's layer asserts them off)."""
+    text = copy.deepcopy(target_cfg.get("text_config", target_cfg))
+    text["target_model_type"] = str(target_cfg["model_type"])
+    text["target_text_model_type"] = str(text.get("model_type", "gemma4_text"))
+    per_layer = text.pop("per_layer_config", None)
+    if per_layer:
+        full = next(iter(dict(per_layer).values()))
+        text["global_head_dim"] = int(full["head_dim"])
+        if text.get("attention_k_eq_v"):
+            text["num_global_key_value_heads"] = int(full["num_key_value_heads"])
+    if text.get("enable_moe_block") or int(text.get("hidden_size_per_layer_input", 256)):
+        raise ValueError("DeepSpec's Gemma 4 DSpark layers support neither MoE blocks nor per-layer inputs")
+    return text
 
 
 def dspark_config(target_cfg: dict, *, num_layers=2, block_size=4, target_layer_ids=(0, 2), mask_token_id=None,
@@ -105,10 +142,12 @@ def dspark_config(target_cfg: dict, *, num_layers=2, block_size=4, target_layer_
         raise ValueError(f"unsupported markov_head_type {markov_head_type!r}")
     if confidence and confidence_with_markov and markov_rank == 0:  # Qwen3DSparkModel asserts this (:259-260)
         raise ValueError("confidence_with_markov needs a Markov head (markov_rank > 0)")
-    cfg = copy.deepcopy(target_cfg)
+    cfg, arch = copy.deepcopy(target_cfg), "Qwen3DSparkModel"
     cfg.pop("dflash_config", None)
-    num_target = int(target_cfg["num_hidden_layers"])
-    cfg.update(architectures=["Qwen3DSparkModel"], num_target_layers=num_target, num_hidden_layers=int(num_layers),
+    if str(target_cfg.get("model_type", "")).startswith("gemma4"):
+        cfg, arch = gemma4_text_config(target_cfg), "Gemma4DSparkModel"
+    num_target = int(cfg["num_hidden_layers"])
+    cfg.update(architectures=[arch], num_target_layers=num_target, num_hidden_layers=int(num_layers),
                block_size=int(block_size), tie_word_embeddings=False, layer_types=["full_attention"] * int(num_layers),
                mask_token_id=int(target_cfg["vocab_size"] - 1 if mask_token_id is None else mask_token_id),
                target_layer_ids=_validate_target_layer_ids(target_layer_ids, num_target),
@@ -128,7 +167,7 @@ def dspark_config(target_cfg: dict, *, num_layers=2, block_size=4, target_layer_
 def write_dspark_draft(path, target_dir, *, num_layers=2, block_size=4, target_layer_ids=(0, 2), mask_token_id=None,
                        markov_rank=8, markov_head_type="vanilla", confidence=True, confidence_with_markov=True,
                        seed=0) -> dict[str, np.ndarray]:
-    """Write a random DSpark draft of the Qwen3 target in ``target_dir`` to ``path`` as DeepSpec saves one:
+    """Write a random DSpark draft of the Qwen3 or Gemma 4 target in ``target_dir`` to ``path`` as DeepSpec saves one:
     config.json (``dspark_config``: the target's config with the DSpark keys, no dflash_config) and one
     float32 model.safetensors holding exactly ``expected_shapes``' tensors (no prefix), embed_tokens / lm_head
     copied from the target (lm_head = the embedding when the target ties them). Returns the tensors as float64
@@ -143,7 +182,7 @@ def write_dspark_draft(path, target_dir, *, num_layers=2, block_size=4, target_l
                         mask_token_id=mask_token_id, markov_rank=markov_rank, markov_head_type=markov_head_type,
                         confidence=confidence, confidence_with_markov=confidence_with_markov)
     src = _load_target_tensors(target_dir)
-    embed = src["model.embed_tokens.weight"]
+    embed = src[next(k for k in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight") if k in src)]
     lm_head = embed if target_cfg.get("tie_word_embeddings") or "lm_head.weight" not in src else src["lm_head.weight"]
     # the base logits' per-token spread: how big the Markov bias must be to matter
     logit_scale = float(np.linalg.norm(lm_head, axis=1).mean())
@@ -157,6 +196,8 @@ def write_dspark_draft(path, target_dir, *, num_layers=2, block_size=4, target_l
             t = lm_head
         elif name.endswith("norm.weight"):
             t = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif name.endswith("layer_scalar"):  # a buffer of ones in DeepSpec: drawn here, so a dropped one shows
+            t = rng.uniform(0.5, 1.5, shape)
         elif name == "fc.weight":
             t = 0.05 / np.sqrt(s["n"]) * rng.standard_normal(shape)
         elif name == "markov_head.markov_w1.weight":
@@ -228,6 +269,31 @@ def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
+def _block_inputs(w, cfg, features, block_ids, ctx_len, embed_scale=1.0):
+    """(ctx = hidden_norm(fc(features)), the block's embeddings x embed_scale, query positions, key positions): the
+    context rows are positions ctx_len-T..ctx_len-1 (ctx_len None -> T), the block ctx_len..ctx_len+B-1."""
+    features = np.asarray(features, np.float64)
+    T = features.shape[0]
+    ctx_len = T if ctx_len is None else int(ctx_len)
+    if ctx_len < T:
+        raise ValueError(f"ctx_len {ctx_len} < {T} context rows")
+    ctx = _rms(features @ w["fc.weight"].T, w["hidden_norm.weight"], float(cfg["rms_norm_eps"]))
+    x = w["embed_tokens.weight"][np.asarray(block_ids)] * embed_scale
+    q_pos = ctx_len + np.arange(x.shape[0])
+    return ctx, x, q_pos, np.concatenate([np.arange(ctx_len - T, ctx_len), q_pos])
+
+
+def _attention(q, k, v, scale):
+    """softmax(scale q . k) v, no mask: q [B, nh, hd], k / v [S, kv, hd] (head j uses kv head j // (nh/kv)) ->
+    [B, nh*hd]."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    a = np.einsum("qnh,knh->nqk", q, k) * scale
+    a = np.exp(a - a.max(-1, keepdims=True))
+    a /= a.sum(-1, keepdims=True)
+    return np.einsum("nqk,knh->qnh", a, v).reshape(q.shape[0], -1)
+
+
 def backbone(w, cfg, features, block_ids, ctx_len=None) -> np.ndarray:
     """DFlash v1's backbone (section 2): block ids [B] at positions ctx_len..ctx_len+B-1 over the context
     ``features`` [T, n*d] (the rows of positions ctx_len-T..ctx_len-1) -> the final-normed hidden h [B, d].
@@ -238,34 +304,81 @@ def backbone(w, cfg, features, block_ids, ctx_len=None) -> np.ndarray:
     if cfg.get("hidden_act", "silu") != "silu":
         raise NotImplementedError(cfg["hidden_act"])
     nh, kv, hd = s["H"], s["KV"], s["hd"]
-    features = np.asarray(features, np.float64)
-    T = features.shape[0]
-    ctx_len = T if ctx_len is None else int(ctx_len)
-    if ctx_len < T:
-        raise ValueError(f"ctx_len {ctx_len} < {T} context rows")
     theta = rope_theta(cfg)
-    ctx = _rms(features @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
-    x = w["embed_tokens.weight"][np.asarray(block_ids)]
-    B = x.shape[0]
-    q_pos = ctx_len + np.arange(B)
-    k_pos = np.concatenate([np.arange(ctx_len - T, ctx_len), q_pos])
+    ctx, x, q_pos, k_pos = _block_inputs(w, cfg, features, block_ids, ctx_len)
     for i in range(s["N"]):
         p = f"layers.{i}."
         h = _rms(x, w[p + "input_layernorm.weight"], eps)
-        q = _rms(_linear(w, p + "self_attn.q_proj", h).reshape(B, nh, hd), w[p + "self_attn.q_norm.weight"], eps)
+        q = _rms(_linear(w, p + "self_attn.q_proj", h).reshape(-1, nh, hd), w[p + "self_attn.q_norm.weight"], eps)
         both = np.concatenate([ctx, h])
         k = _rms(_linear(w, p + "self_attn.k_proj", both).reshape(-1, kv, hd), w[p + "self_attn.k_norm.weight"], eps)
         v = _linear(w, p + "self_attn.v_proj", both).reshape(-1, kv, hd)
-        q, k = _rope(q, q_pos, theta), _rope(k, k_pos, theta)
-        k, v = np.repeat(k, nh // kv, axis=1), np.repeat(v, nh // kv, axis=1)  # head j uses kv head j // (nh/kv)
-        a = np.einsum("qnh,knh->nqk", q, k) * hd ** -0.5
-        a = np.exp(a - a.max(-1, keepdims=True))
-        a /= a.sum(-1, keepdims=True)
-        x = x + _linear(w, p + "self_attn.o_proj", np.einsum("nqk,knh->qnh", a, v).reshape(B, nh * hd))
+        o = _attention(_rope(q, q_pos, theta), _rope(k, k_pos, theta), v, hd ** -0.5)
+        x = x + _linear(w, p + "self_attn.o_proj", o)
         h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
         g = h @ w[p + "mlp.gate_proj.weight"].T
         x = x + (g * _sigmoid(g) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
     return _rms(x, w["norm.weight"], eps)
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def full_rope_inv_freq(cfg) -> np.ndarray:
+    """A Gemma 4 draft's inverse frequencies [hd/2] (section 7): ``rope_parameters.full_attention`` over hd =
+    global_head_dim; "proportional": theta^(-2i/hd) for i < floor(partial_rotary_factor * hd / 2), 0 after
+    (unrotated); "default": theta^(-2i/hd) for all i."""
+    rope, hd = cfg["rope_parameters"]["full_attention"], int(cfg["global_head_dim"])
+    kind, theta = rope.get("rope_type", "default"), float(rope["rope_theta"])
+    inv = theta ** (-np.arange(0, hd, 2) / hd)
+    if kind == "proportional":
+        inv[int(float(rope.get("partial_rotary_factor", 1.0)) * hd // 2):] = 0.0
+    elif kind != "default":
+        raise NotImplementedError(f"rope_type {kind!r}")
+    return inv
+
+
+def _rope_with(x, pos, inv):
+    """neox (rotate-half) RoPE of x [T, heads, hd] at positions [T] with inverse frequencies [hd/2]."""
+    ang = np.concatenate([pos[:, None] * inv[None]] * 2, -1)
+    h = x.shape[-1]
+    rot = np.concatenate([-x[..., h // 2:], x[..., : h // 2]], -1)
+    return x * np.cos(ang)[:, None] + rot * np.sin(ang)[:, None]
+
+
+def gemma4_backbone(w, cfg, features, block_ids, ctx_len=None) -> np.ndarray:
+    """A Gemma 4 DSpark draft's backbone (section 7), as ``backbone``'s arguments. The block's embedding times
+    sqrt(d); per layer: h = input_layernorm(x); q = q_norm(q_proj(h)); over [ctx; h] kr = k_proj, K = k_norm(kr),
+    V = v_norm(kr) (attention_k_eq_v) or v_norm(v_proj), v_norm without weight; RoPE (``full_rope_inv_freq``) on q
+    and K; scale 1.0; x += post_attention_layernorm(o_proj(attn)); x += post_feedforward_layernorm(
+    mlp(pre_feedforward_layernorm(x))) with the GeLU-tanh gate; x *= layer_scalar. Every norm w * x / rms(x)."""
+    s, eps = dims(cfg), float(cfg["rms_norm_eps"])
+    nh, kv, hd = s["H"], s["KV"], s["hd"]
+    inv = full_rope_inv_freq(cfg)
+    ctx, x, q_pos, k_pos = _block_inputs(w, cfg, features, block_ids, ctx_len, np.sqrt(s["d"]))
+    for i in range(s["N"]):
+        p = f"layers.{i}."
+        h = _rms(x, w[p + "input_layernorm.weight"], eps)
+        q = _rms(_linear(w, p + "self_attn.q_proj", h).reshape(-1, nh, hd), w[p + "self_attn.q_norm.weight"], eps)
+        both = np.concatenate([ctx, h])
+        kr = _linear(w, p + "self_attn.k_proj", both).reshape(-1, kv, hd)
+        vr = kr if cfg.get("attention_k_eq_v") else _linear(w, p + "self_attn.v_proj", both).reshape(-1, kv, hd)
+        k, v = _rms(kr, w[p + "self_attn.k_norm.weight"], eps), _rms(vr, 1.0, eps)
+        o = _attention(_rope_with(q, q_pos, inv), _rope_with(k, k_pos, inv), v, 1.0)
+        x = x + _rms(_linear(w, p + "self_attn.o_proj", o), w[p + "post_attention_layernorm.weight"], eps)
+        h = _rms(x, w[p + "pre_feedforward_layernorm.weight"], eps)
+        m = (_gelu_tanh(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T))
+        x = x + _rms(m @ w[p + "mlp.down_proj.weight"].T, w[p + "post_feedforward_layernorm.weight"], eps)
+        x = x * w[p + "layer_scalar"]
+    return _rms(x, w["norm.weight"], eps)
+
+
+def base_logits(w, cfg, hidden) -> np.ndarray:
+    """lm_head(h), then cap * tanh(logits / cap) when the config sets ``final_logit_softcapping`` (Gemma 4)."""
+    out = hidden @ w["lm_head.weight"].T
+    cap = cfg.get("final_logit_softcapping")
+    return cap * np.tanh(out / cap) if cap else out
 
 
 def markov_step(w, cfg, h, prev, state):
@@ -323,15 +436,15 @@ def numpy_dspark(w, cfg, features, anchor, ctx_len=None, prev_tokens=None, thres
     ctx_len..ctx_len+B-1. ``prev_tokens`` None: greedy, x_j = argmax of slot j-1's corrected logits; else the
     B-1 tokens x_1..x_{B-1} (teacher forcing).
 
-    Returns a dict: hidden [B, d], base_logits [B, V] (h @ lm_head.T), logits [B, V] (corrected: base + Markov
+    Returns a dict: hidden [B, d], base_logits [B, V] (``base_logits``), logits [B, V] (corrected: base + Markov
     bias), tokens [B] (argmax of each slot's corrected logits, first index on ties), prev [B] (the x_j used),
     confidence [B] (sigmoid of the head's logit; None without the head), confidence_logits [B] (or None); with
     ``threshold`` also proposal_length (``confident_length``)."""
     B = int(cfg["block_size"])
     block = np.full(B, int(cfg["mask_token_id"]), np.int64)
     block[0] = int(anchor)
-    hidden = backbone(w, cfg, features, block, ctx_len)
-    base = hidden @ w["lm_head.weight"].T
+    hidden = (gemma4_backbone if is_gemma4(cfg) else backbone)(w, cfg, features, block, ctx_len)
+    base = base_logits(w, cfg, hidden)
     if prev_tokens is not None:
         prev_tokens = [int(t) for t in prev_tokens]
         if len(prev_tokens) != B - 1:

@@ -92,7 +92,7 @@ def test_config_refusals(small):
     base = dspark_config(small.config).to_hf()
     for bad, msg in ((dict(markov_head_type="lstm"), "markov_head_type"),
                      (dict(target_layer_ids=[-1, 1]), "-1"),
-                     (dict(architectures=["Gemma4DSparkModel"]), "Gemma 4 DSpark"),
+                     (dict(architectures=["Gemma4DSparkModel"]), "model_type gemma4_text"),
                      (dict(architectures=["Qwen9DSparkModel"]), "unsupported draft architecture")):
         with pytest.raises(ValueError, match=msg):
             DraftConfig.from_hf(dict(base, **bad))
@@ -191,19 +191,26 @@ def test_block_logits_and_tokens_match_numpy(hf_target, tmp_path, name):
     """``draft_block_logits`` (Markov-corrected, given the greedy previous tokens) and ``draft_block_tokens`` (the
     greedy walk: B tokens for B slots) of DeepSpec-layout checkpoints equal the float64 reference, batched with two
     contexts of different lengths (the shorter one padded by the library)."""
+    _, model, target = hf_target
+    w, cfg, draft = _written(hf_target, tmp_path, **WRITTEN[name])
+    block_logits_match_numpy(model, target, draft, w, cfg, name)
+
+
+def block_logits_match_numpy(model, target, draft, w, cfg, name):
+    """``draft_block_logits`` / ``draft_block_tokens`` == ``numpy_dspark`` over the torch ``model``'s features, for
+    two random batched contexts of 7 and 12 tokens and block-4 blocks."""
     from dspark_reference import numpy_dspark
     from hf_models import torch_forward
     from tolerances import assert_close, draft_depth
 
-    _, model, target = hf_target
-    w, cfg, draft = _written(hf_target, tmp_path, **WRITTEN[name])
+    v = target.config.vocab_size
     rng = np.random.RandomState(5)
     for t in (7, 12):
-        ctx = rng.randint(0, VOCAB, (2, t))
-        blk = np.concatenate([rng.randint(0, VOCAB, (2, 1)), np.full((2, 3), cfg["mask_token_id"])], axis=1)
+        ctx = rng.randint(0, v, (2, t))
+        blk = np.concatenate([rng.randint(0, v, (2, 1)), np.full((2, 3), cfg["mask_token_id"])], axis=1)
         logits = dj.draft_block_logits(target, draft, ctx, blk)
         tokens = dj.draft_block_tokens(target, draft, ctx, blk)
-        assert logits.shape == (2, 4, VOCAB) and tokens.shape == (2, 4)
+        assert logits.shape == (2, 4, v) and tokens.shape == (2, 4)
         for row in range(2):
             feats = torch_forward(model, ctx[row][None], cfg["target_layer_ids"])[1][0].astype(np.float64)
             ref = numpy_dspark(w, cfg, feats, int(blk[row, 0]))
@@ -219,17 +226,23 @@ def test_engine_equals_deepspec_loop(hf_target, tmp_path, name, threshold):
     loop runs while its pending token is inside the budget and trims after, so it may take one step more than the
     engine (which stops once the budget's tokens are committed) and counts its last steps uncut: the engine's
     steps equal its first ones, the last one at most its count."""
-    from dspark_reference import dspark_greedy_decode
-    from hf_models import torch_forward, torch_greedy
-
     _, model, target = hf_target
     w, cfg, draft = _written(hf_target, tmp_path, **WRITTEN[name])
+    engine_matches_deepspec_loop(model, target, draft, w, cfg, [[5, 1, 12, 8, 6, 3], [9, 9, 2],
+                                                                [14, 7, 0, 11, 4, 13, 2, 10], [3]], 20, threshold)
+
+
+def engine_matches_deepspec_loop(model, target, draft, w, cfg, prompts, new, threshold):
+    """Greedy ``speculative_generate`` of ``prompts`` == DeepSpec's loop (``dspark_reference``, over the torch
+    ``model``) == transformers' greedy generate; acceptance counted as ``test_engine_equals_deepspec_loop`` says;
+    some drafts accepted."""
+    from dspark_reference import dspark_greedy_decode
+    from hf_models import torch_forward, torch_greedy
 
     def forward(ids):
         logits, feats = torch_forward(model, np.asarray(ids)[None], cfg["target_layer_ids"])
         return logits[0].astype(np.float64), feats[0].astype(np.float64)
 
-    prompts, new = [[5, 1, 12, 8, 6, 3], [9, 9, 2], [14, 7, 0, 11, 4, 13, 2, 10], [3]], 20
     outs = S.speculative_generate(target, draft, prompts, max_new_tokens=new, stop_token_ids=[],
                                   confidence_threshold=threshold)
     accepted = []

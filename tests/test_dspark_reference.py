@@ -1,6 +1,7 @@
 """Self-checks of the NumPy DSpark reference (tests/dspark_reference.py) and its checkpoint writer, not of
 dflash_jax: DeepSpec's on-disk layout (the DSpark spec's sections 1.1 / 1.3 / 9), the Markov / confidence rules of sections 3-4,
-the backbone against the DFlash v1 reference, and the section 5 loop on hand-worked cases."""
+the backbone against the DFlash v1 reference, the section 7 (Gemma 4) pieces against transformers' own Gemma 4
+modules, and the section 5 loop on hand-worked cases."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from draft_reference import numpy_draft
+from draft_reference import _rms, numpy_draft
 from dspark_reference import (confident_length, dspark_greedy_decode, load_dspark_draft, numpy_dspark, rope_theta,
                               write_dspark_draft)
 from hf_models import save_tiny, torch_forward, torch_greedy
@@ -314,3 +315,47 @@ def test_loop_is_lossless(target, tmp_path, kind):
     stop = want[9]  # a token the output reaches: it ends there
     out, _ = dspark_greedy_decode(forward, w, cfg, prompt, 10, stop_ids=(stop,))
     assert out == want[:want.index(stop, len(prompt)) + 1]
+
+
+def test_gemma4_pieces_match_transformers():
+    """The Gemma 4 statement's pieces (section 7) against transformers' Gemma 4 modules: the full layers' rope
+    frequencies (proportional: half of them zero here) and their rotate-half application, RMSNorm with a weight and
+    without one (the value norm), and the GeLU-tanh MLP."""
+    import torch
+    import transformers
+    from transformers.models.gemma4 import modeling_gemma4 as G
+
+    from dspark_reference import _gelu_tanh, _rope_with, full_rope_inv_freq
+
+    cfg = {"vocab_size": 16, "hidden_size": 32, "intermediate_size": 24, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "global_head_dim": 16,
+           "hidden_size_per_layer_input": 0, "layer_types": ["full_attention"] * 2, "rms_norm_eps": 1e-6,
+           "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                                  "rope_theta": 1000000.0}}}
+    hf = transformers.Gemma4TextConfig(**cfg)
+    rng = np.random.default_rng(0)
+    rotary = G.Gemma4TextRotaryEmbedding(hf)
+    inv = full_rope_inv_freq(cfg)
+    np.testing.assert_allclose(inv, rotary.full_attention_inv_freq.double().numpy(), rtol=1e-6)
+    assert np.count_nonzero(inv) == 4
+    x, pos = rng.standard_normal((5, 3, 16)), np.arange(7, 12)
+    cos, sin = rotary(torch.zeros(1, 5, 16), torch.tensor(pos)[None], "full_attention")
+    want = G.apply_rotary_pos_emb(torch.tensor(x, dtype=torch.float32)[None], cos, sin, unsqueeze_dim=2)[0]
+    np.testing.assert_allclose(_rope_with(x, pos, inv), want.double().numpy(), atol=1e-5)
+    h = rng.standard_normal((3, 32))
+    for with_scale in (True, False):
+        norm = G.Gemma4RMSNorm(32, eps=1e-6, with_scale=with_scale)
+        w = 1.0 + 0.1 * rng.standard_normal(32) if with_scale else 1.0
+        if with_scale:
+            norm.weight.data = torch.tensor(w, dtype=torch.float32)
+        want = norm(torch.tensor(h, dtype=torch.float32)).double().detach().numpy()
+        np.testing.assert_allclose(_rms(h, w, 1e-6), want, atol=1e-5)
+    mlp = G.Gemma4TextMLP(hf, 0)
+    mats = {n: rng.standard_normal(tuple(getattr(mlp, n).weight.shape)) / 4 for n in ("gate_proj", "up_proj",
+                                                                                      "down_proj")}
+    for n, m in mats.items():
+        getattr(mlp, n).weight.data = torch.tensor(m, dtype=torch.float32)
+    want = mlp(torch.tensor(h, dtype=torch.float32)).double().detach().numpy()
+    got = (_gelu_tanh(h @ mats["gate_proj"].T) * (h @ mats["up_proj"].T)) @ mats["down_proj"].T
+    np.testing.assert_allclose(got, want, atol=1e-5)

@@ -768,3 +768,41 @@ def test_init_draft_dflash2_is_refused(env, tmp_path, capsys):
     assert main(["--target", env["tdir"], "--data", env["data"], "--out", str(tmp_path / "cli"), "--init-draft",
                  path, "--no-progress"]) == 2
     _one_line_error(capsys, "DFlash2", "not trained", "not public")
+
+
+def test_dspark_packed_resume_cached_features_and_mesh(env):
+    """``--draft-arch dspark`` through the trainer's other paths: packed rows (two sequences per row), a run killed
+    after its step-3 checkpoint resumes bit-exactly (orbax restores the Adam state, which the frozen embed_tokens /
+    lm_head copies do not have), ``--cache-features`` (the target's last layer cached beside the features, for p_t)
+    gives the online loss, and a data=2,tensor=4 mesh gives one device's losses."""
+    dspark = dict(draft_arch="dspark", markov_rank=8, markov_head_type="rnn", seq_len=96, batch_size=2, steps=6,
+                  save_every=3, log_every=3)
+    losses, logs = [], []
+    full = train(cfg_for(env, "dspark_full", **dspark), target=env["target"],
+                 on_step=lambda s, m: losses.append(m["loss"]), log=logs.append)
+    assert any(s.startswith("packed 12 sequences into 6 rows of 96") for s in logs), logs
+    assert full.config.shifted and np.mean(losses[-2:]) < np.mean(losses[:2]), losses
+    cfg = cfg_for(env, "dspark_resumed", **dspark)
+
+    def kill(step, metrics):
+        if step == 5:
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        train(cfg, target=env["target"], on_step=kill, log=_quiet)
+    logs = []
+    resumed = train(cfg, target=env["target"], log=logs.append)
+    assert any("resumed from" in s and "step 3" in s for s in logs), logs
+    same = jax.tree_util.tree_map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()),
+                                  resumed.params, full.params)
+    assert all(jax.tree_util.tree_leaves(same)), "resumed DSpark run diverged from the uninterrupted one"
+    offline = []
+    train(cfg_for(env, "dspark_offline", **{**dspark, "steps": 1}, cache_features=True, feature_dtype="float32"),
+          target=env["target"], on_step=lambda s, m: offline.append(m["loss"]), log=_quiet)
+    depth = _loss_depth(env, cfg) + env["target"].config.vocab_size  # + the target's softmax for p_t
+    assert_close(offline[0], losses[0], depth, what="DSpark offline loss")
+    meshed = []
+    train(cfg_for(env, "dspark_mesh", **{**dspark, "steps": 2}, mesh="data=2,tensor=4"), target=env["target"],
+          on_step=lambda s, m: meshed.append(m["loss"]), log=_quiet)
+    for step, (a, b) in enumerate(zip(meshed, losses[:2])):  # sums over shards reassociated: the loss's rounding
+        assert_close(a, b, depth, what=f"DSpark step {step + 1} loss on a mesh")

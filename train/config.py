@@ -82,9 +82,10 @@ class TrainConfig:
                                        "(final_logit_softcapping; 0: off)", default=0.0)
     draft_embedding_scale: float = _help("multiplier of the draft block's raw token embeddings "
                                          "(input_embedding_scale)", default=1.0)
-    # DSpark drafts (--draft-arch dspark: DeepSpec's Qwen3DSparkModel)
+    # DSpark drafts (--draft-arch dspark: DeepSpec's Qwen3DSparkModel; Gemma4DSparkModel on a Gemma 4 target)
     draft_arch: str = _help("draft architecture: dflash (DFlashDraftModel, the DFlash objective) | dspark "
-                            "(Qwen3DSparkModel: every block slot predicts the next token, a Markov head and a "
+                            "(Qwen3DSparkModel, Gemma4DSparkModel on a Gemma 4 target: every block slot predicts "
+                            "the next token, a Markov head and a "
                             "confidence head, frozen copies of the target's embedding and lm_head, the DSpark "
                             "loss)", default="dflash")
     markov_rank: int = _help("DSpark: rank r of the Markov head (0: none)", default=256)

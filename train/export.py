@@ -24,7 +24,7 @@ from dflash_jax.draft import Draft, draft_param_shapes, save_draft
 from train.checkpoint import Checkpointer, CheckpointError, find_checkpoint
 
 # the architectures this trainer exports (config.json "architectures"): DFlash and DSpark (DeepSpec's layout)
-DRAFT_ARCHITECTURES = (["DFlashDraftModel"], ["Qwen3DSparkModel"])
+DRAFT_ARCHITECTURES = (["DFlashDraftModel"], ["Qwen3DSparkModel"], ["Gemma4DSparkModel"])
 EXPORT_FILES = ("config.json", "model.safetensors", "training_info.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz", ".npy",
                    ".index.json")

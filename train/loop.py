@@ -38,6 +38,7 @@ import numpy as np
 import optax
 
 from dflash_jax import model_sharding, sharding
+from dflash_jax.families import gemma4
 from dflash_jax.checkpoints import load_tokenizer, resolve_dtype
 from dflash_jax.config import MASK_TOKEN, DraftConfig, choose_target_layer_ids
 from dflash_jax.draft import Draft, check_fits, draft_param_shapes, init_draft_params, load_draft
@@ -107,14 +108,19 @@ def build_draft_config(cfg: TrainConfig, target: Target, tokenizer=None) -> Draf
     mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else default_mask_token_id(target, tokenizer)
     dcfg = DraftConfig.for_target(target.config, draft_layers=cfg.draft_layers, block_size=cfg.block_size,
                                   mask_token_id=mask_id, target_layer_ids=ids, **cfg.draft_options())
-    return dspark_config(cfg, dcfg) if cfg.dspark else dcfg
+    return dspark_config(cfg, dcfg, target.config) if cfg.dspark else dcfg
 
 
-def dspark_config(cfg: TrainConfig, dcfg: DraftConfig) -> DraftConfig:
+def dspark_config(cfg: TrainConfig, dcfg: DraftConfig, tcfg) -> DraftConfig:
     """The DSpark draft of the DFlash draft ``dcfg`` made from the same flags (the same layer stack, block, target
     layers and mask token; full bidirectional layers, which the flags' checks keep): its Markov and confidence
     heads from the flags, the confidence head reading the Markov embedding when there is one (DeepSpec's default),
-    ``num_anchors`` kept for the export as DeepSpec writes it. DraftConfig checks the result."""
+    ``num_anchors`` kept for the export as DeepSpec writes it. A Gemma 4 target gets DeepSpec's
+    ``Gemma4DSparkModel`` instead of Qwen3 layers: ``gemma4.dspark_stack`` and the target's logit soft cap.
+    DraftConfig checks the result."""
+    if isinstance(tcfg, gemma4.Gemma4Config):
+        dcfg = dataclasses.replace(dcfg, layers=gemma4.dspark_stack(tcfg, dcfg.layers.num_hidden_layers),
+                                   final_logit_softcapping=tcfg.final_logit_softcapping)
     return dataclasses.replace(dcfg, architecture="dspark", markov_rank=cfg.markov_rank,
                                markov_head_type=cfg.markov_head_type if cfg.markov_rank else None,
                                confidence_head=cfg.confidence_head,

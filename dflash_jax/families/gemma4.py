@@ -245,6 +245,44 @@ class Gemma4Config(TargetConfig):
                 "tie_word_embeddings": self.tie_word_embeddings}
 
 
+def dspark_layers(d: dict) -> Gemma4Config:
+    """The layer stack of a ``Gemma4DSparkModel`` config.json (DeepSpec copies the target's text config and sets
+    ``num_hidden_layers`` / ``layer_types``): every layer full attention at the full layers' sizes and rope. A
+    ``per_layer_config`` copied from the target (its full layers' indices) applies to every draft layer. Refused,
+    as DeepSpec's draft layers have none: MoE blocks, per-layer inputs; and kv-shared double-wide MLPs (which
+    draft layers they widen changed between transformers versions)."""
+    if d.get("model_type") != "gemma4_text":
+        raise ValueError(f"a Gemma4DSparkModel config is a Gemma 4 text config (model_type gemma4_text), got "
+                         f"model_type {d.get('model_type')!r}")
+    n = int(d["num_hidden_layers"])
+    text = {**d, "layer_types": ["full_attention"] * n}
+    per_layer_input = text.get("hidden_size_per_layer_input", _DEFAULTS["hidden_size_per_layer_input"])
+    if text.get("enable_moe_block") or int(per_layer_input or 0):
+        raise ValueError("a Gemma4DSparkModel draft has no MoE blocks or per-layer inputs (enable_moe_block / "
+                         "hidden_size_per_layer_input must be off)")
+    if text.get("use_double_wide_mlp") and int(text.get("num_kv_shared_layers") or 0):
+        raise ValueError("a Gemma4DSparkModel draft with use_double_wide_mlp and num_kv_shared_layers > 0 is not "
+                         "supported (which draft layers get the double-wide MLP depends on the transformers version)")
+    text["num_kv_shared_layers"] = 0
+    per_layer = text.pop("per_layer_config", None)
+    if per_layer:
+        settings = {json.dumps(dict(v), sort_keys=True) for v in dict(per_layer).values()}
+        if len(settings) > 1:
+            raise ValueError(f"per_layer_config must give every full-attention layer the same setting, got {per_layer}")
+        text["per_layer_config"] = {str(i): json.loads(next(iter(settings))) for i in range(n)}
+    return Gemma4Config.from_hf(text)
+
+
+def dspark_stack(target: Gemma4Config, num_layers: int) -> Gemma4Config:
+    """A new Gemma 4 DSpark draft's layer stack for ``target`` (DeepSpec's ``build_draft_config``): the target's
+    text settings, ``num_layers`` full-attention layers, no MoE, per-layer inputs, kv sharing or tied head."""
+    return dataclasses.replace(target, num_hidden_layers=num_layers, layer_types=("full_attention",) * num_layers,
+                               num_kv_shared_layers=0, hidden_size_per_layer_input=0,
+                               enable_moe_block=False, num_experts=0, top_k_experts=0, moe_intermediate_size=0,
+                               use_double_wide_mlp=False, tie_word_embeddings=False, model_type="gemma4_text",
+                               vision_language=False)
+
+
 class Attention(AttentionProjections):
     """``Gemma4TextAttention``; ``cfg`` is the layer's (``Gemma4Config.layer_attention``). A kv-shared layer
     (``shared``) has queries and the output projection only."""
