@@ -22,7 +22,8 @@ INIT_STD = 0.02
 # modules declare their initialisers through ``initializer`` and ``random_params`` / ``device_random_params``
 # read the same table, so what a module declares is what a fresh model gets.
 CONSTANT_INIT = {"weight": 1.0, "dt_bias": 1.0, "bias": 0.0, "gate_up_proj_bias": 0.0, "down_proj_bias": 0.0,
-                 "A_log": 0.0, "base_kernel": 0.0, "e_score_correction_bias": 0.0}
+                 "A_log": 0.0, "base_kernel": 0.0, "e_score_correction_bias": 0.0, "layer_scalar": 1.0, "scale": 1.0,
+                 "per_expert_scale": 1.0}
 
 
 def initializer(name: str):

@@ -327,13 +327,14 @@ def _gelu_tanh(x):
 
 def full_rope_inv_freq(cfg) -> np.ndarray:
     """A Gemma 4 draft's inverse frequencies [hd/2] (section 7): ``rope_parameters.full_attention`` over hd =
-    global_head_dim; "proportional": theta^(-2i/hd) for i < floor(partial_rotary_factor * hd / 2), 0 after
+    global_head_dim; "proportional": theta^(-2i/hd) / factor for i < floor(partial_rotary_factor * hd / 2), 0 after
     (unrotated); "default": theta^(-2i/hd) for all i."""
     rope, hd = cfg["rope_parameters"]["full_attention"], int(cfg["global_head_dim"])
     kind, theta = rope.get("rope_type", "default"), float(rope["rope_theta"])
     inv = theta ** (-np.arange(0, hd, 2) / hd)
     if kind == "proportional":
         inv[int(float(rope.get("partial_rotary_factor", 1.0)) * hd // 2):] = 0.0
+        inv /= float(rope.get("factor", 1.0))
     elif kind != "default":
         raise NotImplementedError(f"rope_type {kind!r}")
     return inv

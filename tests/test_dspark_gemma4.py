@@ -75,12 +75,17 @@ def test_config_reads_and_writes_deepspec_layout(tmp_path_factory, tmp_path):
     hf = c.to_hf()
     assert hf["architectures"] == ["Gemma4DSparkModel"] and hf["model_type"] == "gemma4_text"
     required = ("target_layer_ids", "mask_token_id", "num_anchors", "enable_confidence_head", "markov_rank",
-                "markov_head_type", "confidence_head_with_markov", "final_logit_softcapping", "rope_parameters")
-    assert all(k in hf for k in required) and "dflash_config" not in hf
+                "markov_head_type", "confidence_head_with_markov", "final_logit_softcapping", "rope_parameters",
+                "global_head_dim", "num_global_key_value_heads", "block_size")
+    assert all(hf.get(k) is not None for k in required) and "dflash_config" not in hf
+    assert (hf["global_head_dim"], hf["num_global_key_value_heads"], hf["num_kv_shared_layers"]) == (16, 1, 0)
     assert DraftConfig.from_hf(hf) == c
     newer = transformers.Gemma4TextConfig(**{k: v for k, v in cfg.items() if k != "architectures"}).to_dict()
     assert "per_layer_config" in newer and "global_head_dim" not in newer
     assert DraftConfig.from_hf(dict(newer, architectures=["Gemma4DSparkModel"])) == c
+    # without k = v DeepSpec's draft attention takes num_key_value_heads, whatever the global count says
+    plain = DraftConfig.from_hf(dict(cfg, attention_k_eq_v=False, num_global_key_value_heads=4)).layers
+    assert (plain.layer_attention(0).num_key_value_heads, plain.layer_attention(0).head_dim) == (2, 16)
     for bad, msg in ((dict(enable_moe_block=True), "MoE"), (dict(hidden_size_per_layer_input=4), "per-layer"),
                      (dict(use_double_wide_mlp=True, num_kv_shared_layers=1), "double_wide")):
         with pytest.raises(ValueError, match=msg):
@@ -155,8 +160,11 @@ def test_train_on_gemma4_target_exports_gemma4_dspark(tmp_path_factory, tmp_path
                                   markov_head_type="rnn", pack=False)
     assert isinstance(draft.config.layers, Gemma4Config) and draft.config.final_logit_softcapping == 5.0
     assert np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4]), losses
-    np.testing.assert_array_equal(np.asarray(draft.params["embed_tokens"]["embedding"]),
-                                  np.asarray(target.params["embed_tokens"]["embedding"]))
+    table = np.asarray(target.params["embed_tokens"]["embedding"])  # tied: the head is the table
+    np.testing.assert_array_equal(np.asarray(draft.params["embed_tokens"]["embedding"]), table)
+    np.testing.assert_array_equal(np.asarray(draft.params["lm_head"]["kernel"]), table.T)
+    # DeepSpec's layer scalar is a buffer of ones: it starts at 1 and is never trained
+    assert float(draft.params["layers_0"]["layer_scalar"][0]) == 1.0
     out = export(os.path.join(root, "run"), str(tmp_path / "export"), dtype="float32")
     w, cfg = load_dspark_draft(out)
     assert cfg["architectures"] == ["Gemma4DSparkModel"]
@@ -165,3 +173,27 @@ def test_train_on_gemma4_target_exports_gemma4_dspark(tmp_path_factory, tmp_path
     feats = torch_forward(model, ctx, cfg["target_layer_ids"])[1][0].astype(np.float64)
     assert_close(dj.draft_block_logits(target, draft, ctx, blk)[0], numpy_dspark(w, cfg, feats, 4)["logits"],
                  draft_depth(target.config, draft.config.layers, 7, 4), what="trained draft vs its export")
+
+
+def test_default_mask_token_is_the_tokenizers_own():
+    """A new draft's mask token: ``<|MASK|>`` when the tokenizer has it, else the tokenizer's mask token (Gemma 4's
+    ``<mask>``, 4: DeepSpec's Gemma 4 draft), else the first row the tokenizer never produces, else the pad token."""
+    from types import SimpleNamespace
+
+    from train.loop import default_mask_token_id
+
+    class Tok:
+        def __init__(self, n, vocab_ids, mask=None, unk=3):
+            self.n, self.ids, self.mask_token_id, self.unk_token_id = n, vocab_ids, mask, unk
+
+        def __len__(self):
+            return self.n
+
+        def convert_tokens_to_ids(self, t):
+            return self.ids.get(t, self.unk_token_id)
+
+    target = SimpleNamespace(config=SimpleNamespace(vocab_size=V, pad_token_id=0))
+    assert default_mask_token_id(target, Tok(V, {"<|MASK|>": 9}, mask=4)) == 9
+    assert default_mask_token_id(target, Tok(V, {}, mask=4)) == 4  # Gemma 4: <mask>
+    assert default_mask_token_id(target, Tok(V - 2, {})) == V - 2  # Qwen3: the first row past the tokenizer
+    assert default_mask_token_id(target, Tok(V, {})) == 0  # the pad token

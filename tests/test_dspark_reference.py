@@ -333,6 +333,11 @@ def test_gemma4_pieces_match_transformers():
            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
                                                   "rope_theta": 1000000.0}}}
+    for factor in (1.0, 4.0):
+        scaled = {**cfg, "rope_parameters": {**cfg["rope_parameters"], "full_attention": {
+            **cfg["rope_parameters"]["full_attention"], "factor": factor}}}
+        want = G.Gemma4TextRotaryEmbedding(transformers.Gemma4TextConfig(**scaled)).full_attention_inv_freq
+        np.testing.assert_allclose(full_rope_inv_freq(scaled), want.double().numpy(), rtol=1e-6)
     hf = transformers.Gemma4TextConfig(**cfg)
     rng = np.random.default_rng(0)
     rotary = G.Gemma4TextRotaryEmbedding(hf)

@@ -17,8 +17,9 @@ For a sequence x[0:S) with loss mask m, anchors a as DFlash's (m[a] = m[a+1] = 1
   (stop-gradient), each term sum_j w_j term_j / sum_j w_j (one shared denominator: the sums below add up
   over micro-batches exactly as the DFlash objective's).
 
-The draft's embed_tokens / lm_head are copies of the target's and frozen: ``loss_sums`` stops their gradient, and
-``train.optim.make_optimizer(frozen=FROZEN)`` leaves them out of the update.
+The draft's embed_tokens / lm_head are copies of the target's and frozen (as a Gemma 4 draft's layer scalars, which
+DeepSpec keeps at 1): ``loss_sums`` stops their gradient, and ``train.optim.make_optimizer(frozen=FROZEN)`` leaves
+them out of the update.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from dflash_jax import target as target_lib
 from dflash_jax.config import DraftConfig
 from train import objective
 
-FROZEN = ("embed_tokens", "lm_head")  # the draft's copies of the target's embedding and head
+# the draft's copies of the target's embedding and head; a Gemma 4 draft's layer scalars (a buffer of ones in DeepSpec)
+FROZEN = ("embed_tokens", "lm_head", "layer_scalar")
 
 
 def feature_layer_ids(tcfg, dcfg: DraftConfig) -> tuple[int, ...]:
@@ -45,9 +47,12 @@ def slot_weights(block_size: int, gamma: float):
 
 
 def frozen_copies(params, dtype=None):
-    """``params`` with the frozen leaves (``FROZEN``) under stop_gradient (and all cast to ``dtype``)."""
-    params = objective.cast_tree(params, dtype)
-    return {k: jax.lax.stop_gradient(v) if k in FROZEN else v for k, v in params.items()}
+    """``params`` with the frozen leaves (a key of ``FROZEN`` on their path) under stop_gradient (and all cast to
+    ``dtype``)."""
+    def stop(path, x):
+        return jax.lax.stop_gradient(x) if any(getattr(p, "key", None) in FROZEN for p in path) else x
+
+    return jax.tree_util.tree_map_with_path(stop, objective.cast_tree(params, dtype))
 
 
 def make_dspark_blocks(input_ids, loss_mask, anchors, block_size: int, mask_token_id: int, doc_start=None):

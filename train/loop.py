@@ -83,12 +83,15 @@ class TrainingError(RuntimeError):
 
 
 def default_mask_token_id(target: Target, tokenizer=None) -> int:
-    """The tokenizer's ``<|MASK|>`` token when it has one; else the first embedding row the tokenizer never
-    produces (Qwen3: 151669, as the released drafts), else the pad token, else the last vocabulary id."""
+    """The tokenizer's ``<|MASK|>`` token when it has one, else its own mask token (Gemma 4's ``<mask>``, 4, as
+    DeepSpec's Gemma 4 draft); else the first embedding row the tokenizer never produces (Qwen3: 151669, as the
+    released drafts), else the pad token, else the last vocabulary id."""
     v = target.config.vocab_size
-    mask = tokenizer.convert_tokens_to_ids(MASK_TOKEN) if tokenizer is not None else None
-    if isinstance(mask, int) and mask != getattr(tokenizer, "unk_token_id", None) and 0 <= mask < v:
-        return mask
+    if tokenizer is not None:
+        unk = getattr(tokenizer, "unk_token_id", None)
+        for mask in (tokenizer.convert_tokens_to_ids(MASK_TOKEN), getattr(tokenizer, "mask_token_id", None)):
+            if isinstance(mask, int) and mask != unk and 0 <= mask < v:
+                return mask
     if tokenizer is not None and len(tokenizer) < v:
         return len(tokenizer)
     if target.config.pad_token_id is not None and 0 <= target.config.pad_token_id < v:

@@ -15,9 +15,12 @@ def decay_mask(params):
 
 
 def frozen_labels(params, frozen: tuple[str, ...]):
-    """"frozen" on the leaves under the top-level keys ``frozen``, "trained" elsewhere."""
-    return {k: jax.tree_util.tree_map(lambda _, f=k in frozen: "frozen" if f else "trained", v)
-            for k, v in params.items()}
+    """"frozen" on the leaves with a key of ``frozen`` on their path (a top-level group, or a leaf name such as
+    every layer's ``layer_scalar``), "trained" elsewhere."""
+    def label(path, _):
+        return "frozen" if any(getattr(p, "key", None) in frozen for p in path) else "trained"
+
+    return jax.tree_util.tree_map_with_path(label, params)
 
 
 def make_optimizer(clip: float, b1: float, b2: float, weight_decay: float,
@@ -25,8 +28,9 @@ def make_optimizer(clip: float, b1: float, b2: float, weight_decay: float,
     """Global-norm clipping (``clip`` > 0) -> Adam moments -> decoupled weight decay on ``decay_mask``
     (``weight_decay`` > 0). The learning rate is not inside: the step applies ``-lr * update`` (i.e.
     AdamW) with ``lr`` passed in per step, so a compiled step does not depend on the schedule.
-    ``frozen``: top-level parameter groups (a DSpark draft's embed_tokens / lm_head) that get a zero update and no
-    optimizer state (their gradient is stopped in the loss, so the clipping norm never sees them)."""
+    ``frozen``: parameter names (a DSpark draft's embed_tokens / lm_head groups, its layers' layer_scalar) whose
+    leaves get a zero update and no optimizer state (their gradient is stopped in the loss, so the clipping norm
+    never sees them)."""
     parts = [optax.clip_by_global_norm(clip)] if clip > 0 else []
     parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=1e-8))
     if weight_decay > 0:

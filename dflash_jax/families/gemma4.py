@@ -55,7 +55,7 @@ from dflash_jax.checkpoints import skip_tensors
 from dflash_jax.config import RopeConfig, TargetConfig, read_config_json
 from dflash_jax.families import dense
 from dflash_jax.families.family import Family
-from dflash_jax.layers import MLP, AttentionProjections, Embed, Linear, RMSNorm, apply_rope, gelu_tanh
+from dflash_jax.layers import MLP, AttentionProjections, Embed, Linear, RMSNorm, apply_rope, gelu_tanh, initializer
 from dflash_jax.moe import Experts
 from dflash_jax.state import KVSpec, SharedKVSpec
 
@@ -247,8 +247,11 @@ class Gemma4Config(TargetConfig):
 
 def dspark_layers(d: dict) -> Gemma4Config:
     """The layer stack of a ``Gemma4DSparkModel`` config.json (DeepSpec copies the target's text config and sets
-    ``num_hidden_layers`` / ``layer_types``): every layer full attention at the full layers' sizes and rope. A
-    ``per_layer_config`` copied from the target (its full layers' indices) applies to every draft layer. Refused,
+    ``num_hidden_layers`` / ``layer_types``): every layer full attention at the full layers' sizes and rope, as
+    DeepSpec's draft attention takes them (``global_head_dim``; ``num_global_key_value_heads`` with
+    ``attention_k_eq_v``, else ``num_key_value_heads``). A ``per_layer_config`` (a newer transformers' way of
+    writing the full layers' sizes) stands in for ``global_head_dim`` / ``num_global_key_value_heads`` when those
+    are absent. Refused,
     as DeepSpec's draft layers have none: MoE blocks, per-layer inputs; and kv-shared double-wide MLPs (which
     draft layers they widen changed between transformers versions)."""
     if d.get("model_type") != "gemma4_text":
@@ -265,18 +268,25 @@ def dspark_layers(d: dict) -> Gemma4Config:
                          "supported (which draft layers get the double-wide MLP depends on the transformers version)")
     text["num_kv_shared_layers"] = 0
     per_layer = text.pop("per_layer_config", None)
-    if per_layer:
+    if per_layer and text.get("global_head_dim") is None:  # DeepSpec reads global_head_dim where it is given
         settings = {json.dumps(dict(v), sort_keys=True) for v in dict(per_layer).values()}
         if len(settings) > 1:
             raise ValueError(f"per_layer_config must give every full-attention layer the same setting, got {per_layer}")
-        text["per_layer_config"] = {str(i): json.loads(next(iter(settings))) for i in range(n)}
+        full = json.loads(next(iter(settings)))
+        text["global_head_dim"] = full.get("head_dim", text.get("head_dim"))
+        if text.get("attention_k_eq_v"):
+            text["num_global_key_value_heads"] = full.get("num_key_value_heads")
+    # DeepSpec's draft attention: num_global_key_value_heads with attention_k_eq_v, else num_key_value_heads
     return Gemma4Config.from_hf(text)
 
 
 def dspark_stack(target: Gemma4Config, num_layers: int) -> Gemma4Config:
     """A new Gemma 4 DSpark draft's layer stack for ``target`` (DeepSpec's ``build_draft_config``): the target's
-    text settings, ``num_layers`` full-attention layers, no MoE, per-layer inputs, kv sharing or tied head."""
+    text settings, ``num_layers`` full-attention layers (KV heads as DeepSpec's draft attention takes them), no
+    sliding window, MoE, per-layer inputs, kv sharing or tied head."""
+    kv = target.num_global_key_value_heads if target.attention_k_eq_v else target.num_key_value_heads
     return dataclasses.replace(target, num_hidden_layers=num_layers, layer_types=("full_attention",) * num_layers,
+                               sliding_window=None, num_global_key_value_heads=kv,
                                num_kv_shared_layers=0, hidden_size_per_layer_input=0,
                                enable_moe_block=False, num_experts=0, top_k_experts=0, moe_intermediate_size=0,
                                use_double_wide_mlp=False, tie_word_embeddings=False, model_type="gemma4_text",
@@ -323,8 +333,9 @@ class Router(nn.Module):
         box = nn.with_logical_partitioning
         self.norm = RMSNorm(c.rms_norm_eps, with_scale=False)
         self.proj = Linear(c.num_experts, False, ("embed", None))
-        self.scale = self.param("scale", box(nn.initializers.ones, ("embed",)), (c.hidden_size,))
-        self.per_expert_scale = self.param("per_expert_scale", box(nn.initializers.ones, (None,)), (c.num_experts,))
+        self.scale = self.param("scale", box(initializer("scale"), ("embed",)), (c.hidden_size,))
+        self.per_expert_scale = self.param("per_expert_scale", box(initializer("per_expert_scale"), (None,)),
+                                           (c.num_experts,))
 
     def __call__(self, x):
         c = self.cfg
@@ -350,8 +361,8 @@ class DecoderLayer(dense.DecoderLayer):
         c = self.cfg
         self.pre_feedforward_layernorm = RMSNorm(c.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(c.rms_norm_eps)
-        self.layer_scalar = self.param("layer_scalar", nn.with_logical_partitioning(nn.initializers.ones, (None,)),
-                                       (1,))
+        self.layer_scalar = self.param("layer_scalar", nn.with_logical_partitioning(initializer("layer_scalar"),
+                                                                                    (None,)), (1,))
         if c.hidden_size_per_layer_input:
             self.per_layer_input_gate = Linear(c.hidden_size_per_layer_input, False, ("embed", None))
             self.per_layer_projection = Linear(c.hidden_size, False, (None, "embed"))
