@@ -80,6 +80,7 @@ def test_config_reads_and_writes_deepspec_layout(tmp_path_factory, tmp_path):
     assert all(hf.get(k) is not None for k in required) and "dflash_config" not in hf
     assert (hf["global_head_dim"], hf["num_global_key_value_heads"], hf["num_kv_shared_layers"]) == (16, 1, 0)
     assert DraftConfig.from_hf(hf) == c
+    transformers.Gemma4TextConfig(**hf)  # DeepSpec's config class reads what we write (it refuses a null window)
     newer = transformers.Gemma4TextConfig(**{k: v for k, v in cfg.items() if k != "architectures"}).to_dict()
     assert "per_layer_config" in newer and "global_head_dim" not in newer
     assert DraftConfig.from_hf(dict(newer, architectures=["Gemma4DSparkModel"])) == c
@@ -168,6 +169,7 @@ def test_train_on_gemma4_target_exports_gemma4_dspark(tmp_path_factory, tmp_path
     out = export(os.path.join(root, "run"), str(tmp_path / "export"), dtype="float32")
     w, cfg = load_dspark_draft(out)
     assert cfg["architectures"] == ["Gemma4DSparkModel"]
+    transformers.Gemma4TextConfig(**cfg)  # what DeepSpec's Gemma4DSparkModel reads its config with
     assert {k: v.shape for k, v in w.items()} == expected_shapes(cfg)
     ctx, blk = np.array([[3, 5, 7, 2, 9, 1, 4]]), np.array([[4, V - 1, V - 1, V - 1]])
     feats = torch_forward(model, ctx, cfg["target_layer_ids"])[1][0].astype(np.float64)

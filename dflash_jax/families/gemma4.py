@@ -221,6 +221,8 @@ class Gemma4Config(TargetConfig):
         text = TargetConfig.to_hf(self)
         for k in ("use_sliding_window", "max_window_layers", "hidden_act", "rope_theta", "rope_scaling"):
             del text[k]
+        if text["sliding_window"] is None:  # no sliding layer (a DSpark draft's stack): transformers wants an int
+            del text["sliding_window"]
         text.update({
             "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
             "hidden_activation": "gelu_pytorch_tanh",
