@@ -35,6 +35,25 @@ from infer.common import die, fixed_block_size, parse_ints
 from infer.timing import fastest, first_mismatch, step_split, time_forwards
 
 TOLERANT_DTYPES = ("bfloat16", "float16")  # a near-tie may flip between block and one-token forwards
+# float32: a target top-2 logit gap at or below this is a tie to rounding (a block forward and a one-token forward
+# round differently; random logits over a 152k vocabulary tie to the last bit somewhere in a long run: measured, a
+# gap of exactly 0 at one of 6144 tokens of a 128-request qwen3-0.6b run)
+FLOAT32_TIE = 1e-4
+
+
+def near_tie(gap: float, dtype: str) -> bool:
+    """Whether a greedy mismatch whose target top-2 logit gap (``timing.first_mismatch``) is ``gap`` can be rounding
+    rather than a bug: any gap in a low precision (``TOLERANT_DTYPES``), a gap <= ``FLOAT32_TIE`` in float32."""
+    return dtype in TOLERANT_DTYPES or gap <= FLOAT32_TIE
+
+
+def _report_mismatch(msg: str, gap: float, dtype: str) -> None:
+    """A replayed output that differs from plain decoding: a warning at a near-tie, else an error and exit 1."""
+    if not near_tie(gap, dtype):
+        print(f"error: {msg}: a bug (the choice was clear, not a near-tie)", file=sys.stderr)
+        raise SystemExit(1)
+    print(f"warning: {msg}: a near-tie flipped by rounding (a block forward and a one-token forward round "
+          "differently); the replay is off its reference after that, so tau drops", file=sys.stderr)
 
 
 def add_args(p) -> None:
@@ -128,11 +147,7 @@ def measure(target, draft, probs, args, *, batch: int, context: int, block: int)
         msg = (f"batch {batch}, context {context}: replayed DFlash output differs from plain decoding in "
                f"{identical.count(False)} row(s); first at row {i}, generated token {mismatch['position']} "
                f"(target's top-2 logit gap {mismatch['top2_logit_gap']:.4g})")
-        if str(jax.tree_util.tree_leaves(target.params)[0].dtype) not in TOLERANT_DTYPES:
-            print(f"error: {msg}: a bug (full precision has no near-ties to flip)", file=sys.stderr)
-            raise SystemExit(1)
-        print(f"warning: {msg}: a near-tie flipped by low-precision rounding if the gap is near the dtype's "
-              "rounding; the replay is off its reference after that, so tau drops", file=sys.stderr)
+        _report_mismatch(msg, mismatch["top2_logit_gap"], str(jax.tree_util.tree_leaves(target.params)[0].dtype))
     wall_plain, wall_spec = base[0].wall_time_s, spec[0].wall_time_s
     prefill_plain, prefill_spec = pre_plain[0].wall_time_s, pre_spec[0].wall_time_s
     acc = np.array([a for r in spec for a in r.acceptance_lengths])
@@ -213,12 +228,13 @@ def measure_continuous(target, draft, probs, args, *, batch: int, context: int, 
     bad = sorted({i for p_run, s_run in runs for i, (a, b) in enumerate(zip(p_run.output_ids, s_run.output_ids))
                   if a != b})
     if bad:
+        i = bad[0]
+        p_run, s_run = next(r for r in runs if r[0].output_ids[i] != r[1].output_ids[i])
+        mismatch = first_mismatch(target, p_run.rows[i], s_run.rows[i])
         msg = (f"continuous batching, batch {batch}, context {context}: replayed DFlash output differs from plain "
-               f"decoding in {len(bad)} request(s), first request {bad[0]}")
-        if str(jax.tree_util.tree_leaves(target.params)[0].dtype) not in TOLERANT_DTYPES:
-            print(f"error: {msg}: a bug (full precision has no near-ties to flip)", file=sys.stderr)
-            raise SystemExit(1)
-        print(f"warning: {msg}: a near-tie flipped by low-precision rounding", file=sys.stderr)
+               f"decoding in {len(bad)} request(s); first request {i}, generated token {mismatch['position']} "
+               f"(target's top-2 logit gap {mismatch['top2_logit_gap']:.4g})")
+        _report_mismatch(msg, mismatch["top2_logit_gap"], str(jax.tree_util.tree_leaves(target.params)[0].dtype))
     base, spec = (min((r[m] for r in runs), key=lambda g: g.wall_time_s) for m in (0, 1))
     tau = float(np.mean([a for r in spec.rows for a in r.acceptance_lengths]))
     plain_step = base.wall_time_s / max(base.loop_steps, 1)

@@ -1,6 +1,7 @@
 """``python -m infer.benchmark --synthetic``: presets at real shapes, the replay draft, the report."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -254,3 +255,37 @@ def test_synthetic_options_need_synthetic(capsys):
     with pytest.raises(SystemExit):
         benchmark.main(["--replay-tau", "4", "--context", "64", "--continuous-requests", "8"])
     assert "--replay-tau, --context, --continuous-requests only apply to the synthetic benchmark" in capsys.readouterr().err
+
+
+def test_a_mismatch_is_a_bug_only_where_the_choice_was_clear(capsys, monkeypatch):
+    """A replayed output that differs from plain decoding: an error (exit 1) where the target's top-2 logit gap was
+    clear, a warning at a tie to rounding (float32 too: random logits over a large vocabulary tie to the last bit),
+    in the continuous run as in the closed one (the gap is measured there too)."""
+    from dflash_jax import decode
+    from infer import benchmark, synthetic
+
+    synthetic._report_mismatch("m", 0.0, "float32")
+    assert "warning: m: a near-tie" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        synthetic._report_mismatch("m", 0.5, "float32")
+    assert "error: m: a bug" in capsys.readouterr().err
+    synthetic._report_mismatch("m", 0.5, "bfloat16")
+    assert "warning" in capsys.readouterr().err
+    real = decode.continuous_generate
+
+    def flipped(target, draft, *a, **k):  # the replayed run's request 1 gets another 5th token: a clear mismatch
+        rows = real(target, draft, *a, **k)
+        if draft is not None:
+            ids = list(rows[1].output_ids)
+            j = rows[1].prompt_length + 4
+            ids[j] = (ids[j] + 1) % target.config.vocab_size
+            rows[1] = dataclasses.replace(rows[1], output_ids=ids)
+        return rows
+
+    monkeypatch.setattr(decode, "continuous_generate", flipped)
+    argv = ["--synthetic", "tiny", "--replay-tau", "4", "--context", "48", "--batch-size", "2", "--max-new-tokens",
+            "12", "--repeats", "1", "--continuous-requests", "3", "--json"]
+    with pytest.raises(SystemExit):
+        benchmark.main(argv)
+    err = capsys.readouterr().err
+    assert "first request 1, generated token 4 (target's top-2 logit gap" in err and "error:" in err, err
