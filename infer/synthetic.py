@@ -47,9 +47,12 @@ def near_tie(gap: float, dtype: str) -> bool:
     return dtype in TOLERANT_DTYPES or gap <= FLOAT32_TIE
 
 
-def _report_mismatch(msg: str, gap: float, dtype: str) -> None:
-    """A replayed output that differs from plain decoding: a warning at a near-tie, else an error and exit 1."""
-    if not near_tie(gap, dtype):
+def _report_mismatch(msg: str, gap: float, target) -> None:
+    """A replayed output that differs from plain decoding: a warning at a near-tie (in ``target``'s dtype), else an
+    error and exit 1."""
+    import jax
+
+    if not near_tie(gap, str(jax.tree_util.tree_leaves(target.params)[0].dtype)):
         print(f"error: {msg}: a bug (the choice was clear, not a near-tie)", file=sys.stderr)
         raise SystemExit(1)
     print(f"warning: {msg}: a near-tie flipped by rounding (a block forward and a one-token forward round "
@@ -119,8 +122,6 @@ def _call(fn, *a, **kw):
 
 def measure(target, draft, probs, args, *, batch: int, context: int, block: int) -> dict:
     """One configuration: plain, replayed DFlash, prefill alone of both, and the forward timings."""
-    import jax
-
     from dflash_jax.decode import cache_length, generate, speculative_generate
     from dflash_jax.synthetic import ReplayProposer
 
@@ -147,7 +148,7 @@ def measure(target, draft, probs, args, *, batch: int, context: int, block: int)
         msg = (f"batch {batch}, context {context}: replayed DFlash output differs from plain decoding in "
                f"{identical.count(False)} row(s); first at row {i}, generated token {mismatch['position']} "
                f"(target's top-2 logit gap {mismatch['top2_logit_gap']:.4g})")
-        _report_mismatch(msg, mismatch["top2_logit_gap"], str(jax.tree_util.tree_leaves(target.params)[0].dtype))
+        _report_mismatch(msg, mismatch["top2_logit_gap"], target)
     wall_plain, wall_spec = base[0].wall_time_s, spec[0].wall_time_s
     prefill_plain, prefill_spec = pre_plain[0].wall_time_s, pre_spec[0].wall_time_s
     acc = np.array([a for r in spec for a in r.acceptance_lengths])
@@ -209,8 +210,6 @@ def measure_continuous(target, draft, probs, args, *, batch: int, context: int, 
     """``--continuous-requests N``: N requests through ``batch`` slots, plain and replayed DFlash, prefill excluded
     (every admission is timed and subtracted); the limit is the closed batch's formula with this run's plain step
     and tau over the closed batch's draft + verify forwards (``forwards_s``, same batch and context)."""
-    import jax
-
     from dflash_jax.synthetic import ReplayProposer
 
     n = args.continuous_requests
@@ -234,7 +233,7 @@ def measure_continuous(target, draft, probs, args, *, batch: int, context: int, 
         msg = (f"continuous batching, batch {batch}, context {context}: replayed DFlash output differs from plain "
                f"decoding in {len(bad)} request(s); first request {i}, generated token {mismatch['position']} "
                f"(target's top-2 logit gap {mismatch['top2_logit_gap']:.4g})")
-        _report_mismatch(msg, mismatch["top2_logit_gap"], str(jax.tree_util.tree_leaves(target.params)[0].dtype))
+        _report_mismatch(msg, mismatch["top2_logit_gap"], target)
     base, spec = (min((r[m] for r in runs), key=lambda g: g.wall_time_s) for m in (0, 1))
     tau = float(np.mean([a for r in spec.rows for a in r.acceptance_lengths]))
     plain_step = base.wall_time_s / max(base.loop_steps, 1)

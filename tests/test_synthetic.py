@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -264,12 +266,15 @@ def test_a_mismatch_is_a_bug_only_where_the_choice_was_clear(capsys, monkeypatch
     from dflash_jax import decode
     from infer import benchmark, synthetic
 
-    synthetic._report_mismatch("m", 0.0, "float32")
+    def weights(dtype):  # a target whose parameters are in ``dtype``
+        return types.SimpleNamespace(params={"w": np.zeros(1, dtype)})
+
+    synthetic._report_mismatch("m", 0.0, weights(np.float32))
     assert "warning: m: a near-tie" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        synthetic._report_mismatch("m", 0.5, "float32")
+        synthetic._report_mismatch("m", 0.5, weights(np.float32))
     assert "error: m: a bug" in capsys.readouterr().err
-    synthetic._report_mismatch("m", 0.5, "bfloat16")
+    synthetic._report_mismatch("m", 0.5, weights(jnp.bfloat16))
     assert "warning" in capsys.readouterr().err
     real = decode.continuous_generate
 

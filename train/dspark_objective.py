@@ -30,6 +30,7 @@ from dflash_jax import draft as draft_lib
 from dflash_jax import target as target_lib
 from dflash_jax.config import DraftConfig
 from train import objective
+from train.optim import is_frozen
 
 # the draft's copies of the target's embedding and head; a Gemma 4 draft's layer scalars (a buffer of ones in DeepSpec)
 FROZEN = ("embed_tokens", "lm_head", "layer_scalar")
@@ -47,10 +48,10 @@ def slot_weights(block_size: int, gamma: float):
 
 
 def frozen_copies(params, dtype=None):
-    """``params`` with the frozen leaves (a key of ``FROZEN`` on their path) under stop_gradient (and all cast to
-    ``dtype``)."""
+    """``params`` with the frozen leaves (``train.optim.is_frozen`` of ``FROZEN``) under stop_gradient (and all cast
+    to ``dtype``)."""
     def stop(path, x):
-        return jax.lax.stop_gradient(x) if any(getattr(p, "key", None) in FROZEN for p in path) else x
+        return jax.lax.stop_gradient(x) if is_frozen(path, FROZEN) else x
 
     return jax.tree_util.tree_map_with_path(stop, objective.cast_tree(params, dtype))
 

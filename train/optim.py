@@ -14,13 +14,16 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) == "kernel", params)
 
 
-def frozen_labels(params, frozen: tuple[str, ...]):
-    """"frozen" on the leaves with a key of ``frozen`` on their path (a top-level group, or a leaf name such as
-    every layer's ``layer_scalar``), "trained" elsewhere."""
-    def label(path, _):
-        return "frozen" if any(getattr(p, "key", None) in frozen for p in path) else "trained"
+def is_frozen(path, frozen: tuple[str, ...]) -> bool:
+    """Whether a parameter's tree path has a key of ``frozen`` on it (a top-level group, or a leaf name such as every
+    layer's ``layer_scalar``)."""
+    return any(getattr(p, "key", None) in frozen for p in path)
 
-    return jax.tree_util.tree_map_with_path(label, params)
+
+def frozen_labels(params, frozen: tuple[str, ...]):
+    """"frozen" on the leaves ``is_frozen`` names, "trained" elsewhere."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: "frozen" if is_frozen(path, frozen) else "trained",
+                                            params)
 
 
 def make_optimizer(clip: float, b1: float, b2: float, weight_decay: float,
