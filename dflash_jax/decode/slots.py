@@ -133,6 +133,7 @@ class Engine:
         """Prefill ``requests`` into free rows (``rows``, or the lowest free ones) -> (state, the rows they took).
         The other rows keep their caches; more than S / 2 requests are one prefill of S rows (padded), fewer one
         prefill each (two programs per prompt bucket, whatever S)."""
+        begun = time.perf_counter()  # a row's wall time counts its prefill
         requests = list(requests)
         if not requests:
             return state, []
@@ -155,8 +156,7 @@ class Engine:
         if self.spec.proposer is not None:  # a proposer's per-request arrays follow its rows (the replay draft's)
             self.inputs = self.inputs.replace(proposer_args=self.spec.proposer.admitted(
                 self.spec, self.inputs.proposer_args, rows, [r.stream for r in requests]))
-        now = time.perf_counter()
-        self._admitted_at.update({r: now for r in rows})
+        self._admitted_at.update({r: begun for r in rows})
         return state, rows
 
     def step(self, state: DecodeState) -> DecodeState:
@@ -237,10 +237,10 @@ def _stream(engine: Engine, requests: Iterable[Request], stats: RunStats,
         batch = [x for _, x in zip(free, pending)] if policy == "continuous" or not active else []
         if batch:
             t = time.perf_counter()
+            waited = t - start  # queued until its admission begins: the prefill is in its own wall time
             # waited for (the next run would wait for it on the device anyway): its time is the prefill's
             state, rows = jax.block_until_ready(engine.admit(state, [r for _, r in batch], free[:len(batch)]))
             stats.admit_time_s += time.perf_counter() - t
-            waited = time.perf_counter() - start
             for row, (index, _) in zip(rows, batch):
                 active[row], queued[row] = index, waited
         if not active:
