@@ -381,9 +381,10 @@ class DraftConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids is empty")
-        if min(self.target_layer_ids) < 0 or self.mask_token_id < 0 or self.num_target_layers < 0:
-            raise ValueError(f"target_layer_ids {list(self.target_layer_ids)}, mask_token_id {self.mask_token_id} "
-                             f"and num_target_layers {self.num_target_layers} must be >= 0")
+        if min(self.target_layer_ids) < -1 or self.mask_token_id < 0 or self.num_target_layers < 0:
+            raise ValueError(f"target_layer_ids {list(self.target_layer_ids)} must be >= -1 (the embedding output), "
+                             f"mask_token_id {self.mask_token_id} and num_target_layers {self.num_target_layers} "
+                             ">= 0")
         for name in ("input_embedding_scale", "output_multiplier"):
             if not np.isfinite(getattr(self, name)) or getattr(self, name) == 0:
                 raise ValueError(f"{name} must be a finite non-zero number, got {getattr(self, name)}")
@@ -529,9 +530,6 @@ class DraftConfig:
                 extra["markov_head_type"] = str(extra["markov_head_type"]).lower()
             if extra["num_anchors"] is not None:
                 extra["num_anchors"] = int(extra["num_anchors"])
-            if any(i < 0 for i in ids):
-                raise ValueError(f"target_layer_ids {list(ids)}: -1 (the embedding output as a feature) is not "
-                                 "supported; use decoder layer ids >= 0")
         return cls(
             layers=layers,
             block_size=int(key("block_size", 16)),
@@ -631,10 +629,10 @@ class DraftConfig:
     def check_fits(self, target: TargetConfig) -> None:
         """Raise (before any compute) when this draft cannot run on ``target``; name both sides."""
         n = target.num_hidden_layers
-        bad = [i for i in self.target_layer_ids if not 0 <= i < n]
+        bad = [i for i in self.target_layer_ids if not -1 <= i < n]
         if bad:
             raise ValueError(f"draft target_layer_ids {list(self.target_layer_ids)} has ids {bad} outside the "
-                             f"target's {n} layers (valid 0..{n - 1})")
+                             f"target's {n} layers (valid -1..{n - 1}, -1 the embedding output)")
         if self.num_target_layers and self.num_target_layers != n:
             warnings.warn(f"draft was trained for num_target_layers={self.num_target_layers}, "
                           f"target has {n} layers", stacklevel=2)

@@ -151,9 +151,6 @@ class DraftLayer(DecoderLayer):
     def convolves(self) -> bool:
         return self.draft is not None and self.draft.convolves
 
-    def context_kv(self, ctx, positions):
-        return self.self_attn.keys_values(ctx, positions)
-
     def __call__(self, x, positions, anchors, k_ctx, v_ctx, *, impl: str, decode: bool, ctx_start=None,
                  block_len=None):
         """``decode`` False (training, N blocks per row): ``attention.block_attention`` with ``impl`` (and
@@ -183,9 +180,6 @@ class Gemma4DraftLayer(gemma4.DecoderLayer):
     head dim, k = v when ``attention_k_eq_v``)."""
 
     draft: DraftConfig | None = None
-
-    def context_kv(self, ctx, positions):
-        return self.self_attn.keys_values(ctx, positions)
 
     def __call__(self, x, positions, anchors, k_ctx, v_ctx, *, impl: str, decode: bool, ctx_start=None,
                  block_len=None):
@@ -249,7 +243,7 @@ class DFlashDraft(nn.Module):
     def context_kv(self, features, positions):
         """Target features [B, T, n*D] at ``positions`` [B, T] -> per-layer (k, v) tuples, each [B, T, K, H]."""
         ctx = self.hidden_norm(self.fc(features))
-        kv = [layer.context_kv(ctx, positions) for layer in self.layers]
+        kv = [layer.self_attn.keys_values(ctx, positions) for layer in self.layers]
         return tuple(k for k, _ in kv), tuple(v for _, v in kv)
 
     def __call__(self, x, anchors, k_ctx, v_ctx, impl: str = "auto", ctx_start=None, *, decode: bool = False,

@@ -94,12 +94,13 @@ def save_vision_language(path, text_model, seed: int = 0, dtype=torch.float32):
 def ragged_parity(model, target, lengths, seed: int = 1):
     """One forward of ``target`` over a ragged batch (row r: ``lengths[r]`` random tokens, padded with
     position -1) against the torch ``model`` on each prompt alone: logits and every hidden_states[i]
-    within float32 rounding of a forward that deep (``forward_depth`` ulps of each one's scale). Returns the
+    within float32 rounding of a forward that deep (``forward_depth`` ulps of each one's scale), the embedding
+    output (feature id -1) included. Returns the
     largest feature magnitude (to show the comparison is not of near-zeros)."""
     from dflash_jax.target import forward
 
     c = target.config
-    layers, d = tuple(range(c.num_hidden_layers)), c.hidden_size
+    layers, d = tuple(range(-1, c.num_hidden_layers)), c.hidden_size
     ids = np.random.RandomState(seed).randint(0, c.vocab_size, (len(lengths), max(lengths))).astype(np.int32)
     logits, feats, _ = forward(c, target.params, ids, positions_for(ids, lengths), feature_layer_ids=layers)
     logits, feats = np.asarray(logits), np.asarray(feats)
@@ -107,8 +108,8 @@ def ragged_parity(model, target, lengths, seed: int = 1):
     for r, n in enumerate(lengths):
         ref_logits, ref_feats = torch_forward(model, ids[r:r + 1, :n], layers)
         assert_close(logits[r, :n], ref_logits[0], depth, what=f"logits row {r}")
-        for i in layers:
-            assert_close(feats[r, :n, i * d:(i + 1) * d], ref_feats[0, :, i * d:(i + 1) * d], depth,
+        for j, i in enumerate(layers):
+            assert_close(feats[r, :n, j * d:(j + 1) * d], ref_feats[0, :, j * d:(j + 1) * d], depth,
                          what=f"row {r} layer {i}")
     return float(np.abs(feats).max())
 

@@ -91,7 +91,7 @@ def test_config_reads_and_writes_deepspec_layout(small):
 def test_config_refusals(small):
     base = dspark_config(small.config).to_hf()
     for bad, msg in ((dict(markov_head_type="lstm"), "markov_head_type"),
-                     (dict(target_layer_ids=[-1, 1]), "-1"),
+                     (dict(target_layer_ids=[-2, 1]), "must be >= -1"),
                      (dict(architectures=["Gemma4DSparkModel"]), "model_type gemma4_text"),
                      (dict(architectures=["Qwen9DSparkModel"]), "unsupported draft architecture")):
         with pytest.raises(ValueError, match=msg):
@@ -174,14 +174,16 @@ def hf_target(tmp_path_factory):
 # name -> write_dspark_draft keywords (every head type, the confidence head on; and the heads off)
 WRITTEN = {"vanilla": dict(markov_head_type="vanilla"), "gated": dict(markov_head_type="gated"),
            "rnn": dict(markov_head_type="rnn"), "confidence without markov": dict(confidence_with_markov=False),
-           "no heads": dict(markov_rank=0, confidence=False)}
+           "no heads": dict(markov_rank=0, confidence=False),
+           # DeepSpec's id -1: the embedding output (hidden_states[0]) fused beside a layer's
+           "embedding feature": dict(markov_head_type="vanilla", target_layer_ids=(-1, 2))}
 
 
 def _written(hf_target, tmp_path, **kw):
     from dspark_reference import write_dspark_draft
 
     d = str(tmp_path / "draft")
-    w = write_dspark_draft(d, hf_target[0], num_layers=2, block_size=4, target_layer_ids=(0, 2), **kw)
+    w = write_dspark_draft(d, hf_target[0], num_layers=2, block_size=4, **kw)
     with open(f"{d}/config.json") as f:
         return w, json.load(f), dj.load_draft(d)
 

@@ -105,9 +105,10 @@ def build_draft_config(cfg: TrainConfig, target: Target, tokenizer=None) -> Draf
     logits (``TrainConfig.draft_options``)."""
     L = target.config.num_hidden_layers
     ids = cfg.layer_ids() or choose_target_layer_ids(L, cfg.num_target_features)
-    bad = [i for i in ids if not 0 <= i < L]
+    bad = [i for i in ids if not -1 <= i < L]
     if bad:
-        raise ValueError(f"--target-layer-ids {list(ids)}: ids {bad} are outside the target's {L} layers (0..{L - 1})")
+        raise ValueError(f"--target-layer-ids {list(ids)}: ids {bad} are outside the target's {L} layers "
+                         f"(-1..{L - 1}, -1 the embedding output)")
     mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else default_mask_token_id(target, tokenizer)
     dcfg = DraftConfig.for_target(target.config, draft_layers=cfg.draft_layers, block_size=cfg.block_size,
                                   mask_token_id=mask_id, target_layer_ids=ids, **cfg.draft_options())

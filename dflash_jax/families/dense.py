@@ -143,15 +143,16 @@ class Decoder(nn.Module):
         """input_ids, positions [B, T] -> (logits [B, T or 1, V] float32, features [B, T, n*D] or None, cache).
 
         Features are Hugging Face ``hidden_states[id + 1]`` for each id in ``feature_layer_ids``,
-        concatenated in that order: the output of layer ``id``, except that for the LAST layer Hugging
-        Face (and so every released draft) sees it after the final norm. ``logits_index`` [B] keeps
+        concatenated in that order: the output of layer ``id`` (id -1: the embedding output, the first layer's
+        input), except that for the LAST layer Hugging Face (and so every released draft) sees it after the
+        final norm. ``logits_index`` [B] keeps
         only the logits at one position per row (prefill needs just the last prompt token's).
         ``segment_ids`` [B, T] (without a cache): attention stays within each segment, so a row packed
         with several documents (positions restarting at 0 in each) gives each its unpacked features.
         ``new_mask`` [B, T, T] bool (with a cache): tree verification (``DecoderLayer.tree_attention``).
         """
         x = self.embed_inputs(input_ids)
-        hidden, states = [], []
+        hidden, states = [x], []
         for i, layer in enumerate(self.layers):
             x, s = layer(x, positions, None if cache is None else cache.layers[i], segment_ids, new_mask)
             hidden.append(x)
@@ -159,12 +160,12 @@ class Decoder(nn.Module):
         return self.outputs(hidden, states, cache, feature_layer_ids, logits_index)
 
     def outputs(self, hidden, states, cache, feature_layer_ids, logits_index):
-        """Every layer's output and new state -> ``__call__``'s (logits, features, cache)."""
+        """``hidden``: Hugging Face's ``hidden_states`` before the final norm (the embedding output, then every
+        layer's), ``states``: every layer's new state -> ``__call__``'s (logits, features, cache)."""
         x = hidden[-1]
-        last = self.cfg.num_hidden_layers - 1
-        if last in feature_layer_ids:
-            hidden[last] = self.norm(x)
-        features = jnp.concatenate([hidden[i] for i in feature_layer_ids], axis=-1) if feature_layer_ids else None
+        if self.cfg.num_hidden_layers - 1 in feature_layer_ids:
+            hidden[-1] = self.norm(x)
+        features = jnp.concatenate([hidden[i + 1] for i in feature_layer_ids], axis=-1) if feature_layer_ids else None
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
         if cache is not None:

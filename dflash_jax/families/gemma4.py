@@ -444,7 +444,7 @@ class Decoder(dense.Decoder):
         x = self.embed(input_ids)
         x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
         per_layer = self.per_layer_inputs(input_ids, x) if c.hidden_size_per_layer_input else None
-        hidden, states, shared = [], [], {}
+        hidden, states, shared = [x], [], {}
         for i, layer in enumerate(self.layers):
             source = c.kv_source(i)
             x, s, kv = layer(x, positions, None if cache is None else cache.layers[i], segment_ids, new_mask,
