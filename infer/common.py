@@ -235,9 +235,11 @@ def check_before_loading(args, target_path: str, draft_path: str | None, prompts
         resolve_block_size(fixed_block_size(args), None if dcfg is None else dcfg.block_size, FLAGS)
         if args.tree_budget and dcfg is not None:
             check_tree_target(tcfg, fixed_block_size(args) or dcfg.block_size)
-        if dcfg is not None and dcfg.shifted and (args.tree_budget or args.verify_lengths):
-            raise ValueError("--tree-budget and --verify-lengths are not supported for DSpark drafts (each draft is "
-                             "conditional on the one before it); use the chain")
+        if dcfg is not None and dcfg.shifted and args.verify_lengths:
+            raise ValueError("--verify-lengths is not supported for DSpark drafts (their confidence head cuts the "
+                             "proposal instead: --confidence-threshold)")
+        if args.tree_budget and args.confidence_threshold:
+            raise ValueError("--confidence-threshold cuts a chain's proposal; it cannot be combined with --tree-budget")
         if args.confidence_threshold and not (dcfg is not None and dcfg.confidence_head):
             raise ValueError("--confidence-threshold needs a DSpark draft with a confidence head")
         if not 0 <= args.confidence_threshold < 1:

@@ -283,7 +283,7 @@ def test_generate_cli(hf_target, tmp_path, capsys):
         out, acc = dspark_greedy_decode(forward, w, cfg, prompt, 12, threshold=0.6)
         n = len(row["acceptance_lengths"])
         assert row["output_ids"] == out and row["acceptance_lengths"][:-1] == acc[:n - 1]
-    for extra, msg in ((["--tree-budget", "8"], "not supported for DSpark"),
+    for extra, msg in ((["--tree-budget", "8", "--confidence-threshold", "0.6"], "cannot be combined"),
                        (["--verify-lengths", "2,5"], "not supported for DSpark"),
                        (["--confidence-threshold", "1.5"], r"\[0, 1\)")):
         with pytest.raises(SystemExit) as e:

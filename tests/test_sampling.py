@@ -192,6 +192,8 @@ def test_joint_law_of_first_three_tokens_is_the_targets(peaked, temperature, top
         # DSpark: the Markov walk samples each slot given the drafted previous token; q is that corrected law
         runs["DSpark, rejection rule"] = S.speculative_generate(target, dspark, [PROMPT] * N, seed=8,
                                                                 acceptance="rejection", **kw)
+        # DSpark's tree: from its Markov-corrected greedy walk, fixed before the target's draws
+        runs["DSpark, tree of 6"] = S.speculative_generate(target, dspark, [PROMPT] * N, seed=10, tree_budget=6, **kw)
     assert {v for r in runs["speculative, rejection rule, verify 2 of 4"] for v in r.verify_lengths} == {2}
     rates = {k: np.mean([r.acceptance_lengths[0] > 1 for r in runs[k]]) for k in runs if k != "plain"}
     accepted = min(rates.values())

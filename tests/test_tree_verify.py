@@ -131,6 +131,22 @@ def test_dflash2_draft_is_lossless(pair, prompts, plain):
           plain, 8, block=8)
 
 
+def test_dspark_draft_is_lossless(pair, prompts, plain):
+    """DSpark (block 8: 8 slots draft 8, so up to 9 tokens a step): the tree from the Markov-corrected slot
+    distributions along the greedy walk; greedy output identical, and its first path is the chain's proposal,
+    so with a budget of at least the block it commits at least what the chain does at each step."""
+    from test_dspark import make_dspark
+
+    target, _ = pair
+    draft = make_dspark(target, seed=2, head="rnn", rank=4, block=8)
+    chain = S.speculative_generate(target, draft, prompts, max_new_tokens=MAX_NEW, stop_token_ids=[])
+    tree = S.speculative_generate(target, draft, prompts, max_new_tokens=MAX_NEW, stop_token_ids=[], tree_budget=12)
+    check(tree, plain, 12, block=9)
+    for c, t in zip(chain, tree):  # same context while both agree, so the tree's first step commits >= the chain's
+        assert t.acceptance_lengths[0] >= c.acceptance_lengths[0]
+    assert any(a > 1 for r in tree for a in r.acceptance_lengths)
+
+
 def _as(cls, cfg, **fields):
     """``cfg``'s fields in another family's config class."""
     return cls(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, **fields})
@@ -183,6 +199,8 @@ def test_refusals(pair, prompts):
         run(target, draft, block_size=1, tree_budget=4)
     with pytest.raises(ValueError, match="verify_lengths"):
         run(target, draft, tree_budget=4, verify_lengths=(4, 16))
+    with pytest.raises(ValueError, match="cannot be combined with tree_budget"):
+        run(target, draft, tree_budget=4, confidence_threshold=0.5)
     base = tiny_target_config(vocab=16)
     narrow = _as(GptOssConfig, base, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
                  sliding_window=4, layer_types=("sliding_attention", "full_attention") * 2)

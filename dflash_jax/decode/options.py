@@ -115,9 +115,11 @@ class DecodeOptions:
             raise ValueError("a proposer needs a draft")
         if self.tree_budget and block == 1:
             raise ValueError("tree_budget needs a draft and a block size > 1")
-        if draft is not None and draft.config.shifted and (self.tree_budget or self.verify_lengths is not None):
-            raise ValueError("tree_budget and verify_lengths are not supported for DSpark drafts (each draft is "
-                             "conditional on the one before it); use the chain")
+        if draft is not None and draft.config.shifted and self.verify_lengths is not None:
+            raise ValueError("verify_lengths is not supported for DSpark drafts (their confidence head cuts the "
+                             "proposal instead: confidence_threshold)")
+        if self.tree_budget and self.confidence_threshold:
+            raise ValueError("confidence_threshold cuts a chain's proposal; it cannot be combined with tree_budget")
         if self.confidence_threshold and not (draft is not None and draft.config.confidence_head):
             raise ValueError("confidence_threshold needs a DSpark draft with a confidence head")
         return block

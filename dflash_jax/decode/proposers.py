@@ -21,7 +21,8 @@ its ``scores`` are the draft's plain (temperature 1) distribution, for the adapt
   * benchmarks' replay draft: ``dflash_jax.synthetic.ReplayProposer``.
 
 Tree verification (``tree_budget``) asks instead for ``propose_tree``: the best tree of N prefixes under
-the draft's v1 marginals, whatever the proposal rule (``dflash_jax.tree``).
+per-position distributions (``tree_logits``: the draft's v1 marginals; DSpark's Markov-corrected ones along its
+greedy walk), fixed before the target's draws (``dflash_jax.tree``).
 
 After verification the verified tokens' target features become draft context (``update_context``).
 ``for_draft`` picks the proposer of a draft's architecture from one registry (``PROPOSERS``).
@@ -88,12 +89,15 @@ class Proposer:
     def propose(self, spec, view: StepView) -> Proposal:
         raise NotImplementedError
 
+    def tree_logits(self, spec, view: StepView):
+        """[B, K-1, V]: the per-position distributions a tree is built from: the v1 marginals (the draft logits).
+        DFlash2 drafts too: the selector's candidate scores are conditional on the predecessor, not factorised."""
+        return self.draft_forward(spec, view)[0]
+
     def propose_tree(self, spec, view: StepView, max_depth) -> tree_lib.Tree:
         """Tree verification's draft: the ``spec.tree_budget`` most probable prefixes (depth <= ``max_depth``
-        [B]) under the v1 marginals log_softmax(draft logits), fp32, at any temperature. DFlash2 drafts too:
-        the selector's candidate scores are conditional on the predecessor, not factorised over positions."""
-        logits, _ = self.draft_forward(spec, view)
-        logq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        [B]) under log_softmax(``tree_logits``), fp32, at any temperature (the draft alone fixes it: exact)."""
+        logq = jax.nn.log_softmax(self.tree_logits(spec, view).astype(jnp.float32), axis=-1)
         return tree_lib.build_tree(logq, spec.tree_budget, max_depth, chain=True)
 
     def update_context(self, spec, dparams, dcache, features, positions):
@@ -154,9 +158,11 @@ class Spark(Proposer):
             length = dspark.confident_length(confidence, self.confidence_threshold)
         return Proposal(tokens, scores, length)
 
-    def propose_tree(self, spec, view: StepView, max_depth):
-        raise ValueError("tree verification is not supported for DSpark drafts (their drafts are conditional on the "
-                         "previous token, not factorised over positions); use the chain (tree_budget=0)")
+    def tree_logits(self, spec, view: StepView):
+        """Slot k's Markov-corrected logits given the greedy drafts before it: the greedy walk's own scores (its
+        chain is the tree's first path; a node off it is scored as if its prefix were the greedy one)."""
+        logits, h = self.draft_forward(spec, view)
+        return draft_lib.spark(spec.draft_config, view.dparams, h, logits, view.block[:, 0])[1]
 
 
 PROPOSERS = {"dflash": Chain, "dflash2": Selector, "dspark": Spark}  # DraftConfig.architecture -> its rule
