@@ -222,8 +222,8 @@ def summarize(run: _Run, rows: list[dict], t: _Totals) -> dict:
     k = run.draft.config.verify_length(block)  # tokens a step verifies (a DSpark block of B slots verifies B + 1)
     hist = np.bincount(acc, minlength=k + 1)[1:k + 1]
     # draft token k accepted, among the steps that verified it (adaptive verify may stop before position k; a
-    # tree reaches every depth up to min(N, block - 1))
-    ver = np.full(len(acc), min(args.tree_budget, block - 1) + 1) if tree else np.array(t.verified)
+    # tree reaches every depth up to min(N, k - 1))
+    ver = np.full(len(acc), min(args.tree_budget, k - 1) + 1) if tree else np.array(t.verified)
     per_position = [float((acc[ver > j] > j).mean()) if (ver > j).any() else None for j in range(1, k)]
     plain_tps, spec_tps = t.plain_tokens / t.plain_time, t.spec_tokens / t.spec_time
     tau = float(acc.mean())
@@ -251,7 +251,7 @@ def summarize(run: _Run, rows: list[dict], t: _Totals) -> dict:
         summary.update(tree_budget=args.tree_budget, verified_tokens_per_step=float(np.mean(t.verified)),
                        chain_tau=chain_tau, tree_vs_chain_tau=tau / chain_tau, chain_tokens_per_s=chain_tps,
                        tree_vs_chain_speed=spec_tps / chain_tps,
-                       chain_acceptance_histogram=np.bincount(t.chain_acc, minlength=block + 1)[1:block + 1].tolist())
+                       chain_acceptance_histogram=np.bincount(t.chain_acc, minlength=k + 1)[1:k + 1].tolist())
     # wall time per target forward of each method, prefill included (plain: one per token)
     summary["plain_step_s"] = t.plain_time / t.plain_tokens
     summary["dflash_step_s"] = t.spec_time / (len(t.acc) + len(run.prompts))

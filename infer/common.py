@@ -234,7 +234,7 @@ def check_before_loading(args, target_path: str, draft_path: str | None, prompts
     try:
         resolve_block_size(fixed_block_size(args), None if dcfg is None else dcfg.block_size, FLAGS)
         if args.tree_budget and dcfg is not None:
-            check_tree_target(tcfg, fixed_block_size(args) or dcfg.block_size)
+            check_tree_target(tcfg, dcfg.verify_length(fixed_block_size(args) or dcfg.block_size))
         if dcfg is not None and dcfg.shifted and args.verify_lengths:
             raise ValueError("--verify-lengths is not supported for DSpark drafts (their confidence head cuts the "
                              "proposal instead: --confidence-threshold)")

@@ -309,3 +309,21 @@ def test_mesh_equals_one_device(small):
     out = S.speculative_generate(ts, ds, prompts, **kw)
     assert [r.output_ids for r in out] == [r.output_ids for r in single]
     assert [r.acceptance_lengths for r in out] == [r.acceptance_lengths for r in single]
+
+
+def test_benchmark_tree_summary(hf_target, tmp_path, capsys):
+    """``infer.benchmark --tree-budget`` with a DSpark draft (block 4: 4 slots draft 4, 5 verified; a tree reaches
+    depth 4): identical outputs, and the per-position acceptance and both histograms cover all 4 depths."""
+    from infer import benchmark as b
+
+    d = hf_target[0]
+    _written(hf_target, tmp_path, markov_head_type="vanilla")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in ([5, 1, 12, 8], [9, 9, 2])))
+    assert b.main(["--target", d, "--draft", str(tmp_path / "draft"), "--prompts-file", str(prompts), "--json",
+                   "--max-new-tokens", "16", "--ignore-eos", "--no-timing-split", "--repeats", "1",
+                   "--block-size", "4", "--tree-budget", "8"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["identical"] is True and summary["verified_tokens_per_step"] == 9
+    assert len(summary["acceptance_rate_per_position"]) == 4 and None not in summary["acceptance_rate_per_position"]
+    assert len(summary["acceptance_histogram"]) == 5 and len(summary["chain_acceptance_histogram"]) == 5

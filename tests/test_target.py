@@ -105,7 +105,9 @@ def test_parity_with_transformers(saved, case):
     path, model, target = saved(case)
     length = CASES[case][2]
     ids = random_ids(2, length, seed=1)
-    logits, feats, _ = forward(target.config, target.params, ids, positions_for(ids), feature_layer_ids=ALL_LAYERS)
+    # feature id -1: the embedding output (hidden_states[0]), then every layer's
+    logits, feats, _ = forward(target.config, target.params, ids, positions_for(ids),
+                               feature_layer_ids=(-1,) + ALL_LAYERS)
     logits, feats = np.asarray(logits), np.asarray(feats)  # index numpy, not jax (no per-slice compiles)
     ref_logits, ref_layers, hidden_states = torch_reference(model, ids)
 
@@ -113,9 +115,10 @@ def test_parity_with_transformers(saved, case):
     depth = forward_depth(target.config, length)  # JAX and torch round a whole forward differently
     assert_close(logits, ref_logits, depth, what="logits")
     d = TINY["hidden_size"]
-    assert feats.shape == (2, length, L * d)
+    assert feats.shape == (2, length, (L + 1) * d)
+    assert_close(feats[..., :d], hidden_states[0].numpy(), depth, what="hidden_states[0] (feature id -1)")
     for i in ALL_LAYERS:
-        ours = feats[..., i * d:(i + 1) * d]
+        ours = feats[..., (i + 1) * d:(i + 2) * d]
         assert_close(ours, hidden_states[i + 1].numpy(), depth, what=f"hidden_states[{i + 1}]")
         # hidden_states[i + 1] is the output of decoder layer i (checked with a forward hook), except
         # the last: transformers ties hidden_states[-1] to the final-normed last_hidden_state.

@@ -65,7 +65,8 @@ class TrainConfig:
     draft_layers: int = _help("number of draft decoder layers", default=5)
     block_size: int = _help("block size B (tokens per draft block, anchor included)", default=16)
     num_target_features: int = _help("number of target layers whose outputs are fused (n)", default=5)
-    target_layer_ids: str = _help("comma-separated target layer ids (-1: the embedding output, as DeepSpec's); "
+    target_layer_ids: str = _help("comma-separated target layer ids (-1: the embedding output, as DeepSpec's; "
+                                  "a list that starts with it takes '=': --target-layer-ids=-1,9,17); "
                                   "default: the released formula "
                                   "round(1+i*(L-4)/(n-1)), or for targets with < 12 layers ids evenly "
                                   "spaced over 1..L-1 (the formula collapses on shallow targets)", default="")

@@ -151,7 +151,7 @@ class GenerationResult:
     wall_time_s: float  # the request's decode: its prefill until its last token reached the host
     tokens_per_second: float
     time_to_first_token_s: float | None = None  # streaming only: prefill until the first token reached the host
-    queue_time_s: float | None = None  # continuous batching: the run's start until the request was admitted
+    queue_time_s: float | None = None  # continuous batching: the run's start until its admission (prefill) began
 
     @property
     def generated_ids(self) -> list[int]:

@@ -162,8 +162,11 @@ class Decoder(nn.Module):
     def outputs(self, hidden, states, cache, feature_layer_ids, logits_index):
         """``hidden``: Hugging Face's ``hidden_states`` before the final norm (the embedding output, then every
         layer's), ``states``: every layer's new state -> ``__call__``'s (logits, features, cache)."""
-        x = hidden[-1]
-        if self.cfg.num_hidden_layers - 1 in feature_layer_ids:
+        x, last = hidden[-1], self.cfg.num_hidden_layers - 1
+        bad = [i for i in feature_layer_ids if not -1 <= i <= last]
+        if bad:  # a Python index would wrap (-2: the last layer's output)
+            raise ValueError(f"feature_layer_ids {list(feature_layer_ids)}: {bad} outside -1..{last}")
+        if last in feature_layer_ids:
             hidden[-1] = self.norm(x)
         features = jnp.concatenate([hidden[i + 1] for i in feature_layer_ids], axis=-1) if feature_layer_ids else None
         if logits_index is not None:

@@ -59,7 +59,6 @@ class Job:
     emit: Callable
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
-    admitted: float | None = None
     first_token: float | None = None
     sent: int = 0  # generated tokens already read off the engine
     steps: int = 0  # verify steps already read off the engine
@@ -153,10 +152,9 @@ class Scheduler:
         self.metrics.queue_depth.set(self.queue.qsize())
         if not new:
             return state
+        now = time.perf_counter()  # queued until the admission (prefill) begins, as the library's queue_time_s
         state, rows = self.engine.admit(state, [j.request for j in new], free[:len(new)])
-        now = time.perf_counter()
         for row, job in zip(rows, new):
-            job.admitted = now
             self.metrics.queue_time.observe(now - job.arrived)
             self.active[row] = job
         return state
