@@ -381,10 +381,11 @@ class DraftConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids is empty")
-        if min(self.target_layer_ids) < -1 or self.mask_token_id < 0 or self.num_target_layers < 0:
-            raise ValueError(f"target_layer_ids {list(self.target_layer_ids)} must be >= -1 (the embedding output), "
-                             f"mask_token_id {self.mask_token_id} and num_target_layers {self.num_target_layers} "
-                             ">= 0")
+        if min(self.target_layer_ids) < -1:
+            raise ValueError(f"target_layer_ids {list(self.target_layer_ids)} must be >= -1 (-1: the embedding output)")
+        if self.mask_token_id < 0 or self.num_target_layers < 0:
+            raise ValueError(f"mask_token_id {self.mask_token_id} and num_target_layers {self.num_target_layers} must "
+                             "be >= 0")
         for name in ("input_embedding_scale", "output_multiplier"):
             if not np.isfinite(getattr(self, name)) or getattr(self, name) == 0:
                 raise ValueError(f"{name} must be a finite non-zero number, got {getattr(self, name)}")
