@@ -83,7 +83,8 @@ def step_split(timings: dict, block: int, step_s: float) -> dict:
 
 def _step_parts(timed, target, draft, tcache, dcache, k: int, context: int) -> dict:
     """Seconds of a DFlash step's non-forward work at block ``k``, each part alone in a jitted loop:
-    acceptance (the target's greedy posterior over the block's logits and the accepted prefix), cache writes (the
+    acceptance (the accepted prefix of the block given the target's greedy posterior: the posterior's argmax over
+    the vocabulary is in the timed verify forward, so it is not counted again here), cache writes (the
     verified tokens' features -> draft context K/V, into the draft cache) and commit (the engine's
     ``decode.verify.commit``: the committed tokens, acceptance and verify-length records, both caches' rollback)."""
     import jax.numpy as jnp
@@ -97,10 +98,9 @@ def _step_parts(timed, target, draft, tcache, dcache, k: int, context: int) -> d
     offsets = jnp.arange(k, dtype=jnp.int32)
 
     def acceptance(carry):
-        logits, block = carry
-        posterior = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        posterior, block = carry
         a = accepted_length(block[:, 1:], posterior)
-        return logits.at[:, 0, 0].add(a.astype(logits.dtype)), block.at[:, 1:].set(posterior[:, :-1])
+        return (posterior + a[:, None]) % vocab, block.at[:, 1:].set(posterior[:, :-1])
 
     def cache_writes(carry, dp):
         cache, features = carry
@@ -126,7 +126,7 @@ def _step_parts(timed, target, draft, tcache, dcache, k: int, context: int) -> d
 
     features = jnp.ones((b, k, len(draft.config.target_layer_ids) * target.config.hidden_size),
                         draft_lib.cache_kv(dcache)[0][0].dtype)
-    return {"acceptance": timed(acceptance, (jnp.zeros((b, k, vocab), jnp.float32), jnp.zeros((b, k), jnp.int32))),
+    return {"acceptance": timed(acceptance, (jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.int32))),
             "cache_writes": timed(cache_writes, (dcache, features), draft.params),
             "commit": timed(commit, (state, jnp.zeros((b,), jnp.int32)))}
 
