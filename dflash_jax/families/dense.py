@@ -145,8 +145,8 @@ class Decoder(nn.Module):
         Features are Hugging Face ``hidden_states[id + 1]`` for each id in ``feature_layer_ids``,
         concatenated in that order: the output of layer ``id`` (id -1: the embedding output, the first layer's
         input), except that for the LAST layer Hugging Face (and so every released draft) sees it after the
-        final norm. ``logits_index`` [B] keeps
-        only the logits at one position per row (prefill needs just the last prompt token's).
+        final norm. ``logits_index`` [B] keeps only the logits at one position per row (prefill needs just the
+        last prompt token's).
         ``segment_ids`` [B, T] (without a cache): attention stays within each segment, so a row packed
         with several documents (positions restarting at 0 in each) gives each its unpacked features.
         ``new_mask`` [B, T, T] bool (with a cache): tree verification (``DecoderLayer.tree_attention``).
