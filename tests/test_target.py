@@ -137,6 +137,9 @@ def test_feature_layer_ids_select_and_order(saved):
     want = np.concatenate([feats[..., 2 * d:3 * d], feats[..., :d]], -1)
     # another compiled program of the same forward may fuse (round) differently; a wrong layer is off by O(scale)
     assert_close(sub, want, forward_depth(target.config, ids.shape[1]), what="selected features")
+    for bad in ((-2,), (0, L)):  # a Python index would wrap (-2: the last layer) or fail unnamed
+        with pytest.raises(ValueError, match=rf"outside -1\.\.{L - 1}"):
+            forward(target.config, target.params, ids, positions_for(ids), feature_layer_ids=bad)
 
 
 def test_case_configs_are_what_they_claim(saved):
