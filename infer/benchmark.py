@@ -257,9 +257,10 @@ def summarize(run: _Run, rows: list[dict], t: _Totals) -> dict:
     summary["dflash_step_s"] = t.spec_time / (len(t.acc) + len(run.prompts))
     if not args.no_timing_split:
         timings = time_forwards(run.target, run.draft, block_sizes=sorted({4, 8, 16, k}),  # k: tokens verified
-                                attention_impl=args.attention, parts_block=k)
+                                attention_impl=args.attention, parts_block=k, whole_step=not args.tree_budget)
         summary["step_split_s"] = step_split(timings, k, summary["dflash_step_s"])
         timings.pop("step_parts_s", None)
+        timings.pop("step_loop_s", None)
         summary.update(timings)
     return summary
 

@@ -13,8 +13,9 @@ The preset's target and draft (``dflash_jax.synthetic.PRESETS``) get random weig
 3. prefill alone of both (a run with one new token), so decode-only times can be told apart;
 4. one draft forward and one verify forward of B tokens (and of 1 token) at this batch and cache length.
 
-Reported: plain step, DFlash step = draft + verify + rest (its named parts: acceptance, cache writes, commit,
-and the other, unnamed remainder), the realised tau, the end-to-end speedup (whole calls, prefill included), the
+Reported: plain step, DFlash step = draft + verify + rest (its named parts: acceptance, cache writes, commit;
+other: the unnamed work of the engine's whole step timed alone, as the forwards are; runs: the DFlash step less
+that step alone, what running the steps as the decode does adds), the realised tau, the end-to-end speedup (whole calls, prefill included), the
 decode speedup (prefill subtracted from both), the engine efficiency = decode speedup / tau (1.0: a DFlash step
 costs no more than a plain one), the limit tau x plain step / (draft + verify) (what these forwards allow with no
 other work) and efficiency_vs_limit = decode speedup / that limit, exactly the product of ``step_efficiency``
@@ -173,9 +174,11 @@ def measure(target, draft, probs, args, *, batch: int, context: int, block: int)
         limit = args.max_length or target.config.max_position_embeddings
         cache_len = cache_length(lens, np.minimum(args.max_new_tokens, limit - lens), block)
         timings = time_forwards(target, draft, block_sizes=(block,), context=context, batch=batch,
-                                cache_len=cache_len, attention_impl=args.attention, parts_block=block)
+                                cache_len=cache_len, attention_impl=args.attention, parts_block=block,
+                                whole_step=True)
         row["step_split_s"] = step_split(timings, block, row["dflash_step_s"])
         timings.pop("step_parts_s")
+        timings.pop("step_loop_s")
         row.update(timings)
         # the most a step of these forwards can gain: tau tokens for draft + verify, against tau plain steps
         d, v = row["step_split_s"]["draft"], row["step_split_s"]["verify"]
@@ -315,7 +318,7 @@ def print_text(rows, args, desc, dtype, where) -> None:
     split = not args.no_timing_split
     print(f"{'batch':>5} {'context':>7} {'tau':>5} {'plain step':>10} {'DFlash step':>11}"
           + (f" {'= draft':>8} {'+ verify':>8} {'+ rest':>7} {'(accept':>7} {'writes':>6} {'commit':>6} "
-             f"{'other)':>6} {'verify 1':>8}" if split else "")
+             f"{'other':>6} {'runs)':>6} {'verify 1':>8}" if split else "")
           + f" {'speedup':>7} {'decode':>7} {'efficiency':>10}" + (f" {'vs limit':>8} {'= lockstep':>10} {'x step':>6}" if split else "") + " same")
     for r in rows:
         b = r["block_size"]
@@ -324,7 +327,8 @@ def print_text(rows, args, desc, dtype, where) -> None:
               + (f" {ms(r['step_split_s']['draft']):>8} {ms(r['step_split_s']['verify']):>8} "
                  f"{ms(r['step_split_s']['rest']):>7} {ms(r['step_split_s']['acceptance']):>7} "
                  f"{ms(r['step_split_s']['cache_writes']):>6} {ms(r['step_split_s']['commit']):>6} "
-                 f"{ms(r['step_split_s']['other']):>6} {ms(r['verify_forward_s_block1']):>8}" if split else "")
+                 f"{ms(r['step_split_s']['other']):>6} {ms(r['step_split_s']['runs']):>6} "
+                 f"{ms(r['verify_forward_s_block1']):>8}" if split else "")
               + f" {r['speedup']:>6.2f}x {r['decode_speedup']:>6.2f}x {r['engine_efficiency']:>10.2f}"
               + (f" {r['efficiency_vs_limit']:>8.2f} {r['lockstep']:>10.2f} {r['step_efficiency']:>6.2f}" if split else "")
               + f" {r['identical']}")
@@ -340,6 +344,7 @@ def print_text(rows, args, desc, dtype, where) -> None:
           "speedup: whole calls, prefill included; decode: prefill excluded; efficiency = decode speedup / tau; "
           "vs limit: decode speedup / (tau x plain step / (draft + verify)) = lockstep (a closed batch steps until its "
           "slowest row ends: plain steps / (DFlash steps x tau)) x step ((draft + verify) / DFlash step); accept / writes / commit: the rest's "
-          "named parts, each timed alone")
+          "named parts, each timed alone; other: the unnamed rest of the whole step timed alone; runs: the DFlash step "
+          "less that (device calls, the host between them)")
     print(f"measured on {where['device']} ({where['backend']}, {where['num_devices']} device(s)), "
           f"{where['cpu_count']} CPUs, load average {where['load_average'][0]}")

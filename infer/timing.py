@@ -11,14 +11,15 @@ import numpy as np
 
 def time_forwards(target, draft, block_sizes=(4, 8, 16), *, context: int = 256, iters: int = 20,
                   repeats: int = 5, batch: int = 1, cache_len: int | None = None, attention_impl: str = "auto",
-                  parts_block: int | None = None) -> dict:
+                  parts_block: int | None = None, whole_step: bool = False) -> dict:
     """Seconds per draft forward (``propose``: the forward and its argmax, the chain's proposal) and per target
     verify forward at block K (with the draft's feature layers, as the engine verifies), with ``context`` tokens
     committed in caches of ``cache_len`` slots (default context + 32) for ``batch`` rows, attending as the engine
     does with ``attention_impl``; and, at block ``parts_block`` (None: not timed), the rest of a DFlash step in
-    named parts (``step_parts_s``: acceptance, cache writes, commit; ``step_split``). Each is timed as ONE jitted loop of ``iters`` calls, each
-    fed the previous one's output (as inside the decode loop: no per-call dispatch, no cache copies), best of
-    ``repeats``."""
+    named parts (``step_parts_s``: acceptance, cache writes, commit; ``step_split``), and with ``whole_step`` the
+    engine's whole chain step there (``step_loop_s``: the draft's own proposal, verify, commit). Each is timed as
+    ONE jitted loop of ``iters`` calls, each fed the previous one's output (as inside the decode loop: no per-call
+    dispatch, no cache copies), best of ``repeats``."""
     import jax
     import jax.numpy as jnp
 
@@ -69,16 +70,26 @@ def time_forwards(target, draft, block_sizes=(4, 8, 16), *, context: int = 256, 
     if draft is not None and parts_block is not None and 1 < parts_block <= draft.config.verify_length(
             draft.config.block_size):
         out["step_parts_s"] = _step_parts(timed, target, draft, tcache, dcache, parts_block, context)
+        if whole_step:
+            out["step_loop_s"] = _whole_step(timed, target, draft, tcache, dcache, parts_block)
     return out
 
 
 def step_split(timings: dict, block: int, step_s: float) -> dict:
     """A DFlash step of ``step_s`` seconds at ``block`` split as draft + verify + rest (``time_forwards``'s
-    timings), the rest in its named parts when they were timed, and ``other``: what no part names."""
+    timings), the rest in its named parts when they were timed, and ``other``: what no part names. With the whole
+    step timed in a loop too (``step_loop_s``), the rest splits once more: ``other`` is then the unnamed work
+    inside that step (step_loop - draft - verify - parts), and ``runs`` = step_s - step_loop the cost of running
+    the steps as the decode does (device calls, the host between them; on a CPU each call's first touch of its
+    temporary buffers, docs/benchmarks.md), so draft + verify + parts + other + runs = step_s."""
     d, v = timings.get(f"draft_forward_s_block{block}", 0.0), timings[f"verify_forward_s_block{block}"]
     parts = timings.get("step_parts_s", {})
     rest = step_s - d - v
-    return {"draft": d, "verify": v, "rest": rest, **parts, **({"other": rest - sum(parts.values())} if parts else {})}
+    out = {"draft": d, "verify": v, "rest": rest, **parts}
+    if "step_loop_s" in timings:
+        loop = timings["step_loop_s"]
+        return {**out, "step_loop": loop, "other": loop - d - v - sum(parts.values()), "runs": step_s - loop}
+    return {**out, **({"other": rest - sum(parts.values())} if parts else {})}
 
 
 def _step_parts(timed, target, draft, tcache, dcache, k: int, context: int) -> dict:
@@ -91,7 +102,7 @@ def _step_parts(timed, target, draft, tcache, dcache, k: int, context: int) -> d
 
     from dflash_jax import draft as draft_lib
     from dflash_jax.decode import verify
-    from dflash_jax.decode.types import DecodeState, EngineSpec
+    from dflash_jax.decode.types import EngineSpec
     from dflash_jax.sampling import accepted_length
 
     b, vocab = tcache.lengths.shape[0], target.config.vocab_size
@@ -108,13 +119,7 @@ def _step_parts(timed, target, draft, tcache, dcache, k: int, context: int) -> d
         return cache, features.at[:, 0, 0].add(1.0)  # new features each call: nothing to hoist out of the loop
 
     spec = EngineSpec(target.config, draft.config, k, greedy=True, cache_len=tcache.max_len)
-    state = DecodeState(tokens=jnp.zeros((b, spec.cache_len), jnp.int32), tcache=tcache, dcache=dcache,
-                        prompt_len=tcache.lengths, generated=jnp.ones((b,), jnp.int32),
-                        budget=jnp.full((b,), spec.cache_len, jnp.int32), finish=jnp.zeros((b,), jnp.int32),
-                        acceptance=jnp.zeros((b, spec.cache_len), jnp.int32),
-                        verified=jnp.zeros((b, spec.cache_len), jnp.int32), steps=jnp.zeros((b,), jnp.int32),
-                        key=jnp.zeros((b, 2), jnp.uint32), stop_ids=jnp.full((b, spec.stop_width), -1, jnp.int32),
-                        temperature=jnp.zeros((b,)), top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,)))
+    state = _state(spec, tcache, dcache)
 
     def commit(carry):  # the engine's own commit (decode.verify.commit), then back to the context's length
         st, a = carry
@@ -129,6 +134,45 @@ def _step_parts(timed, target, draft, tcache, dcache, k: int, context: int) -> d
     return {"acceptance": timed(acceptance, (jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.int32))),
             "cache_writes": timed(cache_writes, (dcache, features), draft.params),
             "commit": timed(commit, (state, jnp.zeros((b,), jnp.int32)))}
+
+
+def _whole_step(timed, target, draft, tcache, dcache, k: int) -> float:
+    """Seconds of the engine's whole greedy chain step at block ``k`` (``decode.steps.step``: the draft's own
+    proposal, verify, commit), every row at the caches' committed length and put back there after each step."""
+    import jax.numpy as jnp
+
+    from dflash_jax.decode import proposers, steps
+    from dflash_jax.decode.types import EngineSpec, Inputs
+
+    n = tcache.lengths
+    spec = EngineSpec(target.config, draft.config, k, greedy=True, cache_len=tcache.max_len,
+                      proposer=proposers.for_draft(draft.config, sampled=False))
+    inputs = Inputs(tparams=target.params, dparams=draft.params, mask_token_id=jnp.int32(draft.config.mask_token_id),
+                    threshold=jnp.float32(0.0), proposer_args=spec.proposer.arrays(spec, n.shape[0], spec.cache_len))
+    state = _state(spec, tcache, dcache)
+
+    def step(st, inp):
+        new = steps.step(spec, inp, st)
+        return new.replace(tcache=new.tcache.replace(lengths=n), dcache=new.dcache.replace(lengths=n),
+                           generated=st.generated, steps=st.steps, finish=st.finish)
+
+    return timed(step, state, inputs)
+
+
+def _state(spec, tcache, dcache):
+    """A decode state of running rows over these caches (every row at their committed length), for timing."""
+    import jax.numpy as jnp
+
+    from dflash_jax.decode.types import DecodeState
+
+    b = tcache.lengths.shape[0]
+    return DecodeState(tokens=jnp.zeros((b, spec.cache_len), jnp.int32), tcache=tcache, dcache=dcache,
+                       prompt_len=tcache.lengths, generated=jnp.ones((b,), jnp.int32),
+                       budget=jnp.full((b,), spec.cache_len, jnp.int32), finish=jnp.zeros((b,), jnp.int32),
+                       acceptance=jnp.zeros((b, spec.cache_len), jnp.int32),
+                       verified=jnp.zeros((b, spec.cache_len), jnp.int32), steps=jnp.zeros((b,), jnp.int32),
+                       key=jnp.zeros((b, 2), jnp.uint32), stop_ids=jnp.full((b, spec.stop_width), -1, jnp.int32),
+                       temperature=jnp.zeros((b,)), top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,)))
 
 
 def first_mismatch(target, plain, dflash) -> dict | None:
