@@ -1,7 +1,12 @@
 """Command-line inference: ``python -m infer.generate`` and ``python -m infer.benchmark``."""
 import sys
 
-import dflash_jax
+from infer import huge_pages
+
+if sys.argv[0] == "-m":  # a `python -m infer.*` / `python -m train*` launch, before its heavy imports
+    huge_pages.reexec()
+
+import dflash_jax  # noqa: E402
 
 
 def require_the_package(package=dflash_jax) -> None:
