@@ -190,7 +190,8 @@ def measure(target, draft, probs, args, *, batch: int, context: int, block: int)
         row["lockstep"] = plain_steps / (max(spec_steps, 1) * tau)
         if args.continuous_requests:
             row["continuous"] = measure_continuous(target, draft, probs, args, batch=batch, context=context,
-                                                   block=block, forwards_s=d + v)
+                                                   block=block, forwards_s=d + v,
+                                                   step_loop_s=row["step_split_s"]["step_loop"])
     return row
 
 
@@ -209,10 +210,12 @@ def _continuous_call(target, draft, requests, slots: int, **options):
     return call
 
 
-def measure_continuous(target, draft, probs, args, *, batch: int, context: int, block: int, forwards_s: float) -> dict:
+def measure_continuous(target, draft, probs, args, *, batch: int, context: int, block: int, forwards_s: float,
+                       step_loop_s: float) -> dict:
     """``--continuous-requests N``: N requests through ``batch`` slots, plain and replayed DFlash, prefill excluded
     (every admission is timed and subtracted); the limit is the closed batch's formula with this run's plain step
-    and tau over the closed batch's draft + verify forwards (``forwards_s``, same batch and context)."""
+    and tau over the closed batch's draft + verify forwards (``forwards_s``, same batch and context); ``runs_s``:
+    the DFlash step less the whole step timed alone (``step_loop_s``), what running it call by call adds."""
     from dflash_jax.synthetic import ReplayProposer
 
     n = args.continuous_requests
@@ -250,6 +253,7 @@ def measure_continuous(target, draft, probs, args, *, batch: int, context: int, 
     # the same two factors, exactly: plain loop steps / (DFlash loop steps x tau) (1 with every slot busy), its step
     out["lockstep"] = base.loop_steps / (max(spec.loop_steps, 1) * tau)
     out["step_efficiency"] = forwards_s / out["dflash_step_s"]
+    out["runs_s"] = out["dflash_step_s"] - step_loop_s
     return out
 
 
@@ -339,7 +343,8 @@ def print_text(rows, args, desc, dtype, where) -> None:
                   f"through {c['slots']} slots, occupancy {c['occupancy']:.2f}, tau {c['tau']:.2f}, plain step "
                   f"{ms(c['plain_step_s'])}, DFlash step {ms(c['dflash_step_s'])}, decode {c['decode_speedup']:.2f}x "
                   f"vs limit {c['speedup_limit']:.2f}x: {c['efficiency_vs_limit']:.2f} = lockstep "
-                  f"{c['lockstep']:.2f} x step {c['step_efficiency']:.2f}, same {c['identical']}")
+                  f"{c['lockstep']:.2f} x step {c['step_efficiency']:.2f} (runs {ms(c['runs_s'])}), same "
+                  f"{c['identical']}")
     print(f"times in ms per loop step (prefill excluded; verify 1: one target forward of 1 token, verify: of {b}); "
           "speedup: whole calls, prefill included; decode: prefill excluded; efficiency = decode speedup / tau; "
           "vs limit: decode speedup / (tau x plain step / (draft + verify)) = lockstep (a closed batch steps until its "
@@ -347,4 +352,5 @@ def print_text(rows, args, desc, dtype, where) -> None:
           "named parts, each timed alone; other: the unnamed rest of the whole step timed alone; runs: the DFlash step "
           "less that (device calls, the host between them)")
     print(f"measured on {where['device']} ({where['backend']}, {where['num_devices']} device(s)), "
-          f"{where['cpu_count']} CPUs, load average {where['load_average'][0]}")
+          f"{where['cpu_count']} CPUs, load average {where['load_average'][0]}, GLIBC_TUNABLES "
+          f"{where['glibc_tunables']}")

@@ -209,6 +209,7 @@ def test_cli_synthetic_tiny_prints_the_step_split(capsys):
     assert np.isclose(c["speedup_limit"], c["tau"] * c["plain_step_s"] / (split["draft"] + split["verify"]))
     assert np.isclose(c["efficiency_vs_limit"], c["lockstep"] * c["step_efficiency"])
     assert np.isclose(c["decode_speedup"], c["plain_decode_s"] / c["dflash_decode_s"])
+    assert np.isclose(c["runs_s"], c["dflash_step_s"] - split["step_loop"])
     assert row["machine"]["backend"] == "cpu" and row["dtype"] == "float32"
     args = benchmark.parse_args(argv[:-1])
     synthetic.print_text([row], args, row["replay"], row["dtype"], row["machine"])
