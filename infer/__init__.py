@@ -3,7 +3,7 @@ import sys
 
 from infer import huge_pages
 
-if sys.argv[0] == "-m":  # a `python -m infer.*` / `python -m train*` launch, before its heavy imports
+if huge_pages.command_line(sys.argv[0]):  # before the heavy imports below
     huge_pages.reexec()
 
 import dflash_jax  # noqa: E402

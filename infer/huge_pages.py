@@ -1,4 +1,4 @@
-"""Transparent huge pages for the command lines' heap (``python -m infer.*``, ``python -m train*``).
+"""Transparent huge pages for the command lines' heap (``python -m infer.*`` / ``train*``, the ``dflash-*`` scripts).
 
 XLA's CPU runtime allocates each device call's temporary buffer with malloc; above glibc's mmap threshold (at most
 32 MiB) that is a fresh mapping, freed after the call, so every call faults its pages in again, 4 KiB at a time:
@@ -7,7 +7,7 @@ preset at batch 8, which calls the device once per step or two (docs/benchmarks.
 in ``madvise`` mode, glibc (2.35 or newer) advises them for its mappings only when ``GLIBC_TUNABLES`` holds
 ``glibc.malloc.hugetlb=1``, a setting read at process start: so a command line re-runs itself once with it set
 (``reexec``; a few hundred faults per call then). ``DFLASH_HUGE_PAGES=0`` keeps the process as it is. A library
-import never re-executes anything: only a ``python -m`` launch of these packages does.
+import never re-executes anything: only a command line does (``command_line``).
 """
 from __future__ import annotations
 
@@ -52,6 +52,13 @@ def tunables(environ) -> str:
     """``GLIBC_TUNABLES`` with the huge-page tunable added to whatever it held."""
     held = environ.get("GLIBC_TUNABLES")
     return f"{held}:{TUNABLE}=1" if held else f"{TUNABLE}=1"
+
+
+def command_line(argv0: str) -> bool:
+    """Whether the package is being imported by one of the project's command lines: ``python -m infer.*`` /
+    ``python -m train*`` (while Python locates the module, ``sys.argv[0]`` is "-m") or a ``dflash-*`` script of
+    pyproject.toml; not a library import (a test, a notebook, the user's own program)."""
+    return argv0 == "-m" or os.path.basename(argv0).startswith("dflash-")
 
 
 def reexec() -> None:

@@ -31,6 +31,13 @@ def test_wanted(environ, thp, glibc, want):
     assert hp.wanted(environ, thp, glibc) is want
 
 
+@pytest.mark.parametrize("argv0,cli", [("-m", True), ("/venv/bin/dflash-generate", True), ("dflash-train", True),
+                                       ("-c", False), ("/usr/lib/python3/pytest/__main__.py", False), ("", False),
+                                       ("/home/u/run.py", False)])
+def test_command_line(argv0, cli):
+    assert hp.command_line(argv0) is cli
+
+
 def test_tunables_keep_the_users():
     assert hp.tunables({}) == "glibc.malloc.hugetlb=1"
     assert hp.tunables({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
@@ -71,3 +78,5 @@ def test_a_python_m_launch_reruns_itself_where_wanted():
     assert mine == ("GLIBC_TUNABLES=glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1" if expected
                     else "GLIBC_TUNABLES=glibc.malloc.arena_max=4")
     assert _tunables_seen(PROBE.replace("sys.argv[0] = '-m'; ", "")) == "GLIBC_TUNABLES=None"
+    script = _tunables_seen(PROBE.replace("sys.argv[0] = '-m'", "sys.argv[0] = '/venv/bin/dflash-generate'"))
+    assert (script == on) is expected
