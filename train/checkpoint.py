@@ -58,8 +58,15 @@ _ORBAX_READ_ERROR = "Encountered error while reading array index"
 _quieted = False
 
 
+_TENSORSTORE_READ_ERROR = 'Error reading "'  # e.g. OUT_OF_RANGE: Error reading "<array>/0.0" in OCDBT database at ...
+
+
 def _is_failed_read(text: str) -> bool:
-    return _ORBAX_READ_ERROR in text or "_read_array_index_and_device_put" in text or "async_deserialize" in text
+    """Whether ``text`` (a log message, an exception's text) is one of a failed restore's reads: orbax's wrapper,
+    its read coroutines, or a bare tensorstore read error in a future that orbax abandoned (which one a truncated
+    file gives depends on which read fails first)."""
+    return any(s in text for s in (_ORBAX_READ_ERROR, "_read_array_index_and_device_put", "async_deserialize",
+                                   _TENSORSTORE_READ_ERROR))
 
 
 class _FailedReadFilter(logging.Filter):
