@@ -43,8 +43,9 @@ def glibc_version() -> tuple[int, int] | None:
     """(major, minor) of the C library when it is glibc, else None (musl, macOS, Windows)."""
     try:
         name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
-        return (int(version.split(".")[0]), int(version.split(".")[1])) if name == "glibc" else None
-    except (AttributeError, ValueError, OSError, IndexError):
+        major, minor = version.split(".")[:2]
+        return (int(major), int(minor)) if name == "glibc" else None
+    except (AttributeError, ValueError, OSError):
         return None
 
 

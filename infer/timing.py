@@ -71,7 +71,7 @@ def time_forwards(target, draft, block_sizes=(4, 8, 16), *, context: int = 256, 
             draft.config.block_size):
         out["step_parts_s"] = _step_parts(timed, target, draft, tcache, dcache, parts_block, context)
         if whole_step:
-            out["step_loop_s"] = _whole_step(timed, target, draft, tcache, dcache, parts_block)
+            out["step_loop_s"] = _whole_step(timed, target, draft, tcache, dcache, parts_block, attention_impl)
     return out
 
 
@@ -136,9 +136,10 @@ def _step_parts(timed, target, draft, tcache, dcache, k: int, context: int) -> d
             "commit": timed(commit, (state, jnp.zeros((b,), jnp.int32)))}
 
 
-def _whole_step(timed, target, draft, tcache, dcache, k: int) -> float:
+def _whole_step(timed, target, draft, tcache, dcache, k: int, attention_impl: str) -> float:
     """Seconds of the engine's whole greedy chain step at block ``k`` (``decode.steps.step``: the draft's own
-    proposal, verify, commit), every row at the caches' committed length and put back there after each step."""
+    proposal, verify, commit), attending with ``attention_impl`` as the timed forwards do, every row at the caches'
+    committed length and put back there after each step."""
     import jax.numpy as jnp
 
     from dflash_jax.decode import proposers, steps
@@ -146,7 +147,7 @@ def _whole_step(timed, target, draft, tcache, dcache, k: int) -> float:
 
     n = tcache.lengths
     spec = EngineSpec(target.config, draft.config, k, greedy=True, cache_len=tcache.max_len,
-                      proposer=proposers.for_draft(draft.config, sampled=False))
+                      proposer=proposers.for_draft(draft.config, sampled=False), attention_impl=attention_impl)
     inputs = Inputs(tparams=target.params, dparams=draft.params, mask_token_id=jnp.int32(draft.config.mask_token_id),
                     threshold=jnp.float32(0.0), proposer_args=spec.proposer.arrays(spec, n.shape[0], spec.cache_len))
     state = _state(spec, tcache, dcache)
