@@ -32,6 +32,7 @@ import types
 
 import numpy as np
 
+from dflash_jax.progress import progress_bar
 from infer.common import die, fixed_block_size, parse_ints
 from infer.timing import fastest, first_mismatch, step_split, time_forwards
 
@@ -121,23 +122,41 @@ def _call(fn, *a, **kw):
     return call
 
 
-def measure(target, draft, probs, args, *, batch: int, context: int, block: int) -> dict:
-    """One configuration: plain, replayed DFlash, prefill alone of both, and the forward timings."""
+def stages(args) -> int:
+    """The progress bar's parts per configuration: the reference, the timed closed runs, prefill alone, the timed
+    forwards, and with ``--continuous-requests N`` every request of each continuous run (plain and DFlash, per
+    repeat)."""
+    timed = 0 if args.no_timing_split else 1
+    return 3 + timed + 2 * args.repeats * (args.continuous_requests or 0)
+
+
+def measure(target, draft, probs, args, *, batch: int, context: int, block: int, bar) -> dict:
+    """One configuration: plain, replayed DFlash, prefill alone of both, and the forward timings; ``bar`` advances
+    by ``stages(args)`` parts."""
     from dflash_jax.decode import cache_length, generate, speculative_generate
     from dflash_jax.synthetic import ReplayProposer
+
+    def stage(name: str) -> None:  # the bar names the part about to run
+        bar.set_postfix_str(f"batch {batch}, context {context}: {name}", refresh=True)
 
     rng = np.random.default_rng([args.seed, batch, context])
     prompts = rng.integers(0, target.config.vocab_size, (batch, context)).tolist()
     kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[], max_length=args.max_length,
               attention_impl=args.attention)
+    stage("plain (the reference)")
     plain = generate(target, prompts, **kw)  # the reference continuations (also compiles)
+    bar.update(1)
     replay = ReplayProposer(reference=[r.output_ids for r in plain], probs=probs)
     one = dict(kw, max_new_tokens=1)
     try:
+        stage("plain and DFlash, timed")
         base, spec = fastest(args.repeats, _call(generate, target, prompts, **kw),
                               _call(speculative_generate, target, draft, prompts, block_size=block, proposer=replay, **kw))
+        bar.update(1)
+        stage("prefill alone")
         pre_plain, pre_spec = fastest(args.repeats, _call(generate, target, prompts, **one),
                                        _call(speculative_generate, target, draft, prompts, block_size=block, **one))
+        bar.update(1)
     except ValueError as e:
         die(str(e))
     base, spec, pre_plain, pre_spec = base.rows, spec.rows, pre_plain.rows, pre_spec.rows
@@ -173,9 +192,11 @@ def measure(target, draft, probs, args, *, batch: int, context: int, block: int)
         lens = np.full(batch, context)
         limit = args.max_length or target.config.max_position_embeddings
         cache_len = cache_length(lens, np.minimum(args.max_new_tokens, limit - lens), block)
+        stage("forwards and step parts, each in a timed loop")
         timings = time_forwards(target, draft, block_sizes=(block,), context=context, batch=batch,
                                 cache_len=cache_len, attention_impl=args.attention, parts_block=block,
                                 whole_step=True)
+        bar.update(1)
         row["step_split_s"] = step_split(timings, block, row["dflash_step_s"])
         timings.pop("step_parts_s")
         timings.pop("step_loop_s")
@@ -191,18 +212,22 @@ def measure(target, draft, probs, args, *, batch: int, context: int, block: int)
         if args.continuous_requests:
             row["continuous"] = measure_continuous(target, draft, probs, args, batch=batch, context=context,
                                                    block=block, forwards_s=d + v,
-                                                   step_loop_s=row["step_split_s"]["step_loop"])
+                                                   step_loop_s=row["step_split_s"]["step_loop"],
+                                                   stage=lambda name: stage(f"continuous batching, {name}"), bar=bar)
     return row
 
 
-def _continuous_call(target, draft, requests, slots: int, **options):
+def _continuous_call(target, draft, requests, slots: int, start, bar, **options):
     """One ``continuous_generate`` pass of ``requests`` through ``slots`` slots: its outputs, decode time (the wall
-    time less the admissions, i.e. less every prefill; compilation excluded by its warm-up), loop and row steps."""
+    time less the admissions, i.e. less every prefill; compilation excluded by its warm-up), loop and row steps;
+    ``start()`` before it, ``bar`` one part per finished request."""
     from dflash_jax.decode import RunStats, continuous_generate
 
     def call():
         stats = RunStats()
-        rows = continuous_generate(target, draft, requests, max_batch=slots, stats=stats, **options)
+        start()
+        rows = continuous_generate(target, draft, requests, max_batch=slots, stats=stats,
+                                   on_result=lambda i, r: bar.update(1), **options)
         return types.SimpleNamespace(rows=rows, output_ids=[r.output_ids for r in rows],
                                      wall_time_s=stats.wall_time_s - stats.admit_time_s, loop_steps=stats.loop_steps,
                                      occupancy=stats.occupancy)
@@ -211,7 +236,7 @@ def _continuous_call(target, draft, requests, slots: int, **options):
 
 
 def measure_continuous(target, draft, probs, args, *, batch: int, context: int, block: int, forwards_s: float,
-                       step_loop_s: float) -> dict:
+                       step_loop_s: float, stage, bar) -> dict:
     """``--continuous-requests N``: N requests through ``batch`` slots, plain and replayed DFlash, prefill excluded
     (every admission is timed and subtracted); the limit is the closed batch's formula with this run's plain step
     and tau over the closed batch's draft + verify forwards (``forwards_s``, same batch and context); ``runs_s``:
@@ -223,10 +248,11 @@ def measure_continuous(target, draft, probs, args, *, batch: int, context: int, 
     requests = rng.integers(0, target.config.vocab_size, (n, context)).tolist()  # request i: key stream i
     kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=(), attention_impl=args.attention,
               max_length=args.max_length)
-    plain = _continuous_call(target, None, requests, batch, **kw)
+    plain = _continuous_call(target, None, requests, batch, lambda: stage("plain"), bar, **kw)
     runs = [plain()]  # also the references
     replay = ReplayProposer(reference=runs[0].output_ids, probs=probs)
-    spec_call = _continuous_call(target, draft, requests, batch, block_size=block, proposer=replay, **kw)
+    spec_call = _continuous_call(target, draft, requests, batch, lambda: stage("DFlash"), bar, block_size=block,
+                                 proposer=replay, **kw)
     runs = [(runs[0], spec_call())] + [(plain(), spec_call()) for _ in range(args.repeats - 1)]  # alternating
     if any(p_run.output_ids != runs[0][0].output_ids for p_run, _ in runs):
         die("continuous batching: plain decoding gave different outputs on repeated runs")
@@ -302,13 +328,15 @@ def run(args) -> int:
     where = machine()
     warn_if_busy(where)
     rows = []
-    for batch in batches:
-        for context in contexts:
-            row = measure(target, draft, probs, args, batch=batch, context=context, block=block)
-            row.update(replay=desc, dtype=dtype, machine=where, **sizes)
-            rows.append(row)
-            if args.json:
-                print(json.dumps(row), flush=True)
+    with progress_bar(len(batches) * len(contexts) * stages(args), "synthetic benchmark", "part",
+                      not args.json or sys.stderr.isatty()) as bar:
+        for batch in batches:
+            for context in contexts:
+                row = measure(target, draft, probs, args, batch=batch, context=context, block=block, bar=bar)
+                row.update(replay=desc, dtype=dtype, machine=where, **sizes)
+                rows.append(row)
+                if args.json:
+                    print(json.dumps(row), flush=True)
     if not args.json:
         print_text(rows, args, desc, dtype, where)
     return 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import types
 
 import jax.numpy as jnp
@@ -172,17 +173,23 @@ def test_synthetic_pair_on_a_mesh():
     assert jax.tree_util.tree_leaves(draft.params)[0].dtype == jax.numpy.bfloat16
 
 
-def test_cli_synthetic_tiny_prints_the_step_split(capsys):
+def test_cli_synthetic_tiny_prints_the_step_split(capsys, monkeypatch):
     """The CPU preset through the CLI, in-process: one JSON row per configuration, acceptance marked simulated,
-    output identical to plain decoding, the step split; then the same row as text."""
+    output identical to plain decoding, the step split, a progress bar on a terminal's stderr; then the same row as
+    text."""
     from infer import benchmark, synthetic
 
     argv = ["--synthetic", "tiny", "--replay-tau", "4", "--context", "48", "--batch-size", "2", "--max-new-tokens",
             "24", "--repeats", "1", "--continuous-requests", "3", "--json"]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # JSON to a pipe, the bar to a terminal
     assert benchmark.main(argv) == 0
     out = capsys.readouterr()
     (row,) = [json.loads(x) for x in out.out.strip().splitlines()]
     assert "SIMULATED" in out.err
+    # 3 closed-batch parts + the timed forwards + 3 requests through each of the 2 continuous runs
+    assert synthetic.stages(benchmark.parse_args(argv)) == 10
+    assert "synthetic benchmark" in out.err and "10/10" in out.err
+    assert "batch 2, context 48: continuous batching, DFlash" in out.err
     assert row["acceptance"] == "simulated" and row["synthetic"] == "tiny" and row["identical"] is True
     assert (row["batch_size"], row["context"], row["block_size"]) == (2, 48, 16)
     assert row["replay"]["distribution"] == "truncated geometric" and np.isclose(row["replay"]["requested_tau"], 4)
