@@ -12,11 +12,10 @@ continuous / static and continuous / one-at-a-time, DFlash / plain, and whether 
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
 
-from infer.common import die
+from infer.common import die, shows_bar
 
 WAYS = (("continuous", "continuous"), ("static", "static"), ("one_at_a_time", "continuous"))
 
@@ -62,7 +61,7 @@ def run(args, target, draft, prompts, overrides, *, kw: dict, spec_kw: dict, whe
     requests = requests_with_budgets(args, prompts, overrides)
     budgets = [r.max_new_tokens or kw["max_new_tokens"] for r in requests]
     slots = args.max_batch
-    results, bar = {}, progress_bar(2 * len(WAYS), "batching benchmark", "run", not args.json or sys.stderr.isatty())
+    results, bar = {}, progress_bar(2 * len(WAYS), "batching benchmark", "run", shows_bar(args))
     try:
         for method, d, opts in (("plain", None, kw), ("dflash", draft, dict(kw, **spec_kw))):
             for way, policy in WAYS:

@@ -43,7 +43,8 @@ from dflash_jax.progress import progress_bar
 from infer import bench_sets, synthetic
 from infer.timing import fastest, first_mismatch, step_split, time_forwards
 from infer.common import (DEMO_TARGET, adaptive_kwargs, add_model_args, check_overrides, decoding_kwargs, die, encode,
-                          exits_on_interrupt, load_models, param_dtype, read_prompts_file, resolve_block, draft_kwargs)
+                          exits_on_interrupt, load_models, param_dtype, read_prompts_file, resolve_block, draft_kwargs,
+                          shows_bar)
 
 
 def parse_args(argv=None):
@@ -181,7 +182,7 @@ def measure(run: _Run, methods: list) -> tuple[list[dict], _Totals]:
     """Every prompt through every method (``fastest`` of --repeats, alternating): one row per prompt + totals."""
     args, target = run.args, run.target
     t, rows = _Totals(), []
-    bar = progress_bar(len(run.prompts), "benchmark", "prompt", not args.json or sys.stderr.isatty())
+    bar = progress_bar(len(run.prompts), "benchmark", "prompt", shows_bar(args))
     try:
         for i, p in enumerate(run.prompts):
             base, spec, *fixed = fastest(args.repeats, *(functools.partial(m, p) for m in methods))

@@ -136,6 +136,12 @@ def draft_kwargs(args) -> dict:
     return {k: v for k, v in out.items() if v}
 
 
+def shows_bar(args) -> bool:
+    """A command's progress bar shows on stderr in text mode, and with ``--json`` (the rows on stdout) only where
+    stderr is a terminal, so that a log file never fills with bar redraws."""
+    return not args.json or sys.stderr.isatty()
+
+
 def die(msg: str) -> None:
     print(f"error: {msg}", file=sys.stderr)
     raise SystemExit(2)

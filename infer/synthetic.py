@@ -33,7 +33,7 @@ import types
 import numpy as np
 
 from dflash_jax.progress import progress_bar
-from infer.common import die, fixed_block_size, parse_ints
+from infer.common import die, fixed_block_size, parse_ints, shows_bar
 from infer.timing import fastest, first_mismatch, step_split, time_forwards
 
 TOLERANT_DTYPES = ("bfloat16", "float16")  # a near-tie may flip between block and one-token forwards
@@ -329,7 +329,7 @@ def run(args) -> int:
     warn_if_busy(where)
     rows = []
     with progress_bar(len(batches) * len(contexts) * stages(args), "synthetic benchmark", "part",
-                      not args.json or sys.stderr.isatty()) as bar:
+                      shows_bar(args)) as bar:
         for batch in batches:
             for context in contexts:
                 row = measure(target, draft, probs, args, batch=batch, context=context, block=block, bar=bar)
