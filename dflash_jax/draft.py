@@ -291,15 +291,21 @@ class Draft:
         return new_cache(self.config, batch, max_len, dtype)
 
 
-def new_cache(cfg: DraftConfig, batch: int, max_len: int, dtype) -> DecodeCache:
-    specs = [KVSpec(a.num_key_value_heads, a.head_dim)
-             for a in map(cfg.layers.layer_attention, range(cfg.layers.num_hidden_layers))]
-    return DecodeCache.create(specs, batch, max_len, dtype)
+def state_specs(cfg: DraftConfig) -> tuple[KVSpec, ...]:
+    """Every draft layer's context cache: full length (the block attention applies any window)."""
+    return tuple(KVSpec(a.num_key_value_heads, a.head_dim)
+                 for a in map(cfg.layers.layer_attention, range(cfg.layers.num_hidden_layers)))
+
+
+def new_cache(cfg: DraftConfig, batch: int, max_len: int, dtype, page: int = 0) -> DecodeCache:
+    """``page`` > 0: paged (``DecodeCache.join_pages`` gives it pools)."""
+    return DecodeCache.create(state_specs(cfg), batch, max_len, dtype, page=page)
 
 
 def cache_kv(cache: DecodeCache) -> tuple[tuple, tuple]:
     """Per-layer context keys and values of a draft cache, as ``draft_hidden`` takes them."""
-    return tuple(s.k for s in cache.layers), tuple(s.v for s in cache.layers)
+    views = [s.view() for s in cache.layers]
+    return tuple(k for k, _ in views), tuple(v for _, v in views)
 
 
 def abstract_variables(cfg: DraftConfig):

@@ -14,6 +14,12 @@ state; the engine then calls ``DecodeCache.commit(kept)`` with the number of tho
   token would add (for Gated DeltaNet: its key, corrected value, log decay and conv input) instead of
   writing the state; ``commit`` folds the kept tokens into the committed state (no per-token state copies).
 * ``SharedKV`` (a layer reading an earlier layer's keys / values): nothing to keep or undo.
+* ``PagedKV`` (full attention, continuous batching): ``FullKV`` with an indirection. Keys / values live in pages
+  of one pool shared by every row; a row's block table maps its slot s to page ``table[s // page]``, offset
+  ``s % page``. Rollback is ``FullKV``'s (nothing to undo); a table entry >= the pool's page count is no page
+  (a write there is dropped), so a row without room, or a padding row, never writes into another row's pages.
+  Sliding-window layers keep a per-row ``SlidingKV`` ring beside it (window + block slots: small and fixed, so
+  paging it would save little and complicate the rollback), and recurrent states stay per row.
 
 Tree verification (``speculative``, ``tree_budget``) writes its N + 1 tree tokens as positions n..n+N (slot
 order, not their repeating tree positions: ``tree_write``), then ``DecodeCache.compact`` moves the accepted
@@ -35,7 +41,9 @@ import jax
 import jax.numpy as jnp
 
 _FAR = jnp.iinfo(jnp.int32).max
+NO_PAGE = 2 ** 31 - 1  # a block table entry holding no page (any entry >= the pool's pages is none)
 KV_AXES = ("cache_batch", "cache_len", "cache_kv_heads", "cache_head_dim")  # [B, S, K, H]
+PAGE_AXES = ("cache_pages", "cache_len", "cache_kv_heads", "cache_head_dim")  # [P, page, K, H]
 
 
 def put_rows(cache, slots, values):
@@ -76,11 +84,15 @@ class FullKV:
         slots = jnp.where(positions >= 0, positions, self.max_len)
         return FullKV(put_rows(self.k, slots, k_new), put_rows(self.v, slots, v_new))
 
+    def view(self):
+        """Keys [B, S, K, H] and values [B, S, K, Hv] by position (slot s = position s)."""
+        return self.k, self.v
+
     def update(self, k_new, v_new, positions):
         """-> (new state, keys, values [B, S', K, H], key positions [B, S'], key exists [B, S'])."""
         new = self.write(k_new, v_new, positions)
         slot_pos = jnp.broadcast_to(jnp.arange(self.max_len, dtype=jnp.int32), positions.shape[:1] + (self.max_len,))
-        return new, new.k, new.v, slot_pos, jnp.ones(slot_pos.shape, bool)
+        return new, *new.view(), slot_pos, jnp.ones(slot_pos.shape, bool)
 
     def commit(self, kept) -> "FullKV":
         return self
@@ -155,6 +167,75 @@ class SlidingKV:
         slots = ring_slots(positions, keep, self.k.shape[1])
         return self.replace(k=put_rows(self.k, slots, k), v=put_rows(self.v, slots, v),
                             pos=put_rows(self.pos, slots, positions))
+
+
+@flax.struct.dataclass
+class PagedKV:
+    """Keys [P, page, K, H] / values [P, page, K, Hv]: a pool of P pages shared by every row, and ``table`` [B, n]
+    (rows first): the page holding row b's slots j*page..(j+1)*page-1 (>= P: none). Slot s holds position s.
+
+    The engine stores the pools apart from the rows (``split_pages`` / ``join_pages``): a state's rows can then be
+    gathered, scattered and padded like any rows-first state while the pools stay in place."""
+
+    LOGICAL_AXES: ClassVar[dict] = {"k": PAGE_AXES, "v": PAGE_AXES, "table": ("cache_batch", "cache_len")}
+    k: Any
+    v: Any
+    table: Any
+    page: int = flax.struct.field(pytree_node=False, default=16)
+
+    @property
+    def max_len(self) -> int:
+        return self.table.shape[1] * self.page
+
+    def _flat(self, positions):
+        """Flat pool index (page * page_size + offset) of ``positions`` [B, T]; P * page (dropped) for padding,
+        positions past the table and slots of no page."""
+        pages, size = self.k.shape[0], self.page
+        col = jnp.clip(positions // size, 0, self.table.shape[1] - 1)
+        page = jnp.take_along_axis(self.table, col, axis=1)
+        ok = (positions >= 0) & (positions < self.max_len) & (page >= 0) & (page < pages)
+        return jnp.where(ok, page * size + positions % size, pages * size)
+
+    def write(self, k_new, v_new, positions) -> "PagedKV":
+        """Store k_new / v_new [B, T, K, H] at ``positions`` [B, T] in the rows' pages (padding, positions past
+        the table and slots of no page are dropped). Rows own distinct pages, so no two writes collide."""
+        at = self._flat(positions).reshape(-1)
+
+        def put(pool, new):
+            flat = pool.reshape((-1,) + pool.shape[2:])
+            flat = flat.at[at].set(new.reshape((-1,) + new.shape[2:]).astype(pool.dtype), mode="drop")
+            return flat.reshape(pool.shape)
+
+        return self.replace(k=put(self.k, k_new), v=put(self.v, v_new))
+
+    def view(self):
+        """``FullKV.view``: every row's pages in table order -> keys [B, n*page, K, H], values [B, n*page, K, Hv]
+        (slots of no page read page 0: past the row's length, masked). The reference path's gather."""
+        at = jnp.clip(self.table, 0, self.k.shape[0] - 1)
+        view = lambda pool: pool[at].reshape(at.shape[:1] + (-1,) + pool.shape[2:])  # noqa: E731
+        return view(self.k), view(self.v)
+
+    def update(self, k_new, v_new, positions):
+        """-> (new state, keys, values [B, S', K, H], key positions [B, S'], key exists [B, S']): ``FullKV.update``
+        over the gathered pages."""
+        new = self.write(k_new, v_new, positions)
+        slot_pos = jnp.broadcast_to(jnp.arange(self.max_len, dtype=jnp.int32), positions.shape[:1] + (self.max_len,))
+        return new, *new.view(), slot_pos, jnp.ones(slot_pos.shape, bool)
+
+    def commit(self, kept) -> "PagedKV":
+        return self
+
+    def tree_write(self, k_new, v_new, start) -> "PagedKV":
+        """``FullKV.tree_write`` in pages."""
+        return self.write(k_new, v_new, start[:, None] + jnp.arange(k_new.shape[1], dtype=jnp.int32))
+
+    def compact(self, src, dst) -> "PagedKV":
+        """``FullKV.compact`` in pages: positions ``src`` [B, L] copied to ``dst`` (src < 0: nothing), all read
+        before any write."""
+        keep = src >= 0
+        at = self._flat(jnp.maximum(src, 0))
+        read = lambda pool: pool.reshape((-1,) + pool.shape[2:])[jnp.minimum(at, pool.shape[0] * self.page - 1)]  # noqa
+        return self.write(read(self.k), read(self.v), jnp.where(keep, dst, -1))
 
 
 @flax.struct.dataclass
@@ -233,7 +314,7 @@ class SharedKV:
 class SharedKVSpec:
     """A kv-shared layer's state: none (``SharedKV``)."""
 
-    def init(self, batch: int, max_len: int, dtype, max_block: int):
+    def init(self, batch: int, max_len: int, dtype, max_block: int, page: int = 0):
         return SharedKV()
 
 
@@ -247,14 +328,34 @@ class KVSpec:
     window: int | None = None
     v_head_dim: int | None = None
 
-    def init(self, batch: int, max_len: int, dtype, max_block: int):
-        ring = None if self.window is None else self.window + max_block
-        slots = max_len if ring is None or ring >= max_len else ring
+    def init(self, batch: int, max_len: int, dtype, max_block: int, page: int = 0):
+        """The empty state; ``page`` > 0: a full-attention layer is a ``PagedKV`` whose pools and table the
+        engine joins in (``DecodeCache.join_pages``)."""
+        if self.paged(max_len, max_block, page):
+            return PagedKV(None, None, None, page)
+        slots = self._slots(max_len, max_block)
         k = jnp.zeros((batch, slots, self.kv_heads, self.head_dim), dtype)
         v = jnp.zeros((batch, slots, self.kv_heads, self.v_head_dim or self.head_dim), dtype)
         if slots == max_len:
             return FullKV(k, v)
-        return SlidingKV(k, v, jnp.full((batch, ring), -1, jnp.int32), self.window)
+        return SlidingKV(k, v, jnp.full((batch, slots), -1, jnp.int32), self.window)
+
+    def _slots(self, max_len: int, max_block: int) -> int:
+        """Slots per row: the max length, or a sliding window's ring (window + block) where that is shorter."""
+        return max_len if self.window is None else min(self.window + max_block, max_len)
+
+    def paged(self, max_len: int, max_block: int, page: int) -> bool:
+        """Whether a paged cache pages this layer: every full-attention layer (a ring holds the sliding ones)."""
+        return page > 0 and self._slots(max_len, max_block) == max_len
+
+    def pool(self, pages: int, page: int, dtype):
+        """Empty key / value pools of ``pages`` pages."""
+        return (jnp.zeros((pages, page, self.kv_heads, self.head_dim), dtype),
+                jnp.zeros((pages, page, self.kv_heads, self.v_head_dim or self.head_dim), dtype))
+
+    def page_bytes(self, page: int, itemsize: int) -> int:
+        """Bytes one page of this layer holds (keys and values)."""
+        return page * self.kv_heads * (self.head_dim + (self.v_head_dim or self.head_dim)) * itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +368,7 @@ class RecurrentSpec:
     stash: tuple[tuple[str, tuple[int, ...], Any], ...]
     fold: Any
 
-    def init(self, batch: int, max_len: int, dtype, max_block: int):
+    def init(self, batch: int, max_len: int, dtype, max_block: int, page: int = 0):
         value = {n: jnp.zeros((batch,) + s, d or dtype) for n, s, d in self.shapes}
         stash = {n: jnp.zeros((batch, max_block) + s, d or dtype) for n, s, d in self.stash}
         zeros = jnp.zeros((batch,), jnp.int32)
@@ -284,11 +385,29 @@ class DecodeCache:
     max_len: int = flax.struct.field(pytree_node=False, default=0)  # positions 0..max_len-1 fit
 
     @classmethod
-    def create(cls, specs, batch: int, max_len: int, dtype, max_block: int = 16) -> "DecodeCache":
+    def create(cls, specs, batch: int, max_len: int, dtype, max_block: int = 16, page: int = 0) -> "DecodeCache":
         """Empty states for layers described by ``specs`` (``KVSpec`` / ``RecurrentSpec``, one per layer);
-        ``max_block``: the most tokens of a forward that may be rolled back (the block size)."""
-        return cls(tuple(s.init(batch, max_len, dtype, max_block) for s in specs), jnp.zeros((batch,), jnp.int32),
-                   max_len)
+        ``max_block``: the most tokens of a forward that may be rolled back (the block size); ``page`` > 0: full
+        attention paged (``PagedKV``, its pools and table joined in by ``join_pages``)."""
+        return cls(tuple(s.init(batch, max_len, dtype, max_block, page) for s in specs),
+                   jnp.zeros((batch,), jnp.int32), max_len)
+
+    def split_pages(self) -> tuple["DecodeCache", tuple]:
+        """-> (this cache with its paged layers' pools and tables taken out: rows first, every leaf; the pools, a
+        (k, v) pair per paged layer in layer order)."""
+        paged = [s for s in self.layers if isinstance(s, PagedKV)]
+        rows = tuple(s.replace(k=None, v=None, table=None) if isinstance(s, PagedKV) else s for s in self.layers)
+        return self.replace(layers=rows), tuple((s.k, s.v) for s in paged)
+
+    def join_pages(self, pools, table) -> "DecodeCache":
+        """``split_pages`` undone: the paged layers given ``pools`` (in layer order) and the rows' ``table``."""
+        pools, layers = iter(pools), []
+        for s in self.layers:
+            if isinstance(s, PagedKV):
+                k, v = next(pools)
+                s = s.replace(k=k, v=v, table=table)
+            layers.append(s)
+        return self.replace(layers=tuple(layers))
 
     def commit(self, kept) -> "DecodeCache":
         """Keep the first ``kept`` [B] tokens of the last forward of every row; the rest is rolled back."""
@@ -298,3 +417,16 @@ class DecodeCache:
     def compact(self, src, dst) -> "DecodeCache":
         """``compact`` in every layer."""
         return self.replace(layers=tuple(s.compact(src, dst) for s in self.layers))
+
+
+def new_pools(specs, pages: int, page: int, dtype, max_len: int, max_block: int) -> tuple:
+    """Empty (k, v) pools of ``pages`` pages for every layer of ``specs`` that a paged cache pages
+    (``KVSpec.paged``), in layer order: what ``DecodeCache.join_pages`` takes."""
+    return tuple(s.pool(pages, page, dtype) for s in specs
+                 if isinstance(s, KVSpec) and s.paged(max_len, max_block, page))
+
+
+def page_bytes(specs, page: int, dtype, max_len: int, max_block: int) -> int:
+    """Bytes one page costs across every paged layer of ``specs``."""
+    size = jnp.dtype(dtype).itemsize
+    return sum(s.page_bytes(page, size) for s in specs if isinstance(s, KVSpec) and s.paged(max_len, max_block, page))

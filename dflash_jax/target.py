@@ -41,8 +41,9 @@ class Target:
         return new_cache(self.config, batch, max_len, dtype, max_block)
 
 
-def new_cache(cfg, batch: int, max_len: int, dtype, max_block: int = 16) -> DecodeCache:
-    return DecodeCache.create(family_of(cfg).state_specs(cfg), batch, max_len, dtype, max_block)
+def new_cache(cfg, batch: int, max_len: int, dtype, max_block: int = 16, page: int = 0) -> DecodeCache:
+    """``page`` > 0: full-attention layers paged (``DecodeCache.join_pages`` gives them pools)."""
+    return DecodeCache.create(family_of(cfg).state_specs(cfg), batch, max_len, dtype, max_block, page)
 
 
 def abstract_variables(cfg):

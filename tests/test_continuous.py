@@ -52,7 +52,7 @@ def test_rows_equal_their_prompt_decoded_alone(trained):
     assert out[3].finish_reason == "stop"
     assert any(a > 1 for r in out for a in r.acceptance_lengths)  # the draft was accepted: rollback exercised
     assert 0 < stats.occupancy <= 1 and stats.loop_steps > 0 and 0 < stats.admit_time_s < stats.wall_time_s
-    assert stats.programs == 2 + 1  # an admit of one row and one of all 3 for the one prompt bucket, and run
+    assert stats.programs == 2 + 3  # an admit of one row and one of all 3 for the one prompt bucket; run of 1, 2, 3 rows
 
 
 def _kind(kind: str):

@@ -61,7 +61,7 @@ def cache_length(prompt_lengths, budget, block_size: int, cache_len: int | None 
 
 
 def engine(target: Target, draft, options: DecodeOptions, cache_len: int, *, greedy: bool, rows: int,
-           stop_width: int = 8) -> tuple[EngineSpec, Inputs]:
+           stop_width: int = 8, page: int = 0) -> tuple[EngineSpec, Inputs]:
     """The static spec and shared inputs of a program decoding ``rows`` rows with ``options``; every check that
     needs the models (the draft fits the target, block, verify lengths, tree target, proposer arrays)."""
     if draft is not None:
@@ -78,7 +78,7 @@ def engine(target: Target, draft, options: DecodeOptions, cache_len: int, *, gre
                                        confidence_threshold=options.confidence_threshold)
     spec = EngineSpec(target.config, draft.config if draft is not None else None, block, greedy,
                       sharding.mesh_of(target.params, dparams), options.acceptance, proposer if speculative else None,
-                      options.attention_impl, verify_lengths, options.tree_budget, cache_len, stop_width)
+                      options.attention_impl, verify_lengths, options.tree_budget, cache_len, stop_width, page)
     extra = spec.proposer.arrays(spec, rows, cache_len) if speculative else None
     if extra is not None and spec.mesh is not None:  # the proposer's arrays are rows first
         pad = sharding.pad_rows(rows, spec.mesh)

@@ -17,7 +17,9 @@ length for the batch, chosen from every running row's confidence, so a row's ver
 sampled row's tokens, depend on its company (the output law, and greedy output, stay exact)."""
 from __future__ import annotations
 
+import copy
 import dataclasses
+import itertools
 import time
 from typing import Iterable, Iterator, Sequence
 
@@ -27,21 +29,56 @@ import numpy as np
 from dflash_jax import sharding
 from dflash_jax.decode import prepare, steps
 from dflash_jax.decode.options import DecodeOptions, Request
+from dflash_jax.decode.pages import PagePool
 from dflash_jax.decode.programs import PROGRAMS, signature
 from dflash_jax.decode.types import DecodeState, Finish, GenerationResult, row_result
+from dflash_jax.state import NO_PAGE
 from dflash_jax.target import Target
 
 FOREVER = 2 ** 31 - 1  # ``run``'s step limit when only a finishing row should return
+PAGE = 16  # tokens per page of the paged caches (``Engine``'s default)
+_ADMISSIONS = itertools.count()  # admission order across engines (only its order within one engine is read)
+LOOKAHEAD_STEPS = 8  # a run gives each running row pages for this many more steps (then returns for more)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """A preempted request (its pages were needed): admitted again (``Engine.admit``) it is prefilled from its
+    committed tokens and continues with the decode fields it had (``saved``: tokens, counters, key), so its output is
+    the one it would have given uninterrupted."""
+
+    request: Request
+    saved: dict  # ``steps.RESUMED`` of the row, host arrays
+
+    @property
+    def committed(self) -> int:
+        """Tokens its caches held: prompt + generated, the pending token excluded."""
+        return int(self.saved["prompt_len"]) + int(self.saved["generated"]) - 1
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.saved["tokens"][:self.committed].tolist()
+
+    @property
+    def stream(self) -> int:
+        return self.request.stream
 
 
 class Engine:
     """S = ``max_batch`` slots decoding with ``options`` (the defaults of every request). ``max_length``: the most
     tokens (prompt + generated) a row may hold, which sizes every slot's cache (default: ``options.max_length``).
     ``sampled``: requests may sample (temperature > 0); default: only when ``options.temperature`` > 0 (a greedy
-    engine compiles argmax only and refuses sampled requests)."""
+    engine compiles argmax only and refuses sampled requests).
+
+    Paged (``page`` > 0, the default; not on a mesh that splits rows over data): the full-attention caches of the
+    target and the draft are pages of one pool (``kv_cache_memory`` bytes, default: every row at ``max_length``),
+    a row holding pages for its tokens only; ``run`` steps the running rows alone, padded to a power of two (one
+    program per bucket), and when the pool runs dry the newest rows are preempted (``take_preempted``: admitted
+    again later, their outputs unchanged). ``page`` = 0: every row owns a cache of ``max_length`` (slots)."""
 
     def __init__(self, target: Target, draft, options: DecodeOptions, *, max_batch: int, max_length: int | None = None,
-                 sampled: bool | None = None, stop_width: int = 8):
+                 sampled: bool | None = None, stop_width: int = 8, page: int = PAGE,
+                 kv_cache_memory: int | None = None):
         if not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         max_length = max_length or options.max_length
@@ -53,16 +90,59 @@ class Engine:
         self.sampled = options.temperature > 0 if sampled is None else bool(sampled)
         if options.temperature > 0 and not self.sampled:
             raise ValueError("options.temperature > 0 needs a sampled engine (sampled=True)")
+        if not isinstance(page, (int, np.integer)) or page < 0:
+            raise ValueError(f"page must be an integer >= 0 (tokens per cache page; 0: no paging), got {page!r}")
         cache_len = prepare.cache_length([1], [limit - 1], options.max_block(draft), options.cache_len)
         mesh = sharding.mesh_of(target.params)
         self.unit = sharding.batch_multiple(mesh)  # rows split over data*fsdp: every group a multiple of it
         self.rows = int(max_batch) + sharding.pad_rows(int(max_batch), mesh)
+        page = int(page) if self.unit == 1 else 0  # a pool is not split over data: such meshes keep slots
+        if page:
+            cache_len = prepare.round_up(cache_len, page)
         self.spec, self.inputs = prepare.engine(target, draft, options, cache_len, greedy=not self.sampled,
-                                                rows=self.rows, stop_width=stop_width)
+                                                rows=self.rows, stop_width=stop_width, page=page)
+        self.pool = self._pool(kv_cache_memory) if page else None
+        self._need: dict[int, int] = {}  # row -> the most positions it may ever write (paged)
+        self._order: dict[int, int] = {}  # row -> its admission's sequence number (the newest is preempted first)
+        self._requests: dict[int, Request] = {}
+        self._preempted: list[tuple[int, Resumed]] = []
         self.programs = PROGRAMS
         self._inputs_signature = signature(self.inputs)  # the params' tree: fixed for the engine's life
         self.used: set = set()  # the programs this engine ran (each compiled once per process, shared)
         self._admitted_at: dict[int, float] = {}
+
+    def _pool(self, kv_cache_memory: int | None) -> PagePool:
+        """The page pool: ``kv_cache_memory`` bytes of pages (default: every row at the max length)."""
+        columns = self.spec.cache_len // self.spec.page
+        per_page = self.page_bytes
+        pages = self.rows * columns
+        longest = min(-(-(self.max_length - 1 + self.spec.max_block) // self.spec.page), columns)
+        if kv_cache_memory is not None:
+            if not isinstance(kv_cache_memory, (int, np.integer)) or kv_cache_memory < 1:
+                raise ValueError(f"kv_cache_memory must be a number of bytes >= 1, got {kv_cache_memory!r}")
+            pages = int(kv_cache_memory) // max(per_page, 1)
+            if pages < longest:
+                raise ValueError(f"kv_cache_memory {kv_cache_memory} bytes holds {pages} pages of {self.spec.page} "
+                                 f"tokens ({per_page} bytes each); one row of the max length ({self.max_length} "
+                                 f"tokens and a block) needs {longest} pages = {longest * per_page} bytes")
+        return PagePool(pages, self.spec.page, self.rows, columns)
+
+    @property
+    def paged(self) -> bool:
+        return self.pool is not None
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: its tokens' K/V in every paged layer of the target and the draft."""
+        return steps.page_bytes(self.spec, self.inputs) if self.spec.page else 0
+
+    def describe(self) -> str:
+        """One line: the cache's pages, tokens and rows (the start-up line of a server)."""
+        if not self.paged:
+            return f"{self.rows} slots of {self.spec.cache_len} tokens"
+        p = self.pool
+        return (f"{p.pages} pages of {p.page} tokens = {p.pages * p.page} tokens of cache "
+                f"({p.pages * self.page_bytes / 2 ** 20:.1f} MiB), up to {self.rows} rows")
 
     # --- programs -------------------------------------------------------------------------------------------
     def _compiled(self, name: str, fn, *args):
@@ -71,9 +151,13 @@ class Engine:
         return self.programs.get(key, lambda: fn.lower(self.spec, self.inputs, *args).compile())
 
     def empty(self) -> DecodeState:
-        """A state of S free rows."""
+        """A state of S free rows (paged: every page free)."""
         rows = self._rows([Request([0])], [self.options], [1], pad_to=self.rows, bucket=1)
-        return steps.empty_jit(self.spec, self.inputs, rows)
+        if self.paged:
+            for r in range(self.rows):
+                self._forget(r)
+            self._preempted.clear()
+        return steps.empty_jit(self.spec, self.inputs, rows, self.pool.pages if self.paged else 0)
 
     def _rows(self, requests, settings, budget, pad_to, bucket=None):
         prompts = [np.asarray(r.prompt_ids, np.int32) for r in requests]
@@ -87,23 +171,51 @@ class Engine:
         """The admission group sizes: one row (a row per data shard on a mesh), or every row (``admit``)."""
         return sorted({self.unit, self.rows})
 
-    def warm(self, prompt_lengths: Iterable[int]) -> None:
+    def buckets(self) -> list[int]:
+        """The row counts a paged ``run`` is compiled for: powers of two up to the rows (and the rows)."""
+        if not self.paged:
+            return [self.rows]
+        return sorted({min(1 << i, self.rows) for i in range(self.rows.bit_length() + 1)})
+
+    def warm(self, prompt_lengths: Iterable[int], most_rows: int | None = None) -> None:
         """Compile, and run once on a scratch state, every program a run over prompts of these lengths can use
-        (each admission group x prompt bucket, ``run``, ``release``), so that timings exclude compilation and
-        first-run setup (on CPU a cold first run is several times slower)."""
+        (each admission group x prompt bucket, ``run`` of every row bucket up to ``most_rows`` rows, ``release``),
+        so that timings exclude compilation and first-run setup (on CPU a cold first run is several times
+        slower). The engine's pages are left as they were."""
         buckets = sorted({prepare.prompt_bucket(n, self.spec.cache_len) for n in prompt_lengths})
-        for b in buckets:
-            for g in self.groups():
-                dummy = [Request([0] * min(b, self.max_length - 1))] * (1 if g == self.unit else g // 2 + 1)
-                state, rows = self.admit(self.empty(), dummy)
+        kept = self._bookkeeping()
+        try:
+            for b in buckets:
+                for g in self.groups():
+                    dummy = [Request([0] * min(b, self.max_length - 1))] * (1 if g == self.unit else g // 2 + 1)
+                    state, rows = self.admit(self.empty(), dummy)
+                    state, _ = self.run(state, 1)
+                    jax.block_until_ready(self.release(state, rows)[0])
+            for n in self.buckets()[:-1] if self.paged else []:  # admissions above ran the largest
+                if most_rows is not None and n > most_rows:
+                    break
+                state, rows = self.admit(self.empty(), [Request([0])] * n)
                 state, _ = self.run(state, 1)
                 jax.block_until_ready(self.release(state, rows)[0])
+        finally:
+            self._bookkeeping(kept)
+
+    def _bookkeeping(self, kept=None):
+        """The host's record of one state (pages, admissions) -> a copy; ``kept`` given: put it back."""
+        names = ("pool", "_need", "_order", "_requests", "_preempted", "_admitted_at")
+        if kept is None:
+            return {n: copy.deepcopy(getattr(self, n)) for n in names}
+        for n in names:
+            setattr(self, n, kept[n])
 
     # --- the public steps -----------------------------------------------------------------------------------
-    def check(self, requests: Sequence[Request], first: int = 0) -> list[DecodeOptions]:
+    def check(self, requests: Sequence[Request | Resumed], first: int = 0) -> list[DecodeOptions]:
         """Each request's settings, checked (prompt ids, length, budget, sampling) before any compute."""
         settings = []
         for i, r in enumerate(requests):
+            if isinstance(r, Resumed):
+                settings.append(r.request.settings(self.options))
+                continue
             if not isinstance(r, Request):
                 raise ValueError(f"request {first + i}: expected a decode.Request, got {type(r).__name__}")
             prepare.check_prompts(self.target, [list(r.prompt_ids)])  # raises naming the bad id
@@ -114,9 +226,13 @@ class Engine:
             if len(s.stop_token_ids) > self.spec.stop_width:
                 raise ValueError(f"request {first + i} has {len(s.stop_token_ids)} stop ids; this engine holds "
                                  f"{self.spec.stop_width} per row (stop_width)")
-            prepare.budgets([len(r.prompt_ids)], [s], self.max_length, first + i)
+            prepare.budgets([len(r.prompt_ids)], [s], self.max_length, first + i)  # the pool holds any such row
             settings.append(s)
         return settings
+
+    def _most(self, prompt: int, budget: int) -> int:
+        """The most positions a row of this prompt and budget writes: its tokens but the last, then a block."""
+        return min(prompt + budget - 1 + self.spec.max_block, self.spec.cache_len)
 
     def free_rows(self, state: DecodeState) -> list[int]:
         """Rows holding no request."""
@@ -128,11 +244,18 @@ class Engine:
         finish = np.asarray(sharding.to_host(state.finish))
         return [i for i in range(self.rows) if finish[i] in (Finish.LENGTH, Finish.STOP)]
 
-    def admit(self, state: DecodeState, requests: Sequence[Request],
+    def can_admit(self, requests: Sequence[Request | Resumed]) -> bool:
+        """Whether the pool has the pages to prefill ``requests`` now (always, unpaged)."""
+        if not self.paged:
+            return True
+        return sum(self.pool.pages_for(len(r.prompt_ids)) for r in requests) <= len(self.pool.free)
+
+    def admit(self, state: DecodeState, requests: Sequence[Request | Resumed],
               rows: Sequence[int] | None = None) -> tuple[DecodeState, list[int]]:
-        """Prefill ``requests`` into free rows (``rows``, or the lowest free ones) -> (state, the rows they took).
-        The other rows keep their caches; more than S / 2 requests are one prefill of S rows (padded), fewer one
-        prefill each (two programs per prompt bucket, whatever S)."""
+        """Prefill ``requests`` (or preempted ones, ``Resumed``) into free rows (``rows``, or the lowest free ones)
+        -> (state, the rows they took). The other rows keep their caches; more than S / 2 requests are one prefill of
+        S rows (padded), fewer one prefill each (two programs per prompt bucket, whatever S). Paged: the pool must
+        have pages for the prompts (``can_admit``), else ValueError."""
         begun = time.perf_counter()  # a row's wall time counts its prefill
         requests = list(requests)
         if not requests:
@@ -144,7 +267,20 @@ class Engine:
             raise ValueError(f"{len(requests)} requests, {len(free)} free rows")
         if len(rows) != len(requests) or any(r not in free for r in rows) or len(set(rows)) != len(rows):
             raise ValueError(f"rows {rows} must be {len(requests)} distinct free rows (free: {free})")
-        budget = prepare.budgets([len(r.prompt_ids) for r in requests], settings, self.max_length)
+        if not self.can_admit(requests):
+            raise ValueError(f"the page pool has {len(self.pool.free)} free pages of {self.pool.page} tokens, too "
+                             f"few for these {len(requests)} prompts: admit them when rows are released")
+        lens = [len(r.prompt_ids) for r in requests]
+        budget = prepare.budgets(lens, settings, self.max_length)
+        for r, req, n, b in zip(rows, requests, lens, budget):
+            if self.paged:
+                self._forget(r)
+                self.pool.grow(r, n)
+                full = req.saved if isinstance(req, Resumed) else None
+                self._need[r] = self._most(int(full["prompt_len"]) if full else n,
+                                           int(full["budget"]) if full else int(b))
+            self._order[r] = next(_ADMISSIONS)
+            self._requests[r] = req.request if isinstance(req, Resumed) else req
         groups = [range(len(rows))] if 2 * len(rows) > self.rows else [[i] for i in range(len(rows))]
         for group in groups:
             size = self.unit if len(group) == 1 else self.rows
@@ -152,22 +288,84 @@ class Engine:
             at[:len(group)] = [rows[i] for i in group]
             new = self._rows([requests[i] for i in group], [settings[i] for i in group], budget[list(group)],
                              pad_to=size)
-            state = self._compiled("admit", steps.admit_jit, state, new, at)(self.inputs, state, new, at)
+            args = (state, new, at)
+            if self.paged:  # padding rows: no pages, every write dropped
+                args += (np.where((at < self.rows)[:, None], self.pool.table[np.minimum(at, self.rows - 1)], NO_PAGE),)
+            state = self._compiled("admit", steps.admit_jit, *args)(self.inputs, *args)
+        resumed = [(r, q.saved) for r, q in zip(rows, requests) if isinstance(q, Resumed)]
+        if resumed:
+            at = np.asarray([r for r, _ in resumed], np.int32)
+            saved = {f: np.stack([s[f] for _, s in resumed]) for f in steps.RESUMED}
+            state = steps.restore_jit(self.spec, state, at, saved)
         if self.spec.proposer is not None:  # a proposer's per-request arrays follow its rows (the replay draft's)
             self.inputs = self.inputs.replace(proposer_args=self.spec.proposer.admitted(
-                self.spec, self.inputs.proposer_args, rows, [r.stream for r in requests]))
+                self.spec, self.inputs.proposer_args, rows, [self._requests[r].stream for r in rows]))
         self._admitted_at.update({r: begun for r in rows})
         return state, rows
 
     def step(self, state: DecodeState) -> DecodeState:
         """One draft + verify + commit of every running row."""
+        if self.paged:
+            return self.run(state, 1)[0]
         return self._compiled("step", steps.step_jit, state)(self.inputs, state)
 
     def run(self, state: DecodeState, max_steps: int = FOREVER) -> tuple[DecodeState, int]:
-        """Steps on the device until a running row finishes, none runs, or ``max_steps`` steps -> (state, steps)."""
+        """Steps on the device until a running row finishes, none runs, or ``max_steps`` steps -> (state, steps).
+        Paged: the running rows only (padded to a power of two), after giving each pages for its next steps; rows
+        the pool cannot hold are preempted first (``take_preempted``); a row short of pages also returns."""
         n = np.int32(max_steps)
-        state, taken = self._compiled("run", steps.run_jit, state, n)(self.inputs, state, n)
+        if not self.paged:
+            state, taken = self._compiled("run", steps.run_jit, state, n)(self.inputs, state, n)
+            return state, int(taken)
+        state, live = self._reserve(state)
+        if not live:
+            return state, 0
+        at = np.full((next(b for b in self.buckets() if b >= len(live)),), self.rows, np.int32)
+        at[:len(live)] = live
+        state = self._tables(state)
+        state, taken = self._compiled("run_rows", steps.run_rows_jit, state, at, n)(self.inputs, state, at, n)
         return state, int(taken)
+
+    def _reserve(self, state: DecodeState) -> tuple[DecodeState, list[int]]:
+        """Pages for the next ``LOOKAHEAD_STEPS`` steps of every running row, oldest first; the newest rows are
+        preempted while the pool cannot give them -> (state, the running rows)."""
+        host = sharding.to_host((state.finish, state.tcache.lengths))
+        running = sorted((r for r in range(self.rows) if host[0][r] == Finish.RUNNING), key=self._order.get)
+        ahead = LOOKAHEAD_STEPS * self.spec.max_block
+        i = 0
+        while i < len(running):
+            r = running[i]
+            want = min(int(host[1][r]) + ahead, self._need[r])
+            if self.pool.grow(r, want):
+                i += 1
+                continue
+            state = self._preempt(state, running.pop())  # the newest (perhaps r itself)
+        return state, running
+
+    def _preempt(self, state: DecodeState, row: int) -> DecodeState:
+        """Free ``row``'s pages and slot, keeping what it needs to continue (``take_preempted``)."""
+        at = np.asarray([row], np.int32)
+        saved = sharding.to_host({f: getattr(state, f)[at] for f in steps.RESUMED})
+        self._preempted.append((row, Resumed(self._requests[row], {f: v[0] for f, v in saved.items()})))
+        self._admitted_at.pop(row, None)
+        self._forget(row)
+        return steps.release_jit(self.spec, state, at)
+
+    def _forget(self, row: int) -> None:
+        """Row ``row`` holds no request: its pages back to the pool."""
+        self.pool.release(row)
+        for d in (self._need, self._order, self._requests):
+            d.pop(row, None)
+
+    def _tables(self, state: DecodeState) -> DecodeState:
+        """The state's block tables set to the pool's (the host's allocation)."""
+        return state.replace(pages=jax.device_put(self.pool.table, state.pages.sharding))
+
+    def take_preempted(self) -> list[tuple[int, Resumed]]:
+        """The rows preempted since the last call, each with what re-admits it (``admit`` a ``Resumed``: its
+        output is unchanged), oldest preemption first; the caller queues them ahead of new requests."""
+        out, self._preempted = self._preempted, []
+        return out
 
     def progress(self, state: DecodeState) -> dict:
         """Every row's counters on the host (``generated``, ``finish``, ``steps``, ``acceptance`` of its last step)
@@ -189,6 +387,13 @@ class Engine:
                    for j, r in enumerate(rows)]
         free = np.full((self.rows,), self.rows, np.int32)  # one program: padding indices past the state are dropped
         free[:len(rows)] = rows
+        if self.paged:
+            for r in rows:
+                self._forget(r)
+        else:
+            for r in rows:
+                self._requests.pop(r, None)
+                self._order.pop(r, None)
         return steps.release_jit(self.spec, state, free), results
 
 
@@ -200,6 +405,7 @@ class RunStats:
 
     loop_steps: int = 0
     row_steps: int = 0
+    preemptions: int = 0  # rows preempted (their pages needed) and admitted again
     slots: int = 0
     programs: int = 0
     wall_time_s: float = 0.0
@@ -232,21 +438,41 @@ def _stream(engine: Engine, requests: Iterable[Request], stats: RunStats,
     start = time.perf_counter()
     pending = iter(enumerate(requests))
     state, active, queued = engine.empty(), {}, {}  # row -> request index; row -> its time in the queue
+    resume: list[tuple[int, float, Resumed]] = []  # preempted: (index, its queue time, what re-admits it)
+    exhausted = False
     while True:
         free = [r for r in range(engine.rows) if r not in active]
-        batch = [x for _, x in zip(free, pending)] if policy == "continuous" or not active else []
+        batch = []  # (index, queued so far, request): the preempted first, then new ones while pages last
+        if policy == "continuous" or not active:
+            while len(batch) < len(free):
+                nxt = resume[0] if resume else next(pending, None)
+                if nxt is None:
+                    exhausted = True
+                    break
+                item = nxt if resume else (nxt[0], None, nxt[1])
+                if not engine.can_admit([r for _, _, r in batch] + [item[2]]):
+                    if not resume:
+                        pending = itertools.chain([nxt], pending)
+                    break
+                if resume:
+                    resume.pop(0)
+                batch.append(item)
         if batch:
             t = time.perf_counter()
-            waited = t - start  # queued until its admission begins: the prefill is in its own wall time
             # waited for (the next run would wait for it on the device anyway): its time is the prefill's
-            state, rows = jax.block_until_ready(engine.admit(state, [r for _, r in batch], free[:len(batch)]))
+            state, rows = jax.block_until_ready(engine.admit(state, [r for _, _, r in batch], free[:len(batch)]))
             stats.admit_time_s += time.perf_counter() - t
-            for row, (index, _) in zip(rows, batch):
-                active[row], queued[row] = index, waited
+            for row, (index, waited, _) in zip(rows, batch):  # queued until its admission begins
+                active[row], queued[row] = index, t - start if waited is None else waited
         if not active:
+            if resume or not exhausted:  # nothing is left behind silently
+                raise RuntimeError("requests are waiting but none can be admitted into an empty pool")
             break
         state, taken = engine.run(state)
         stats.loop_steps += taken
+        for row, again in engine.take_preempted():
+            stats.preemptions += 1
+            resume.append((active.pop(row), queued.pop(row), again))
         done = engine.finished_rows(state)
         state, results = engine.release(state, done)
         for row, result in zip(done, results):
@@ -258,14 +484,16 @@ def _stream(engine: Engine, requests: Iterable[Request], stats: RunStats,
 
 def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequence[int]], *, max_batch: int,
                         max_new_tokens: int | None = None, stats: RunStats | None = None, warm: bool = True,
-                        policy: str = "continuous", on_result=None, **options) -> list[GenerationResult]:
+                        policy: str = "continuous", on_result=None, page: int = PAGE,
+                        kv_cache_memory: int | None = None, **options) -> list[GenerationResult]:
     """Decode ``requests`` (``Request``s, or prompts as lists of ids) through ``max_batch`` slots, continuously
     batched -> one ``GenerationResult`` per request, in input order. ``options``: ``DecodeOptions``' (the defaults a
     request's own settings override; ``max_new_tokens`` may be left out when every request sets its own). A plain
     prompt i samples with the key of (seed, i), as row i of ``speculative_generate`` does; the slots' cache holds
     the longest prompt + budget of the requests. ``warm``: compile and run every program once before the clock
     starts (``Engine.warm``), so that timings exclude compilation. ``policy``: ``stream_requests``'.
-    ``on_result(index, result)``, if given, is called as each request finishes (a progress bar, early writes)."""
+    ``on_result(index, result)``, if given, is called as each request finishes (a progress bar, early writes).
+    ``page``, ``kv_cache_memory``: ``Engine``'s (paged caches; the pool's bytes)."""
     requests = [r if isinstance(r, Request) else Request(list(r), stream=i) for i, r in enumerate(requests)]
     if not requests:
         raise ValueError("requests must be a non-empty list")
@@ -283,11 +511,11 @@ def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequ
     budget = prepare.budgets(lens, settings, limit)
     engine = Engine(target, draft, opts, max_batch=max_batch, max_length=int(max(np.add(lens, budget))),
                     sampled=any(s.temperature > 0 for s in settings),
-                    stop_width=prepare.stop_width(settings))
+                    stop_width=prepare.stop_width(settings), page=page, kv_cache_memory=kv_cache_memory)
     engine.check(requests)
     stream = stream_requests(engine, requests, stats, policy)  # checks the policy; its clock starts at the first row
     if warm:
-        engine.warm(lens)
+        engine.warm(lens, most_rows=len(requests))
     out: list = [None] * len(requests)
     for index, result in stream:
         out[index] = result

@@ -15,15 +15,22 @@ from dflash_jax import target as target_lib
 from dflash_jax.decode.types import DecodeState, EngineSpec, Finish, Inputs, Rows
 from dflash_jax.decode.verify import chain_verify, commit, stop_hits, tree_verify
 from dflash_jax.sampling import choose, row_keys
+from dflash_jax.families import family_of
+from dflash_jax import state as state_lib
+from dflash_jax.state import NO_PAGE, new_pools
 
 
-def prefill(spec: EngineSpec, inp: Inputs, rows: Rows) -> DecodeState:
+def prefill(spec: EngineSpec, inp: Inputs, rows: Rows, pools=None, table=None) -> DecodeState:
     """A state of the new ``rows`` alone: the target (and the draft's context) prefilled with their prompts, and
-    each row's first token drawn."""
+    each row's first token drawn. Paged (``spec.page``): written into ``pools`` (target's, draft's) through the rows'
+    block ``table`` [A, columns]; the state holds them apart (``split``)."""
     prompts, lens, budget = rows.prompts, rows.lens, rows.budget
     b, p = prompts.shape
     dtype = jax.tree_util.tree_leaves(inp.tparams)[0].dtype
-    tcache = target_lib.new_cache(spec.target_config, b, spec.cache_len, dtype, max_block=spec.max_block)
+    tcache = target_lib.new_cache(spec.target_config, b, spec.cache_len, dtype, max_block=spec.max_block,
+                                  page=spec.page)
+    if spec.page:
+        tcache = tcache.join_pages(pools[0], table)
     offsets = jnp.arange(p, dtype=jnp.int32)
     positions = jnp.where(offsets < lens[:, None], offsets, -1)  # padding: never cached, never attended
     logits, features, tcache = target_lib.forward(spec.target_config, inp.tparams, prompts, positions, tcache,
@@ -35,24 +42,55 @@ def prefill(spec: EngineSpec, inp: Inputs, rows: Rows) -> DecodeState:
     tokens = jnp.zeros((b, spec.cache_len), jnp.int32).at[:, :p].set(prompts).at[idx, lens].set(first)
     dcache = None
     if spec.speculative:
-        dcache = draft_lib.new_cache(spec.draft_config, b, spec.cache_len, dtype)
+        dcache = draft_lib.new_cache(spec.draft_config, b, spec.cache_len, dtype, page=spec.page)
+        if spec.page:
+            dcache = dcache.join_pages(pools[1], table)
         dcache = draft_lib.materialize(spec.draft_config, inp.dparams, dcache, features, positions).commit(lens)
     stopped = stop_hits(first[:, None], rows.stop_ids)[:, 0]
     finish = jnp.where(stopped, Finish.STOP, jnp.where(budget <= 1, Finish.LENGTH, Finish.RUNNING)).astype(jnp.int32)
     zeros = jnp.zeros((b, spec.cache_len), jnp.int32)
-    return spec.place(DecodeState(tokens=tokens, tcache=tcache.commit(lens), dcache=dcache, prompt_len=lens,
-                                  generated=jnp.ones((b,), jnp.int32), budget=budget, finish=finish,
-                                  acceptance=zeros, verified=zeros, steps=jnp.zeros((b,), jnp.int32), key=key,
-                                  stop_ids=rows.stop_ids, temperature=rows.temperature, top_k=rows.top_k,
-                                  top_p=rows.top_p))
+    state = DecodeState(tokens=tokens, tcache=tcache.commit(lens), dcache=dcache, prompt_len=lens,
+                        generated=jnp.ones((b,), jnp.int32), budget=budget, finish=finish, acceptance=zeros,
+                        verified=zeros, steps=jnp.zeros((b,), jnp.int32), key=key, stop_ids=rows.stop_ids,
+                        temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p, pages=table)
+    return spec.place(split(state) if spec.page else state)
 
 
-def admit(spec: EngineSpec, inp: Inputs, state: DecodeState, rows: Rows, at) -> DecodeState:
+def split(state: DecodeState) -> DecodeState:
+    """A paged state with its caches' pools taken out into ``pools``: every other leaf is rows first."""
+    tcache, tpools = state.tcache.split_pages()
+    dcache, dpools = state.dcache.split_pages() if state.dcache is not None else (None, ())
+    return state.replace(tcache=tcache, dcache=dcache, pools=(tpools, dpools))
+
+
+def join(state: DecodeState) -> DecodeState:
+    """``split`` undone: the pools back in the caches, read through the rows' block tables (``pages``)."""
+    tpools, dpools = state.pools
+    dcache = state.dcache.join_pages(dpools, state.pages) if state.dcache is not None else None
+    return state.replace(tcache=state.tcache.join_pages(tpools, state.pages), dcache=dcache, pools=None)
+
+
+def _put_rows(state: DecodeState, new: DecodeState, at) -> DecodeState:
+    """``state`` with ``new``'s rows (every rows-first leaf) at its rows ``at`` (out of range: dropped)."""
+    put = lambda old, x: old.at[at].set(x.astype(old.dtype), mode="drop")  # noqa: E731
+    return jax.tree_util.tree_map(put, state.replace(pools=None), new.replace(pools=None)).replace(pools=new.pools)
+
+
+def admit(spec: EngineSpec, inp: Inputs, state: DecodeState, rows: Rows, at, table=None) -> DecodeState:
     """``state`` with the new ``rows`` prefilled into its rows ``at`` [A] (an index >= the state's rows: that new row
-    is dropped, padding of a fixed group size); every other row keeps its caches and counters as they are."""
-    new = prefill(spec, inp, rows)
-    put = lambda old, x: old.at[at].set(x.astype(old.dtype), mode="drop")  # noqa: E731 (every leaf is rows first)
-    return spec.place(jax.tree_util.tree_map(put, state, new))
+    is dropped, padding of a fixed group size); every other row keeps its caches and counters as they are. Paged:
+    the new rows' block ``table`` [A, columns] (padding rows: no pages)."""
+    return spec.place(_put_rows(state, prefill(spec, inp, rows, state.pools, table), at))
+
+
+def restore(spec: EngineSpec, state: DecodeState, at, saved: dict) -> DecodeState:
+    """Rows ``at`` given back the decode fields ``saved`` (``RESUMED`` of each, rows first) they had when preempted:
+    their caches were prefilled again from their committed tokens, the rest continues where it stopped."""
+    put = lambda x, v: x.at[at].set(v.astype(x.dtype), mode="drop")  # noqa: E731
+    return spec.place(state.replace(**{f: put(getattr(state, f), saved[f]) for f in RESUMED}))
+
+
+RESUMED = ("tokens", "prompt_len", "generated", "budget", "finish", "acceptance", "verified", "steps", "key")
 
 
 def release(spec: EngineSpec, state: DecodeState, at) -> DecodeState:
@@ -60,8 +98,9 @@ def release(spec: EngineSpec, state: DecodeState, at) -> DecodeState:
     A free row's sampling settings are reset to greedy, so that a batch with no sampling row skips the draws and
     the sorts over the vocabulary (``sampling.if_sampling``, ``filtered_scores``)."""
     put = lambda x, v: x.at[at].set(v, mode="drop")  # noqa: E731
+    pages = state.pages if state.pages is None else put(state.pages, NO_PAGE)
     return state.replace(finish=put(state.finish, Finish.FREE), temperature=put(state.temperature, 0.0),
-                         top_k=put(state.top_k, 0), top_p=put(state.top_p, 1.0))
+                         top_k=put(state.top_k, 0), top_p=put(state.top_p, 1.0), pages=pages)
 
 
 def step(spec: EngineSpec, inp: Inputs, state: DecodeState) -> DecodeState:
@@ -84,6 +123,37 @@ def run(spec: EngineSpec, inp: Inputs, state: DecodeState, max_steps):
     return jax.lax.while_loop(more, lambda c: (step(spec, inp, c[0]), c[1] + 1), (state, jnp.int32(0)))
 
 
+def run_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at, max_steps):
+    """``run`` over the rows ``at`` [A] of a paged state only (an index >= its rows: a padding row, free and without
+    pages), their pools read in place -> (state, steps taken). It also returns when a running row lacks the pages
+    for its next step (fewer than length + max block positions), for the host to give it more."""
+    n_rows = state.finish.shape[0]
+    take = lambda x: jnp.take(x, at, axis=0, mode="clip")  # noqa: E731
+    pad = at >= n_rows
+    rows = jax.tree_util.tree_map(take, state.replace(pools=None))
+    rows = rows.replace(finish=jnp.where(pad, Finish.FREE, rows.finish).astype(jnp.int32),
+                        pages=jnp.where(pad[:, None], NO_PAGE, rows.pages),
+                        temperature=jnp.where(pad, 0.0, rows.temperature), pools=state.pools)
+    args = jax.tree_util.tree_map(take, inp.proposer_args)
+    capacity = jnp.sum(rows.pages != NO_PAGE, axis=1) * spec.page
+    running = ~rows.done
+
+    def more(c):
+        s, n = c
+        short = ~s.done & (s.tcache.lengths + spec.max_block > capacity)
+        return (n < max_steps) & jnp.any(~s.done) & ~jnp.any(running & s.done) & ~jnp.any(short)
+
+    sub_inp = inp.replace(proposer_args=args)
+    out, taken = jax.lax.while_loop(more, lambda c: (join_step(spec, sub_inp, c[0]), c[1] + 1),
+                                    (rows, jnp.int32(0)))
+    return spec.place(_put_rows(state, out, jnp.where(pad, n_rows, at))), taken
+
+
+def join_step(spec: EngineSpec, inp: Inputs, state: DecodeState) -> DecodeState:
+    """``step`` of a split paged state (its pools joined for the step, split after)."""
+    return split(step(spec, inp, join(state)))
+
+
 def generate(spec: EngineSpec, inp: Inputs, rows: Rows) -> DecodeState:
     """Prefill ``rows``, then steps until every row is done: a closed batch in one program."""
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), functools.partial(step, spec, inp), prefill(spec, inp, rows))
@@ -104,15 +174,38 @@ admit_jit = jax.jit(_on_mesh(admit), static_argnames=("spec",), donate_argnames=
 release_jit = jax.jit(release, static_argnames=("spec",), donate_argnames=("state",))
 step_jit = jax.jit(_on_mesh(step), static_argnames=("spec",), donate_argnames=("state",))
 run_jit = jax.jit(_on_mesh(run), static_argnames=("spec",), donate_argnames=("state",))
+run_rows_jit = jax.jit(_on_mesh(run_rows), static_argnames=("spec",), donate_argnames=("state",))
+restore_jit = jax.jit(restore, static_argnames=("spec",), donate_argnames=("state",))
 generate_jit = jax.jit(_on_mesh(generate), static_argnames=("spec",))
 
 
-def empty(spec: EngineSpec, inp: Inputs, rows: Rows) -> DecodeState:
-    """A state of ``rows``' row count with every row free (zeros: an admission overwrites a whole row)."""
-    shapes = jax.eval_shape(functools.partial(prefill, spec), inp, rows)
+def empty(spec: EngineSpec, inp: Inputs, rows: Rows, pages: int = 0) -> DecodeState:
+    """A state of ``rows``' row count with every row free (zeros: an admission overwrites a whole row); paged
+    (``spec.page``): with empty pools of ``pages`` pages and no row owning any."""
+    pools = table = None
+    if spec.page:
+        dtype = jax.tree_util.tree_leaves(inp.tparams)[0].dtype
+        pools = tuple(new_pools(specs, pages, spec.page, dtype, spec.cache_len, spec.max_block)
+                      for specs in page_specs(spec))
+        table = jnp.full((rows.lens.shape[0], spec.cache_len // spec.page), NO_PAGE, jnp.int32)
+    shapes = jax.eval_shape(functools.partial(prefill, spec), inp, rows, pools, table)
     state = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     return spec.place(state.replace(finish=jnp.full(state.finish.shape, Finish.FREE, jnp.int32),
-                                    top_p=jnp.ones_like(state.top_p)))  # free rows: greedy settings (``release``)
+                                    top_p=jnp.ones_like(state.top_p),  # free rows: greedy settings (``release``)
+                                    pages=table))
+
+
+def page_bytes(spec: EngineSpec, inp: Inputs) -> int:
+    """Bytes one page costs: its tokens' K/V in every paged layer of the target and the draft."""
+    dtype = jax.tree_util.tree_leaves(inp.tparams)[0].dtype
+    return sum(state_lib.page_bytes(specs, spec.page, dtype, spec.cache_len, spec.max_block)
+               for specs in page_specs(spec))
+
+
+def page_specs(spec: EngineSpec) -> tuple[tuple, tuple]:
+    """The layer specs (``state.KVSpec``, ...) of the target's cache and the draft's (none for plain decoding)."""
+    target = family_of(spec.target_config).state_specs(spec.target_config)
+    return target, draft_lib.state_specs(spec.draft_config) if spec.speculative else ()
 
 
 def take(state: DecodeState, at):
@@ -133,6 +226,6 @@ def recent(state: DecodeState, width: int):
                 steps=state.steps, acceptance=last)
 
 
-empty_jit = jax.jit(_on_mesh(empty), static_argnames=("spec",))
+empty_jit = jax.jit(_on_mesh(empty), static_argnames=("spec", "pages"))
 take_jit = jax.jit(take)
 recent_jit = jax.jit(recent, static_argnames=("width",))

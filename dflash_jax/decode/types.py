@@ -12,6 +12,7 @@ import numpy as np
 
 from dflash_jax import sharding
 from dflash_jax.config import DraftConfig
+from dflash_jax.state import PagedKV
 
 
 class Finish(enum.IntEnum):
@@ -39,14 +40,18 @@ class EngineSpec:
     tree_budget: int = 0  # tree verification with this many draft nodes (``verify.tree_verify``); 0: the chain
     cache_len: int = 0  # cache slots per row (positions 0..cache_len-1)
     stop_width: int = 8  # stop ids per row (padded with -1)
+    page: int = 0  # > 0: full-attention caches paged, pages of this many tokens (``state.PagedKV``); 0: per row
 
     def place(self, state: "DecodeState") -> "DecodeState":
         """Pin the decode state's layout on the mesh (rows over data*fsdp, KV heads over tensor)."""
         if self.mesh is None:
             return state
-        names = ROW_FIELDS
+        names = ROW_FIELDS + (("pages",) if state.pages is not None else ())
         rows = sharding.constrain_batch(tuple(getattr(state, n) for n in names), self.mesh)
-        return state.replace(**dict(zip(names, rows)),
+        pools = state.pools and tuple(  # each paged layer's pools: KV heads over tensor (``state.PAGE_AXES``)
+            tuple((p.k, p.v) for p in (sharding.constrain_state(PagedKV(k, v, None, self.page), self.mesh)
+                                       for k, v in group)) for group in state.pools)
+        return state.replace(**dict(zip(names, rows)), pools=pools,
                              tcache=sharding.constrain_cache(state.tcache, self.mesh),
                              dcache=sharding.constrain_cache(state.dcache, self.mesh))
 
@@ -124,6 +129,8 @@ class DecodeState:
     temperature: jax.Array  # [B]
     top_k: jax.Array  # [B]
     top_p: jax.Array  # [B]
+    pages: Any = None  # [B, columns] int32, paged caches (``EngineSpec.page``): each row's block table; else None
+    pools: Any = None  # paged caches: (target pools, draft pools), a (k, v) pair per paged layer; not rows first
 
     @property
     def done(self):

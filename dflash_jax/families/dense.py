@@ -18,7 +18,7 @@ from dflash_jax.checkpoints import NameTable
 from dflash_jax.config import TargetConfig
 from dflash_jax.families.family import Family
 from dflash_jax.layers import MLP, AttentionProjections, Embed, Linear, RMSNorm
-from dflash_jax.state import DecodeCache, FullKV, KVSpec, SlidingKV
+from dflash_jax.state import DecodeCache, FullKV, KVSpec, PagedKV, SlidingKV
 
 
 class DecoderLayer(nn.Module):
@@ -59,9 +59,9 @@ class DecoderLayer(nn.Module):
         scale = self.self_attn.attention_scale()
         if new_mask is not None:
             return self.tree_attention(q, k, v, positions, state, new_mask, window=window, sinks=sinks, scale=scale)
-        if isinstance(state, FullKV) and positions.shape[1] <= MAX_QUERIES:  # decode / verify: length-bounded
+        if isinstance(state, (FullKV, PagedKV)) and positions.shape[1] <= MAX_QUERIES:  # decode / verify: bounded
             state = state.write(k, v, positions)
-            o = decode_attention(q, state.k, state.v, positions, jnp.max(positions, axis=1) + 1,
+            o = decode_attention(q, *state.view(), positions, jnp.max(positions, axis=1) + 1,
                                  sliding_window=window, sinks=sinks, impl=self.attention_impl, scale=scale)
             return o, state
         if state is None:
@@ -87,12 +87,12 @@ class DecoderLayer(nn.Module):
                        jnp.concatenate([state.v, v.astype(state.v.dtype)], axis=1),
                        jnp.concatenate([ctx, own], axis=-1), sinks=sinks, scale=scale)
             return o, state.tree_write(k, v, n)
-        if not isinstance(state, FullKV):
+        if not isinstance(state, (FullKV, PagedKV)):
             raise ValueError(f"tree verification needs an attention cache, not {type(state).__name__}")
         impl = self.attention_impl
         if positions.shape[1] > MAX_QUERIES and impl in ("auto", "kernel", "interpret"):
             impl = "loop"  # the kernel holds at most MAX_QUERIES queries per row; the tiled jnp loop any number
-        o = decode_attention(q, state.k, state.v, positions, n, k, v, sliding_window=window, sinks=sinks,
+        o = decode_attention(q, *state.view(), positions, n, k, v, sliding_window=window, sinks=sinks,
                              impl=impl, new_mask=new_mask, scale=scale)
         return o, state.tree_write(k, v, n)
 

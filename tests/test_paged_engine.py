@@ -1,0 +1,107 @@
+"""The paged engine (``decode.Engine`` with ``page`` > 0, the default): rows hold pages of one pool, a run steps the
+running rows alone, and a pool too small for its load preempts rows and admits them again without changing any
+output (greedy or sampled); pages are never leaked or shared; a pool too small for one row fails at start-up."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_jax import decode
+from dflash_jax.decode import DecodeOptions, Engine, Request
+from dflash_jax.decode.pages import PagePool
+from dflash_jax.state import NO_PAGE
+
+BUDGETS = [30, 12, 26, 7, 22, 18]
+
+
+def _requests(prompts):
+    out = [Request(p, max_new_tokens=b) for p, b in zip((list(prompts) * 2)[:6], BUDGETS)]
+    out[2] = Request(out[2].prompt_ids, max_new_tokens=26, temperature=0.9, top_k=30, seed=5)  # a sampled row
+    return out
+
+
+def test_a_small_pool_preempts_rows_without_changing_any_output(trained):
+    """A pool of one max-length row and a little more, under 3 rows of load: rows are preempted several times and
+    re-admitted (prefilled from their committed tokens), and every output, greedy and sampled, equals a run whose
+    pool never runs dry; at the end every page is back in the pool."""
+    target, draft, prompts = trained
+    requests = _requests(prompts)
+    roomy = decode.continuous_generate(target, draft, requests, max_batch=3, stop_token_ids=[])
+    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+    probe = Engine(target, draft, DecodeOptions(max_new_tokens=30, stop_token_ids=()), max_batch=3,
+                   max_length=longest, sampled=True)
+    pages = probe.pool.pages_for(longest - 1 + probe.spec.max_block) + 1
+    stats = decode.RunStats()
+    tight = decode.continuous_generate(target, draft, requests, max_batch=3, stop_token_ids=[], stats=stats,
+                                       kv_cache_memory=pages * probe.page_bytes)
+    assert stats.preemptions >= 2, stats
+    for i, (a, b) in enumerate(zip(roomy, tight)):
+        assert a.output_ids == b.output_ids, i
+        assert a.finish_reason == b.finish_reason and len(b.acceptance_lengths) > 0
+    plain = decode.speculative_generate(target, None, [requests[0].prompt_ids], max_new_tokens=30, stop_token_ids=[])
+    assert tight[0].output_ids == plain[0].output_ids
+
+
+def test_engine_pages_follow_its_rows(trained):
+    """Through admit / run / release by hand: a row owns the pages its tokens need (and a few steps more), a run
+    over one live row of three compiles the one-row bucket, released rows give every page back."""
+    target, draft, prompts = trained
+    engine = Engine(target, draft, DecodeOptions(max_new_tokens=20, stop_token_ids=()), max_batch=3, max_length=48)
+    state = engine.empty()
+    state, rows = engine.admit(state, [Request(prompts[0], max_new_tokens=20)])
+    assert engine.pool.owned[rows[0]] == engine.pool.pages_for(len(prompts[0]))
+    state, taken = engine.run(state)
+    assert taken >= 1
+    assert engine.pool.capacity(rows[0]) >= len(prompts[0]) + engine.spec.max_block
+    assert any(k[0] == "run_rows" and "(1,)" in k[3] for k in engine.used)  # the bucket of one row
+    engine.pool.check()
+    while engine.finished_rows(state) != rows:
+        state, _ = engine.run(state)
+    state, (result,) = engine.release(state, rows)
+    assert result.output_ids == decode.speculative_generate(target, None, [prompts[0]], max_new_tokens=20,
+                                                            stop_token_ids=[])[0].output_ids
+    assert len(engine.pool.free) == engine.pool.pages and (engine.pool.table == NO_PAGE).all()
+
+
+def test_pool_errors(trained):
+    target, draft, prompts = trained
+    opts = DecodeOptions(max_new_tokens=8, stop_token_ids=())
+    with pytest.raises(ValueError, match="one row of the max length"):
+        Engine(target, draft, opts, max_batch=2, max_length=64, kv_cache_memory=1000)
+    with pytest.raises(ValueError, match="kv_cache_memory must be"):
+        Engine(target, draft, opts, max_batch=2, max_length=64, kv_cache_memory=-5)
+    with pytest.raises(ValueError, match="page must be"):
+        Engine(target, draft, opts, max_batch=2, max_length=64, page=-1)
+    probe = Engine(target, draft, opts, max_batch=2, max_length=64)
+    need = probe.pool.pages_for(64 - 1 + probe.spec.max_block)
+    engine = Engine(target, draft, opts, max_batch=2, max_length=64, kv_cache_memory=need * probe.page_bytes)
+    state, _ = engine.admit(engine.empty(), [Request((list(prompts[0]) * 10)[:50])])  # 4 of its 5 pages
+    long = Request((list(prompts[1]) * 10)[:40])
+    assert not engine.can_admit([long])
+    with pytest.raises(ValueError, match="free pages"):
+        engine.admit(state, [long])
+    assert "pages of 16 tokens" in engine.describe()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["grow", "release"]), st.integers(0, 3), st.integers(0, 40)),
+                max_size=40))
+def test_pages_are_owned_once(ops):
+    """Any sequence of grow / release keeps every page free or owned by exactly one row; a grow either gives a row
+    all the pages it asked for or changes nothing (too few free)."""
+    pool = PagePool(pages=10, page=4, rows=4, columns=6)
+    for op, row, tokens in ops:
+        if op == "release":
+            pool.release(row)
+        else:
+            before, free = int(pool.owned[row]), len(pool.free)
+            ok = pool.grow(row, tokens)
+            want = min(pool.pages_for(tokens), pool.columns)
+            if ok:
+                assert pool.owned[row] == max(before, want)
+            else:
+                assert want - before > free and pool.owned[row] == before and len(pool.free) == free
+        pool.check()
+    assert np.all(pool.owned * pool.page == [pool.capacity(r) for r in range(4)])
