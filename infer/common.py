@@ -323,11 +323,57 @@ def parse_ints(text: str, flag: str) -> list[int]:
 DEFAULT_MAX_BATCH = 16
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30}
+
+
+def memory_arg(text: str) -> tuple[str, float]:
+    """``--kv-cache-memory``: bytes with an optional unit (2GiB, 512MB, 3e9) -> ("bytes", n); a plain number in
+    (0, 1] -> ("fraction", f) of the device's free memory after the weights."""
+    t = text.strip().lower()
+    unit = next(u for u in sorted(_UNITS, key=len, reverse=True) if t.endswith(u))
+    try:
+        value = float(t[:len(t) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes (2GiB, 512MB, 3e9) or a fraction (0.9), got {text!r}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return ("fraction", value) if unit == "" and value <= 1 else ("bytes", value * _UNITS[unit])
+
+
 def add_max_batch_arg(g) -> None:
+    from dflash_jax.decode.slots import PAGE
+
     g.add_argument("--max-batch", type=int, default=None,
-                   help="decode slots: the prompts stream through N rows, continuously batched (a row that finishes "
-                        f"takes the next prompt at once); default: {DEFAULT_MAX_BATCH}, or fewer where the slots' "
-                        "caches would pass a quarter of the accelerator's free memory, and never more than the prompts")
+                   help="the most rows in flight: the prompts stream through N rows, continuously batched (a row "
+                        f"that finishes takes the next prompt at once); default: {DEFAULT_MAX_BATCH}, or fewer where "
+                        "their caches at the max length would pass a quarter of the accelerator's free memory, and "
+                        "never more than the prompts")
+    g.add_argument("--kv-cache-memory", type=memory_arg, default=None,
+                   help="memory of the paged K/V cache pool (the target's and the draft's): bytes (2GiB, 512MB, 3e9) "
+                        "or a fraction of the device's free memory after the weights (0.9); rows take pages as "
+                        "they grow, and when the pool runs dry the newest row is preempted and resumed later, its "
+                        "output unchanged. Default: every row of --max-batch at the max length (never dry)")
+    g.add_argument("--page-size", type=int, default=PAGE,
+                   help=f"tokens per cache page (default {PAGE}; 0: every row owns a cache of the max length)")
+
+
+def paging_kwargs(args) -> dict:
+    """``Engine``'s ``page`` and ``kv_cache_memory`` from the flags (a fraction resolved against the device's free
+    memory now, after the weights loaded); dies on a bad value."""
+    if args.page_size < 0:
+        die(f"--page-size must be >= 0, got {args.page_size}")
+    if args.kv_cache_memory is None:
+        return dict(page=args.page_size)
+    kind, value = args.kv_cache_memory
+    if kind == "bytes":
+        return dict(page=args.page_size, kv_cache_memory=int(value))
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        die("--kv-cache-memory as a fraction needs a device that reports its memory (TPU, GPU); on this one give "
+            "bytes (for example 2GiB)")
+    return dict(page=args.page_size, kv_cache_memory=int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * value))
 
 
 def check_overrides(args, overrides: list[dict]) -> None:

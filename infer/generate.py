@@ -13,7 +13,7 @@ import json
 import sys
 
 from infer.common import (adaptive_kwargs, add_max_batch_arg, add_model_args, check_overrides, decoding_kwargs, die,
-                          encode, exits_on_interrupt, load_models, max_batch, param_dtype, read_prompts_file,
+                          encode, exits_on_interrupt, load_models, max_batch, paging_kwargs, param_dtype, read_prompts_file,
                           requests_of, resolve_block, draft_kwargs, shows_bar)
 
 DEMO_PROMPT = 'import os\n\n\ndef read_lines(path):\n    """Return the lines of the text file at path."""\n'
@@ -123,7 +123,7 @@ def _decode(args, target, draft, requests, slots: int, **kw):
     with progress_bar(len(requests), f"generate ({'DFlash' if draft is not None else 'plain'})", "prompt",
                       len(requests) > 1 and shows_bar(args)) as bar:
         return continuous_generate(target, draft, requests, max_batch=slots, on_result=lambda i, r: bar.update(1),
-                                   **kw)
+                                   **paging_kwargs(args), **kw)
 
 
 @exits_on_interrupt

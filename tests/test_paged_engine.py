@@ -105,3 +105,43 @@ def test_pages_are_owned_once(ops):
                 assert want - before > free and pool.owned[row] == before and len(pool.free) == free
         pool.check()
     assert np.all(pool.owned * pool.page == [pool.capacity(r) for r in range(4)])
+
+
+def test_a_server_with_a_small_pool_answers_every_request_identically(trained):
+    """The server's engine thread (``infer.serve.scheduler``) over a pool too small for its load: requests are
+    preempted, wait first in line, resume, and every answer equals the request decoded alone (plain, greedy)."""
+    import threading
+
+    from infer.serve.metrics import Metrics
+    from infer.serve.scheduler import Done, Job, Scheduler
+    from infer.serve.service import NoText
+
+    target, draft, prompts = trained
+    requests = [Request(r.prompt_ids, max_new_tokens=r.max_new_tokens) for r in _requests(prompts)]
+    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+    opts = DecodeOptions(max_new_tokens=30, stop_token_ids=())
+    probe = Engine(target, draft, opts, max_batch=3, max_length=longest)
+    pages = probe.pool.pages_for(longest - 1 + probe.spec.max_block) + 1
+    engine = Engine(target, draft, opts, max_batch=3, max_length=longest, sampled=True,
+                    kv_cache_memory=pages * probe.page_bytes)
+    metrics = Metrics(engine.rows, engine.spec.max_block)
+    scheduler = Scheduler(engine, metrics, queue_size=16)
+    answers, finished = {}, threading.Event()
+
+    def emit(event):
+        if isinstance(event, Done):
+            answers[event.index] = (event.ids, event.finish_reason)
+            if len(answers) == len(requests):
+                finished.set()
+
+    scheduler.start()
+    try:
+        scheduler.submit([Job(r, i, NoText(), emit) for i, r in enumerate(requests)])
+        assert finished.wait(600), answers
+    finally:
+        scheduler.stop(drain=False, timeout=30)
+    assert metrics.preemptions._value.get() >= 1
+    for i, r in enumerate(requests):
+        alone = decode.speculative_generate(target, None, [r.prompt_ids], max_new_tokens=r.max_new_tokens,
+                                            stop_token_ids=[])[0]
+        assert answers[i] == (alone.generated_ids, "length"), i

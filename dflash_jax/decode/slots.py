@@ -141,8 +141,9 @@ class Engine:
         if not self.paged:
             return f"{self.rows} slots of {self.spec.cache_len} tokens"
         p = self.pool
-        return (f"{p.pages} pages of {p.page} tokens = {p.pages * p.page} tokens of cache "
-                f"({p.pages * self.page_bytes / 2 ** 20:.1f} MiB), up to {self.rows} rows")
+        return (f"{p.pages} pages of {p.page} tokens = {p.pages * p.page} tokens "
+                f"({p.pages * self.page_bytes / 2 ** 20:.1f} MiB: {p.pages * p.page // self.max_length} rows at the max "
+                f"length, more when shorter), up to {self.rows} rows in flight")
 
     # --- programs -------------------------------------------------------------------------------------------
     def _compiled(self, name: str, fn, *args):

@@ -2,8 +2,8 @@
 
 With no arguments it serves the embedded demo pair on http://127.0.0.1:8000 (model name ``dflash-demo``).
 Routes: POST /v1/completions, POST /v1/chat/completions (stream: true gives server-sent events ending in
-[DONE]), GET /v1/models, GET /health, GET /metrics (Prometheus text). Requests queue (--queue-size) for
---max-batch decode slots, continuously batched; the decoding flags are the defaults of requests that do not set
+[DONE]), GET /v1/models, GET /health, GET /metrics (Prometheus text). Requests queue (--queue-size) for at most
+--max-batch rows in flight, continuously batched over a paged K/V cache (--kv-cache-memory, --page-size); the decoding flags are the defaults of requests that do not set
 their own (temperature 0 = greedy unless a request asks otherwise; max_tokens: --max-new-tokens). --block-size
 auto serves with the draft's trained block (there are no prompts to probe). SIGTERM / Ctrl-C: the server stops
 listening, lets the requests in flight finish for up to --shutdown-timeout seconds, cancels the rest, exits 0.
@@ -16,7 +16,7 @@ import signal
 import sys
 
 from infer.common import (DEFAULT_MAX_BATCH, adaptive_kwargs, add_max_batch_arg, add_model_args, decoding_kwargs, die,
-                          fixed_block_size, load_models, slots_that_fit, draft_kwargs)
+                          fixed_block_size, load_models, paging_kwargs, slots_that_fit, draft_kwargs)
 
 DEFAULT_PORT = 8000
 DEFAULT_MAX_LENGTH = 4096  # the default --max-length cap: every slot's cache holds this many tokens
@@ -78,7 +78,8 @@ def build_service(args):
         slots = args.max_batch or slots_that_fit(target, draft, cache_length([1], [max_length - 1], max_block),
                                                  DEFAULT_MAX_BATCH, max_block)
         name, aliases = model_name(args.target, target.path)
-        service = Service(target, draft, tokenizer, options, Limits(slots, max_length, args.queue_size),
+        service = Service(target, draft, tokenizer, options,
+                          Limits(slots, max_length, args.queue_size, **paging_kwargs(args)),
                           name=args.served_model_name or name, aliases=aliases)
     except ValueError as e:
         die(str(e))
@@ -100,8 +101,8 @@ def main(argv=None) -> int:
         die("infer.serve runs on one host (a --mesh over its local devices); multi-host serving is not supported")
     spec = service.engine.spec
     what = f"DFlash, block {spec.draft_block}" if spec.speculative else "plain decoding"
-    print(f"serving {service.name!r}: {what}, {service.engine.rows} slots of {service.max_length} tokens, queue "
-          f"{args.queue_size}" + ("" if args.no_warm else "; compiling the short-prompt programs..."), file=sys.stderr)
+    print(f"serving {service.name!r}: {what}, requests of up to {service.max_length} tokens; cache: "
+          f"{service.engine.describe()}; queue {args.queue_size}" + ("" if args.no_warm else "; compiling the short-prompt programs..."), file=sys.stderr)
     service.start(warm=not args.no_warm)
     AppStatus.disable_automatic_graceful_drain()  # SIGTERM: let streams in flight finish (--shutdown-timeout)
     logging.basicConfig(level=args.log_level.upper())

@@ -23,6 +23,9 @@ class Metrics:
         self.slots_busy = Gauge("dflash_slots_busy", "Decode slots holding a request", registry=r)
         self.slots_total = Gauge("dflash_slots_total", "Decode slots (--max-batch)", registry=r)
         self.slots_total.set(slots)
+        self.preemptions = Counter("dflash_preemptions", "Requests preempted (the cache pool ran dry: their pages "
+                                   "freed, admitted again later where they stopped)", registry=r)
+        self.pages_free = Gauge("dflash_cache_pages_free", "Free pages of the paged K/V cache pool", registry=r)
         self.steps = Counter("dflash_engine_steps", "Decode steps of the engine (each drafts and verifies every "
                              "busy slot)", registry=r)
         self.acceptance = Histogram("dflash_acceptance_length", "Tokens committed per verify step of a request "

@@ -13,7 +13,9 @@ import threading
 import time
 from typing import Callable
 
-from dflash_jax.decode import Engine, Finish, Request
+import collections
+
+from dflash_jax.decode import Engine, Finish, Request, Resumed
 from infer.serve.metrics import Metrics
 from infer.serve.text import TextStream
 
@@ -62,6 +64,7 @@ class Job:
     first_token: float | None = None
     sent: int = 0  # generated tokens already read off the engine
     steps: int = 0  # verify steps already read off the engine
+    resume: Resumed | None = None  # preempted (its pages were needed): what admits it again where it stopped
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -87,6 +90,7 @@ class Scheduler:
         self._drain = True
         self._thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
         self.active: dict[int, Job] = {}
+        self.waiting: collections.deque[Job] = collections.deque()  # taken off the queue, first in line: preempted
         self.alive = False
 
     def start(self) -> None:
@@ -130,7 +134,8 @@ class Scheduler:
         self.alive = False
 
     def _take_queue(self) -> list[Job]:
-        jobs = []
+        jobs = list(self.waiting)
+        self.waiting.clear()
         while True:
             try:
                 jobs.append(self.queue.get_nowait())
@@ -141,26 +146,35 @@ class Scheduler:
         free = [r for r in range(self.engine.rows) if r not in self.active]
         new = []
         while len(new) < len(free):
-            try:  # wait for work only when there is nothing to step
-                job = self.queue.get(block=not self.active and not new, timeout=0.05)
-            except queue.Empty:
-                break
+            if self.waiting:
+                job = self.waiting.popleft()
+            else:
+                try:  # wait for work only when there is nothing to step
+                    job = self.queue.get(block=not self.active and not new, timeout=0.05)
+                except queue.Empty:
+                    break
             if job.cancelled.is_set():
                 job.emit(job.done("cancelled"))
                 continue
+            if not self.engine.can_admit([j.resume or j.request for j in new + [job]]):  # pages run out: it waits
+                self.waiting.appendleft(job)
+                break
             new.append(job)
         self.metrics.queue_depth.set(self.queue.qsize())
         if not new:
             return state
         now = time.perf_counter()  # queued until the admission (prefill) begins, as the library's queue_time_s
-        state, rows = self.engine.admit(state, [j.request for j in new], free[:len(new)])
+        state, rows = self.engine.admit(state, [j.resume or j.request for j in new], free[:len(new)])
         for row, job in zip(rows, new):
-            self.metrics.queue_time.observe(now - job.arrived)
+            if job.resume is None:
+                self.metrics.queue_time.observe(now - job.arrived)
+            job.resume = None
             self.active[row] = job
         return state
 
     def _turn(self, state):
-        """Admit, drop the cancelled, one step, send every row's new text, release the finished."""
+        """Admit, drop the cancelled, one step (rows the pool cannot hold are preempted: they wait, first in line),
+        send every row's new text, release the finished."""
         state = self._admit(state)
         gone = [r for r, j in self.active.items() if j.cancelled.is_set()]
         if gone:
@@ -172,6 +186,11 @@ class Scheduler:
         if not self.active:
             return state
         state, taken = self.engine.run(state, 1)
+        for row, again in reversed(self.engine.take_preempted()):  # first in line again, the oldest first
+            job = self.active.pop(row)
+            job.resume = again
+            self.waiting.appendleft(job)
+            self.metrics.preemptions.inc()
         p = self.engine.progress(state)
         width = p["tail"].shape[1]
         done, accepted = [], []
@@ -209,4 +228,6 @@ class Scheduler:
                         self.metrics.tpot.observe((now - job.first_token) / (out - 1))
                 job.emit(job.done(reason, result.acceptance_lengths))
         self.metrics.slots_busy.set(len(self.active))
+        if self.engine.paged:
+            self.metrics.pages_free.set(len(self.engine.pool.free))
         return state

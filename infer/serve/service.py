@@ -8,6 +8,7 @@ import os
 import time
 
 from dflash_jax.decode import DecodeOptions, Engine, Request
+from dflash_jax.decode.slots import PAGE
 from dflash_jax.prompts import PromptError, chat_ids, encode_prompt
 from dflash_jax.target import Target
 from infer.serve.metrics import Metrics
@@ -21,6 +22,8 @@ class Limits:
     max_batch: int  # decode slots
     max_length: int  # prompt + generated tokens per request (sizes the slots' caches)
     queue_size: int  # requests waiting for a slot before 503
+    page: int = PAGE  # tokens per cache page (0: a max-length cache per row)
+    kv_cache_memory: int | None = None  # bytes of the page pool (None: every row at the max length)
 
 
 class Service:
@@ -32,7 +35,7 @@ class Service:
         self.target, self.draft, self.tokenizer, self.options, self.limits = target, draft, tokenizer, options, limits
         self.name, self.names = name, {name, *aliases}
         self.engine = Engine(target, draft, options, max_batch=limits.max_batch, max_length=limits.max_length,
-                             sampled=True)
+                             sampled=True, page=limits.page, kv_cache_memory=limits.kv_cache_memory)
         self.metrics = Metrics(self.engine.rows, self.engine.spec.max_block)
         self.scheduler = Scheduler(self.engine, self.metrics, limits.queue_size)
         self.created = int(time.time())
