@@ -106,12 +106,13 @@ def test_completions_equal_plain_decoding(client, demo):
     by_ids = client.completions.create(model="dflash-demo", prompt=ids[1], max_tokens=20, temperature=0)
     assert by_ids.choices[0].model_extra["token_ids"] == want[1]
     chunks = list(client.completions.create(model="dflash-demo", prompt=PROMPTS[1], max_tokens=20, temperature=0,
-                                            stream=True))
-    assert "".join(ch.choices[0].text for ch in chunks) == text_of(demo, want[1])
-    assert chunks[-1].choices[0].finish_reason in ("stop", "length") and chunks[-1].usage.completion_tokens == len(
-        want[1])
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks[:-1]) == text_of(demo, want[1])
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want[1])  # usage once, at the end
+    assert all(ch.usage is None for ch in chunks[:-1])
     assert len(chunks) < len(want[1])  # a chunk per step, several tokens each (the draft's acceptance)
-    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-2])
     both = client.completions.create(model="dflash-demo", prompt=ids, max_tokens=20, temperature=0)
     assert [ch.model_extra["token_ids"] for ch in sorted(both.choices, key=lambda c: c.index)] == want
 
@@ -139,7 +140,8 @@ def test_concurrent_streams_each_equal_its_solo_output(server, demo):
     tok = demo[1]
     prompts = [PROMPTS[i % len(PROMPTS)] + "    " * (i // len(PROMPTS)) for i in range(32)]
     budgets = [1 + (7 * i) % 40 for i in range(32)]
-    samples = asyncio.run(drive(server[1] + "/v1", "dflash-demo", prompts, budgets, 32, ignore_eos=True))
+    samples = asyncio.run(drive(server[1] + "/v1", "dflash-demo", prompts, budgets, 32, ignore_eos=True,
+                                stream_options={"include_usage": True}))
     check_samples(samples)
     want = plain(demo, [tok(p)["input_ids"] for p in prompts], budgets, stop=False)
     for s, w, n in zip(samples, want, budgets):
@@ -177,8 +179,15 @@ BAD = [  # (body or raw text, status, the param the error names (None: not check
     ({"model": "dflash-demo", "prompt": "x", "stream": "yes"}, 400, "stream"),
     ({"model": "dflash-demo", "prompt": 5}, 400, "prompt"),
     ({"model": "dflash-demo"}, 400, "prompt"),
-    ({"model": "dflash-demo", "prompt": "x", "n": 2}, 400, "n"),
-    ({"model": "dflash-demo", "prompt": "x", "logprobs": 1}, 400, "logprobs"),
+    ({"model": "dflash-demo", "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": "dflash-demo", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"model": "dflash-demo", "prompt": "x", "logprobs": 1, "stream": True}, 400, "logprobs"),
+    ({"model": "dflash-demo", "prompt": "x", "repetition_penalty": 1.1}, 400, "repetition_penalty"),
+    ({"model": "dflash-demo", "prompt": "x", "min_p": 0.05}, 400, "min_p"),
+    ({"model": "dflash-demo", "prompt": "x", "min_tokens": 4}, 400, "min_tokens"),  # without ignore_eos
+    ({"model": "dflash-demo", "prompt": "x", "stop": ["a"] * 257}, 400, "stop"),
+    ({"model": "dflash-demo", "prompt": "x", "stop_token_ids": [10 ** 6]}, 400, "stop_token_ids"),
+    ({"model": "dflash-demo", "prompt": "\udcff"}, 400, None),  # a lone surrogate
     ({"model": "dflash-demo", "prompt": "x", "best_of": 3}, 400, "best_of"),
     ({"model": "dflash-demo", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "dflash-demo", "prompt": "x", "temperature": 3}, 400, "temperature"),
@@ -205,9 +214,9 @@ def test_bad_chat_requests_and_routes(server, client):
     base = server[1]
     for body, param in [({"model": "dflash-demo", "messages": []}, "messages"),
                         ({"model": "dflash-demo", "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
-                        ({"model": "dflash-demo", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
-                         "logprobs"),
-                        ({"model": "dflash-demo", "messages": [{"role": "user", "content": "x"}], "n": 3}, "n")]:
+                        ({"model": "dflash-demo", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+                         "top_logprobs"),
+                        ({"model": "dflash-demo", "messages": [{"role": "user", "content": "x"}], "n": 17}, "n")]:
         r = httpx.post(base + "/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     r = httpx.get(base + "/v1/nothing")
@@ -284,7 +293,8 @@ def test_sigterm_finishes_the_stream_in_flight_and_exits_0(server):
     events = [first] + rest
     assert events[-1] == "data: [DONE]"
     final = json.loads(events[-2][len("data: "):])
-    assert final["choices"][0]["finish_reason"] == "length" and final["usage"]["completion_tokens"] == 160
+    assert final["choices"][0]["finish_reason"] == "length" and len(final["choices"][0]["token_ids"]) == 160
+    assert final["usage"] is None  # no stream_options: no usage in the stream
     assert proc.wait(timeout=60) == 0
     assert "server stopped" in proc.stdout.read()
 

@@ -62,3 +62,28 @@ def test_earliest_of_several_stops_wins(tok):
     s = TextStream(tok, ["return", "# π"])
     out, stopped = s.push(tok(TEXT)["input_ids"])
     assert stopped and out + s.finish() == TEXT[:TEXT.index("# π")]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_answer_ids_end_at_the_token_that_completed_the_stop(tok, seed):
+    """The ids past the stop string are not the answer's (nor its usage's): the answer's last id completes it."""
+    ids = tok(TEXT)["input_ids"]
+    stop = "area\n"
+    s = TextStream(tok, [stop])
+    for p in pieces(ids, seed):
+        if s.push(p)[1]:
+            break
+    kept = s.answer_ids
+    assert stop in tok.decode(kept) and stop not in tok.decode(kept[:-1])
+    assert kept == ids[:len(kept)]
+
+
+def test_include_stop_string_and_special_tokens(tok):
+    ids = tok(TEXT)["input_ids"]
+    s = TextStream(tok, ["area\n"], include_stop=True)
+    out, stopped = s.push(ids)
+    assert stopped and out + s.finish() == TEXT[:TEXT.index("area\n") + len("area\n")]
+    special = ids[:3] + [0] + ids[3:6]  # <|endoftext|> in the middle
+    kept, shown = TextStream(tok), TextStream(tok, skip_special=False)
+    assert "<|endoftext|>" not in kept.push(special)[0] + kept.finish()
+    assert "<|endoftext|>" in shown.push(special)[0] + shown.finish()

@@ -3,8 +3,10 @@
 With no arguments it serves the embedded demo pair on http://127.0.0.1:8000 (model name ``dflash-demo``).
 Routes: POST /v1/completions, POST /v1/chat/completions (stream: true gives server-sent events ending in
 [DONE]), GET /v1/models, GET /health, GET /metrics (Prometheus text). Requests queue (--queue-size) for at most
---max-batch rows in flight, continuously batched over a paged K/V cache (--kv-cache-memory, --page-size); the decoding flags are the defaults of requests that do not set
-their own (temperature 0 = greedy unless a request asks otherwise; max_tokens: --max-new-tokens). --block-size
+--max-batch rows in flight, continuously batched over a paged K/V cache (--kv-cache-memory, --page-size). Defaults of a request that does not
+set its own, as vLLM's: temperature / top_p / top_k from the target's generation_config.json, else 1 / 1 / off
+(--temperature, --top-p, --top-k given: those; --temperature 0 serves greedy by default); max_tokens: 16 for
+completions and the rest of the context for chat (--max-new-tokens given: that, for both). --block-size
 auto serves with the draft's trained block (there are no prompts to probe). SIGTERM / Ctrl-C: the server stops
 listening, lets the requests in flight finish for up to --shutdown-timeout seconds, cancels the rest, exits 0.
 """
@@ -15,6 +17,7 @@ import logging
 import signal
 import sys
 
+from infer.serve.protocol import DEFAULT_MAX_BODY
 from infer.common import (DEFAULT_MAX_BATCH, adaptive_kwargs, add_max_batch_arg, add_model_args, decoding_kwargs, die,
                           fixed_block_size, load_models, paging_kwargs, slots_that_fit, draft_kwargs)
 
@@ -26,6 +29,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m infer.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
+    # None: not given (the defaults are resolved from the target's generation_config: resolve_defaults)
+    p.set_defaults(temperature=None, top_k=None, top_p=None, max_new_tokens=None)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: every "
                                                        "interface)")
@@ -41,6 +46,10 @@ def parse_args(argv=None):
                    help="at SIGTERM, seconds the requests in flight may take to finish before they are cancelled "
                         "(default 30)")
     s.add_argument("--no-warm", action="store_true", help="skip compiling the short-prompt programs before serving")
+    s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY,
+                   help=f"request bodies above this size get 413 (default {DEFAULT_MAX_BODY})")
+    s.add_argument("--no-access-log", action="store_true", help="no access log line per request (method, path, "
+                                                                 "status, seconds; at --log-level info)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p.parse_args(argv)
 
@@ -59,6 +68,40 @@ def check_args(args) -> None:
         die(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.plain and args.draft:
         die("--plain serves the target alone: drop --draft")
+    if args.max_body_bytes < 1:
+        die(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+
+
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # OpenAI's (top_k: off)
+
+
+def generation_defaults(target_dir: str) -> dict:
+    """temperature / top_p / top_k of the target's generation_config.json, those it has (vLLM's rule)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(target_dir, "generation_config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {k: config[k] for k in SAMPLING_DEFAULTS if isinstance(config.get(k), (int, float))}
+
+
+def resolve_defaults(args) -> int | None:
+    """Fill the sampling flags not given from the target's generation_config.json, else OpenAI's defaults; ->
+    the server's max_tokens default (None: vLLM's rule), ``args.max_new_tokens`` set for the engine's options."""
+    from dflash_jax.checkpoints import resolve_path
+    from dflash_jax.demo import DEMO_TARGET
+
+    missing = [k for k in SAMPLING_DEFAULTS if getattr(args, k) is None]
+    found = generation_defaults(resolve_path(args.target or DEMO_TARGET)) if missing else {}
+    for k in missing:
+        setattr(args, k, found.get(k, SAMPLING_DEFAULTS[k]))
+    given = args.max_new_tokens
+    if given is None:
+        args.max_new_tokens = 16  # only the engine options' placeholder: every request gets its own budget
+    return given
 
 
 def build_service(args):
@@ -66,6 +109,7 @@ def build_service(args):
     from dflash_jax.decode import DecodeOptions, cache_length
     from infer.serve.service import Limits, Service, model_name
 
+    default_max_tokens = resolve_defaults(args)
     target, draft, tokenizer = load_models(args)
     if args.plain:
         draft = None
@@ -80,7 +124,8 @@ def build_service(args):
         name, aliases = model_name(args.target, target.path)
         service = Service(target, draft, tokenizer, options,
                           Limits(slots, max_length, args.queue_size, **paging_kwargs(args)),
-                          name=args.served_model_name or name, aliases=aliases)
+                          name=args.served_model_name or name, aliases=aliases,
+                          default_max_tokens=default_max_tokens)
     except ValueError as e:
         die(str(e))
     return service
@@ -101,13 +146,17 @@ def main(argv=None) -> int:
         die("infer.serve runs on one host (a --mesh over its local devices); multi-host serving is not supported")
     spec = service.engine.spec
     what = f"DFlash, block {spec.draft_block}" if spec.speculative else "plain decoding"
+    o = service.options
     print(f"serving {service.name!r}: {what}, requests of up to {service.max_length} tokens; cache: "
-          f"{service.engine.describe()}; queue {args.queue_size}" + ("" if args.no_warm else "; compiling the short-prompt programs..."), file=sys.stderr)
+          f"{service.engine.describe()}; queue {args.queue_size}; defaults: temperature {o.temperature}, top_p "
+          f"{o.top_p}, top_k {o.top_k or 'off'}" + ("" if args.no_warm else "; compiling the short-prompt programs..."),
+          file=sys.stderr)
     service.start(warm=not args.no_warm)
     AppStatus.disable_automatic_graceful_drain()  # SIGTERM: let streams in flight finish (--shutdown-timeout)
     logging.basicConfig(level=args.log_level.upper())
-    config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
+    app = create_app(service, max_body=args.max_body_bytes, access_log=not args.no_access_log)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)
     # uvicorn handles SIGTERM during run() and raises it again afterwards for the handler it found: a handler of
     # ours turns that into a clean exit (status 0) after the drain, not a death by the signal

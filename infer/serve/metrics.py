@@ -15,8 +15,13 @@ class Metrics:
 
     def __init__(self, slots: int, max_block: int):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("dflash_requests", "Requests answered, by endpoint and outcome "
-                                "(ok, error, cancelled: the client went away)", ["endpoint", "outcome"], registry=r)
+        self.requests = Counter("dflash_requests", "Requests answered, by endpoint and outcome (ok; cancelled: the "
+                                "client went away; invalid: a field refused by validation; unsupported: a feature "
+                                "not supported; not_found: an unknown model; too_large: the body over the limit; "
+                                "overloaded: a full queue or a server shutting down; internal: a server failure)",
+                                ["endpoint", "outcome"], registry=r)
+        self.responses = Counter("dflash_http_responses", "HTTP responses by route (unknown routes: other) and "
+                                 "status code", ["route", "status"], registry=r)
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("dflash_generation_tokens", "Tokens generated", registry=r)
         self.queue_depth = Gauge("dflash_queue_depth", "Requests waiting for a slot", registry=r)

@@ -1,14 +1,27 @@
 """The OpenAI request bodies the server takes (pydantic models: every field typed, unknown fields refused), the
-features it refuses with a reason, and the OpenAI-style error object every failure is answered with."""
+features it refuses with a reason, the fields it accepts and ignores (one warning per field name), and the
+OpenAI-style error object every failure is answered with.
+
+The policy for a field that would change the answer: honoured, or accepted at its neutral value only and refused
+otherwise, never silently ignored (docs/serving.md has the table)."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 Number = Union[StrictInt, StrictFloat]
-MAX_STOPS = 16  # stop strings per request
+MAX_STOPS = 256  # stop strings per request
 MAX_PROMPTS = 64  # prompts in one completions request (each a choice)
+MAX_N = 16  # choices per prompt (n)
+MAX_CHOICES = 128  # choices per request (prompts x n)
+DEFAULT_MAX_BODY = 8 * 2 ** 20  # request bodies above this many bytes: 413 (--max-body-bytes)
+MAX_LOGPROBS = 20  # top alternatives per token (completions logprobs, chat top_logprobs), as vLLM's max_logprobs
+# fields taken and ignored: bookkeeping that changes no token of the answer (a warning per field name, once)
+IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "priority")
+log = logging.getLogger("infer.serve")
+_warned: set[str] = set()
 
 
 class APIError(Exception):
@@ -28,9 +41,38 @@ def refuse(param: str, why: str) -> APIError:
     return APIError(400, f"{param}: {why}", param=param, code="unsupported_parameter")
 
 
+def warn_ignored(field: str) -> None:
+    """Log once per process that a request field is accepted and ignored."""
+    if field not in _warned:
+        _warned.add(field)
+        log.warning("request field %r is accepted and ignored (it does not change the answer)", field)
+
+
+def first_surrogate(value, path: str = "") -> str | None:
+    """The path of the first string in ``value`` (nested lists / dicts) that is not valid Unicode text (a lone
+    surrogate such as "\\udcff", which JSON can spell), else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            bad = first_surrogate(k, path) or first_surrogate(v, f"{path}.{k}" if path else str(k))
+            if bad:
+                return bad
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            bad = first_surrogate(v, f"{path}.{i}" if path else str(i))
+            if bad:
+                return bad
+    return None
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: usage on every chunk (with include_usage)
 
 
 class Sampling(BaseModel):
@@ -46,12 +88,26 @@ class Sampling(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = Field(1, ge=1)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
     presence_penalty: Number = 0
     frequency_penalty: Number = 0
     logit_bias: dict[str, Number] | None = None
-    user: StrictStr | None = None
     ignore_eos: StrictBool = False  # an extra field: no stop at the target's EOS ids
+    # vLLM's extra fields
+    stop_token_ids: list[StrictInt] | None = None  # more stop ids (beside the EOS ids unless ignore_eos)
+    min_tokens: StrictInt = Field(0, ge=0)
+    repetition_penalty: Number | None = None  # 1 (neutral) only
+    min_p: Number | None = None  # 0 (neutral) only
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    # taken and ignored (IGNORED)
+    user: StrictStr | None = None
+    metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    parallel_tool_calls: StrictBool | None = None
+    priority: StrictInt | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -62,39 +118,70 @@ class Sampling(BaseModel):
         return tuple(dict.fromkeys(stops))
 
     def check(self) -> None:
-        """Refuse what the engine does not do (rather than silently ignoring it)."""
-        if self.n != 1:
-            raise refuse("n", f"one choice per prompt is supported, got n={self.n}")
+        """Refuse what the engine does not do (rather than silently ignoring it); warn once per ignored field."""
         if self.presence_penalty or self.frequency_penalty:
             raise refuse("presence_penalty" if self.presence_penalty else "frequency_penalty",
-                         "penalties change the target's distribution; not supported (lossless decoding)")
+                         "penalties change the target's distribution; not supported (lossless decoding); only 0")
+        if self.repetition_penalty is not None and self.repetition_penalty != 1:
+            raise refuse("repetition_penalty", "penalties change the target's distribution; not supported "
+                         f"(lossless decoding); only 1, got {self.repetition_penalty}")
+        if self.min_p is not None and self.min_p != 0:
+            raise refuse("min_p", f"not supported; only 0 (off), got {self.min_p}")
         if self.logit_bias:
-            raise refuse("logit_bias", "not supported")
+            raise refuse("logit_bias", "not supported (only {})")
+        if not self.spaces_between_special_tokens:
+            raise refuse("spaces_between_special_tokens", "only true (the tokenizer's own decoding) is supported")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only with stream: true", param="stream_options")
-        self.stop_strings()
+        stops = self.stop_strings()
+        if self.min_tokens:
+            budget = self.token_budget
+            if budget is not None and self.min_tokens > budget:
+                raise APIError(400, f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({budget})",
+                               param="min_tokens")
+            if not self.ignore_eos or stops or self.stop_token_ids:
+                # honoured only where it holds by itself: keeping a stop token out would change the distribution
+                raise refuse("min_tokens", "only with ignore_eos and no stop strings / stop_token_ids (every "
+                             "answer then has max_tokens tokens); an answer cannot be kept from stopping early "
+                             "without changing the target's distribution")
+        for field in IGNORED:
+            if getattr(self, field) is not None:
+                warn_ignored(field)
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.max_tokens
+
+    def logprobs_k(self) -> int | None:
+        """Top alternatives per token asked for (None: no logprobs)."""
+        return None
 
 
 class CompletionRequest(Sampling):
     """``POST /v1/completions``: ``prompt`` as text, token ids, or a list of either (one choice each)."""
 
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    logprobs: StrictInt | None = None
+    max_tokens: StrictInt | None = Field(None, ge=0)  # 0: with echo only (the prompt scored, nothing generated)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: StrictInt | None = None
     echo: StrictBool = False
     suffix: StrictStr | None = None
 
     def check(self) -> None:
         super().check()
-        if self.logprobs is not None:
-            raise refuse("logprobs", "not supported yet")
-        if self.best_of not in (None, 1):
-            raise refuse("best_of", f"one candidate per prompt is supported, got best_of={self.best_of}")
-        if self.echo:
-            raise refuse("echo", "not supported")
+        if self.best_of not in (None, self.n):
+            raise refuse("best_of", f"best_of must equal n ({self.n}): candidates are not ranked, got "
+                         f"best_of={self.best_of}")
         if self.suffix:
             raise refuse("suffix", "not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens: 0 only with echo (scoring the prompt)", param="max_tokens",
+                           code="invalid_value")
+        if self.stream and (self.logprobs is not None or self.echo):
+            raise refuse("logprobs" if self.logprobs is not None else "echo", "not supported with stream: true")
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt of the request: text or a list of ids."""
@@ -140,7 +227,7 @@ class ChatRequest(Sampling):
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
@@ -149,8 +236,10 @@ class ChatRequest(Sampling):
 
     def check(self) -> None:
         super().check()
-        if self.logprobs or self.top_logprobs is not None:
-            raise refuse("logprobs" if self.logprobs else "top_logprobs", "not supported yet")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs: only with logprobs: true", param="top_logprobs")
+        if self.stream and self.logprobs:
+            raise refuse("logprobs", "not supported with stream: true")
         if self.tools:
             raise refuse("tools", "tool calling is not supported")
         if self.tool_choice not in (None, "none"):
@@ -163,6 +252,9 @@ class ChatRequest(Sampling):
     @property
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union-member steps in an error path

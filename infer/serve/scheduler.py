@@ -25,7 +25,8 @@ FINISHED = (int(Finish.LENGTH), int(Finish.STOP))
 
 @dataclasses.dataclass
 class Delta:
-    """New text of choice ``index`` (``ids``: the tokens it came from; the text may lag them by a held-back tail)."""
+    """New text of choice ``index`` (``ids``: the tokens it came from; the text may lag them by a held-back tail;
+    a Delta may carry ids and no text yet)."""
 
     index: int
     text: str
@@ -71,7 +72,7 @@ class Job:
 
     def done(self, reason: str, acceptance_lengths=()) -> Done:
         """The ``Done`` event of this job as it stands."""
-        return Done(self.index, self.text.text, self.text.ids, reason, len(self.request.prompt_ids),
+        return Done(self.index, self.text.text, list(self.text.answer_ids), reason, len(self.request.prompt_ids),
                     list(acceptance_lengths))
 
 
@@ -204,7 +205,9 @@ class Scheduler:
             if new and job.first_token is None:
                 job.first_token = time.perf_counter()
             delta, stopped = job.text.push(new)
-            if delta:
+            if stopped and new:  # the ids past the one that completed a stop string are not the answer's
+                new = new[:max(len(job.text.answer_ids) - (len(job.text.ids) - len(new)), 0)]
+            if delta or new:
                 job.emit(Delta(job.index, delta, new))
             if stopped or int(p["finish"][r]) in FINISHED:
                 done.append((r, "stop" if stopped or int(p["finish"][r]) == Finish.STOP else "length"))
@@ -218,7 +221,7 @@ class Scheduler:
                 tail = job.text.finish()
                 if tail:
                     job.emit(Delta(job.index, tail, []))
-                out = len(job.text.ids)
+                out = len(job.text.answer_ids)
                 self.metrics.generation_tokens.inc(out)
                 self.metrics.prompt_tokens.inc(len(job.request.prompt_ids))
                 self.metrics.latency.observe(now - job.arrived)

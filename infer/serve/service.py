@@ -10,9 +10,9 @@ import time
 from dflash_jax.decode import DecodeOptions, Engine, Request
 from dflash_jax.decode.slots import PAGE
 from dflash_jax.prompts import PromptError, chat_ids, encode_prompt
-from dflash_jax.target import Target
+from dflash_jax.target import Target, check_token_ids
 from infer.serve.metrics import Metrics
-from infer.serve.protocol import APIError, ChatRequest, CompletionRequest, Sampling
+from infer.serve.protocol import MAX_CHOICES, APIError, ChatRequest, CompletionRequest, Sampling
 from infer.serve.scheduler import Job, QueueFull, Scheduler
 from infer.serve.text import TextStream
 
@@ -31,19 +31,32 @@ class Service:
     requests must give (``aliases`` are accepted too)."""
 
     def __init__(self, target: Target, draft, tokenizer, options: DecodeOptions, limits: Limits, *, name: str,
-                 aliases: tuple[str, ...] = ()):
+                 aliases: tuple[str, ...] = (), default_max_tokens: int | None = None):
         self.target, self.draft, self.tokenizer, self.options, self.limits = target, draft, tokenizer, options, limits
         self.name, self.names = name, {name, *aliases}
+        # a request without max_tokens: this many (cut to the room left), or None: vLLM's rule (completions 16,
+        # chat the rest of the context)
+        self.default_max_tokens = default_max_tokens
         self.engine = Engine(target, draft, options, max_batch=limits.max_batch, max_length=limits.max_length,
                              sampled=True, page=limits.page, kv_cache_memory=limits.kv_cache_memory)
         self.metrics = Metrics(self.engine.rows, self.engine.spec.max_block)
         self.scheduler = Scheduler(self.engine, self.metrics, limits.queue_size)
         self.created = int(time.time())
         self._streams = itertools.count(1)  # the key stream of a request that gives no seed
+        self._scorer = None
 
     @property
     def max_length(self) -> int:
         return self.engine.max_length
+
+    @property
+    def scorer(self):
+        """The log-probability scorer (``logprobs.Scorer``), built on first use."""
+        if self._scorer is None:
+            from infer.serve.logprobs import Scorer
+
+            self._scorer = Scorer(self.target, self.tokenizer)
+        return self._scorer
 
     def start(self, warm: bool = True) -> None:
         """Compile (and run once) the programs of short prompts, then start the engine thread."""
@@ -85,13 +98,39 @@ class Service:
             raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
 
     # --- requests -------------------------------------------------------------------------------------------
+    def default_budget(self, body: Sampling, room: int) -> int:
+        """max_tokens of a request that gives none: the server's (--max-new-tokens), else vLLM's rule."""
+        if self.default_max_tokens is not None:
+            return min(self.default_max_tokens, room)
+        return min(16, room) if isinstance(body, CompletionRequest) else room
+
+    def stop_ids(self, body: Sampling) -> tuple[int, ...]:
+        """The request's stop ids: the server's (the target's EOS ids) unless ignore_eos, and its stop_token_ids."""
+        extra = list(body.stop_token_ids or ())
+        vocab = self.target.config.vocab_size
+        bad = [t for t in extra if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"stop_token_ids: {bad} outside the vocabulary [0, {vocab})", param="stop_token_ids")
+        return tuple(dict.fromkeys((() if body.ignore_eos else tuple(self.options.stop_token_ids)) + tuple(extra)))
+
     def jobs(self, body: Sampling, prompts: list[list[int]], budget: int | None, emit) -> list[Job]:
-        """One checked job per prompt (400 on a bad id, a prompt past the max length, a budget that does not fit)."""
+        """``n`` checked jobs per prompt, choice index = prompt * n + j, each with its own key stream (400 on a bad
+        id, a prompt past the max length, a budget that does not fit). A budget of 0 (echo): no job."""
         stops = body.stop_strings()
+        stop_ids = self.stop_ids(body)
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise APIError(400, f"n: at most {MAX_CHOICES} choices per request (prompts x n), got "
+                           f"{len(prompts)} x {body.n}", param="n")
         jobs = []
         for i, ids in enumerate(prompts):
             room = self.max_length - len(ids)
             where = f"prompt {i} " if len(prompts) > 1 else "the prompt "
+            if budget == 0 and room >= 0:  # echo, scored only: the ids checked, nothing generated
+                try:
+                    check_token_ids(ids, self.target.config.vocab_size, "prompt")
+                except ValueError as e:
+                    raise APIError(400, f"{where.strip()}: {e}", param="prompt") from None
+                continue
             if room < 1:
                 raise APIError(400, f"{where}has {len(ids)} tokens; this server's maximum length is {self.max_length}"
                                " tokens (prompt + completion; --max-length), so nothing can be generated",
@@ -101,18 +140,21 @@ class Service:
                 raise APIError(400, f"{where}has {len(ids)} tokens and max_tokens is {budget}: more than this "
                                f"server's maximum length of {self.max_length} tokens (--max-length)",
                                param="max_tokens", code="context_length_exceeded")
-            request = Request(
-                ids, max_new_tokens=budget if budget is not None else min(self.options.max_new_tokens, room),
-                temperature=None if body.temperature is None else float(body.temperature),
-                top_k=None if body.top_k is None else max(body.top_k, 0),
-                top_p=None if body.top_p is None else float(body.top_p),
-                seed=body.seed, stream=0 if body.seed is not None else next(self._streams),
-                stop_token_ids=() if body.ignore_eos else None)
-            try:
-                self.engine.check([request])
-            except ValueError as e:
-                raise APIError(400, f"{where.strip()}: {e}", param="prompt") from None
-            jobs.append(Job(request, i, TextStream(self.tokenizer, stops) if self.tokenizer else NoText(), emit))
+            for j in range(body.n):
+                request = Request(
+                    ids, max_new_tokens=budget if budget is not None else self.default_budget(body, room),
+                    temperature=None if body.temperature is None else float(body.temperature),
+                    top_k=None if body.top_k is None else max(body.top_k, 0),
+                    top_p=None if body.top_p is None else float(body.top_p),
+                    seed=body.seed, stream=j if body.seed is not None else next(self._streams),
+                    stop_token_ids=stop_ids)
+                try:
+                    self.engine.check([request])
+                except ValueError as e:
+                    raise APIError(400, f"{where.strip()}: {e}", param="prompt") from None
+                text = (TextStream(self.tokenizer, stops, skip_special=body.skip_special_tokens,
+                                   include_stop=body.include_stop_str_in_output) if self.tokenizer else NoText())
+                jobs.append(Job(request, i * body.n + j, text, emit))
         return jobs
 
     def submit(self, jobs: list[Job]) -> None:
