@@ -6,8 +6,9 @@ kernels in ``dflash_jax/kernels/`` and are re-exported here;
 ``block_attention`` below dispatches the draft's training attention to the kernel on TPU/GPU and to
 the dense reference on CPU; ``decode_attention`` dispatches decode / verify / draft-decode attention to
 the Pallas decode kernel on TPU/GPU and to the tiled jnp loop elsewhere (both read only the key tiles
-below each row's length). On a mesh (the trace's abstract mesh) both kernels run per shard under
-``shard_map`` (``sharding.per_shard``): rows over data*fsdp, heads over tensor.
+below each row's length); ``paged_decode_attention`` does the same over a paged cache (the paged kernel reads
+the rows' pages in place; the loop and reference gather them first). On a mesh (the trace's abstract mesh) the
+kernels run per shard under ``shard_map`` (``sharding.per_shard``): rows over data*fsdp, heads over tensor.
 """
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ from dflash_jax.kernels.block_attention import block_attention_reference, kernel
 from dflash_jax.kernels.decode_attention import MAX_QUERIES, decode_attention_loop, decode_attention_reference
 from dflash_jax.kernels.decode_attention import decode_attention as decode_attention_kernel
 from dflash_jax.kernels.decode_attention import decode_kernel_supported
+from dflash_jax.kernels.paged_attention import gather_pages, paged_kernel_supported
+from dflash_jax.kernels.paged_attention import paged_decode_attention as paged_decode_attention_kernel
 from dflash_jax.kernels.reference import attend, position_mask
 from dflash_jax.sharding.per_shard import attention_per_shard
+from dflash_jax.state import PAGE_AXES
 
-__all__ = ["DECODE_IMPLS", "MAX_QUERIES", "attend", "block_attention", "decode_attention", "position_mask"]
+__all__ = ["DECODE_IMPLS", "MAX_QUERIES", "attend", "block_attention", "decode_attention", "paged_decode_attention",
+           "position_mask"]
 
 DECODE_IMPLS = ("auto", "kernel", "interpret", "loop", "reference")
 _ROWS = ("batch", "length", "heads", "head_dim")  # block attention's q / k / v: [B, T, H(kv), D]
@@ -91,3 +96,35 @@ def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding
     return attention_per_shard(kernel, (q, k, v, q_pos, lengths, k_new, v_new, sinks, new_mask),
                                (_QUERIES, _CACHE, _CACHE, ("cache_batch",), ("cache_batch",), _CACHE, _CACHE,
                                 ("cache_heads",), ("cache_batch",)), what="decode attention")
+
+
+# positional: the attention operands (q, k, v, and their positions / lengths / masks), one order throughout
+def paged_decode_attention(q, k_pages, v_pages, table, q_pos, lengths, k_new=None, v_new=None, *,
+                           sliding_window: int | None = None, sinks=None, impl: str = "auto", new_causal: bool = False,
+                           new_mask=None, scale: float | None = None):
+    """``decode_attention`` over a paged cache (``state.PagedKV``): pools k_pages [P, page, Hkv, D], v_pages
+    [P, page, Hkv, Dv] and the rows' block table [B, n] (row b's slot s in page table[b, s // page] at offset
+    s % page; entries >= P: no page, past the row's length); see ``dflash_jax/kernels/paged_attention.py``.
+    ``impl``: "auto" (the paged Pallas kernel on one TPU / GPU where supported, else the loop), "kernel",
+    "interpret" (kernel on CPU), "loop" (the tiled jnp loop over the gathered pages) or "reference" (dense over
+    the gathered pages)."""
+    if impl == "auto":
+        supported = paged_kernel_supported(head_dim=q.shape[-1], kv_heads=k_pages.shape[2], page=k_pages.shape[1],
+                                           v_head_dim=v_pages.shape[-1])
+        impl = "kernel" if supported else "loop"
+    kw = dict(sliding_window=sliding_window, sinks=sinks, new_causal=new_causal, new_mask=new_mask, scale=scale)
+    if impl in ("loop", "reference"):  # the pages gathered into rows (``PagedKV.view``)
+        return decode_attention(q, gather_pages(k_pages, table), gather_pages(v_pages, table), q_pos, lengths, k_new,
+                                v_new, impl=impl, **kw)
+    if impl not in ("kernel", "interpret"):
+        raise ValueError(f"impl must be one of {', '.join(DECODE_IMPLS)}, not {impl!r}")
+    # positional: one shard's operands, in the order attention_per_shard passes them
+    def kernel(q, k_pages, v_pages, table, q_pos, lengths, k_new, v_new, sinks, new_mask):
+        return paged_decode_attention_kernel(q, k_pages, v_pages, table, q_pos, lengths, k_new, v_new,
+                                             interpret=impl == "interpret", **{**kw, "sinks": sinks,
+                                                                               "new_mask": new_mask})
+
+    return attention_per_shard(kernel, (q, k_pages, v_pages, table, q_pos, lengths, k_new, v_new, sinks, new_mask),
+                               (_QUERIES, PAGE_AXES, PAGE_AXES, ("cache_batch", "cache_len"), ("cache_batch",),
+                                ("cache_batch",), _CACHE, _CACHE, ("cache_heads",), ("cache_batch",)),
+                               what="paged decode attention")

@@ -4,7 +4,8 @@ One forward serves prefill, verification and plain full-sequence scoring: with a
 decode state (``dflash_jax.state``) takes the new K/V and returns the keys the queries may see; queries
 see keys at positions <= their own (offset-causal: committed context plus the causal part of the new
 tokens); without a cache, plain causal attention over the given tokens. Decode and verify forwards on a
-full-attention cache read only the slots below each row's length (``attention.decode_attention``).
+full-attention cache read only the slots below each row's length (``attention.decode_attention``; a paged
+cache's pages in place: ``attention.paged_decode_attention``).
 """
 from __future__ import annotations
 
@@ -13,12 +14,20 @@ from typing import ClassVar
 import flax.linen as nn
 import jax.numpy as jnp
 
-from dflash_jax.attention import MAX_QUERIES, attend, decode_attention, position_mask
+from dflash_jax.attention import MAX_QUERIES, attend, decode_attention, paged_decode_attention, position_mask
 from dflash_jax.checkpoints import NameTable
 from dflash_jax.config import TargetConfig
 from dflash_jax.families.family import Family
 from dflash_jax.layers import MLP, AttentionProjections, Embed, Linear, RMSNorm
 from dflash_jax.state import DecodeCache, FullKV, KVSpec, PagedKV, SlidingKV
+
+
+# positional: the attention operands (q, and their positions / lengths / own keys), as decode_attention orders them
+def _cache_attention(state, q, q_pos, lengths, k_new=None, v_new=None, **kw):
+    """``decode_attention`` over a full cache: a ``FullKV``'s rows, or a ``PagedKV``'s pages read in place."""
+    if isinstance(state, PagedKV):
+        return paged_decode_attention(q, state.k, state.v, state.table, q_pos, lengths, k_new, v_new, **kw)
+    return decode_attention(q, *state.view(), q_pos, lengths, k_new, v_new, **kw)
 
 
 class DecoderLayer(nn.Module):
@@ -61,7 +70,7 @@ class DecoderLayer(nn.Module):
             return self.tree_attention(q, k, v, positions, state, new_mask, window=window, sinks=sinks, scale=scale)
         if isinstance(state, (FullKV, PagedKV)) and positions.shape[1] <= MAX_QUERIES:  # decode / verify: bounded
             state = state.write(k, v, positions)
-            o = decode_attention(q, *state.view(), positions, jnp.max(positions, axis=1) + 1,
+            o = _cache_attention(state, q, positions, jnp.max(positions, axis=1) + 1,
                                  sliding_window=window, sinks=sinks, impl=self.attention_impl, scale=scale)
             return o, state
         if state is None:
@@ -92,7 +101,7 @@ class DecoderLayer(nn.Module):
         impl = self.attention_impl
         if positions.shape[1] > MAX_QUERIES and impl in ("auto", "kernel", "interpret"):
             impl = "loop"  # the kernel holds at most MAX_QUERIES queries per row; the tiled jnp loop any number
-        o = decode_attention(q, *state.view(), positions, n, k, v, sliding_window=window, sinks=sinks,
+        o = _cache_attention(state, q, positions, n, k, v, sliding_window=window, sinks=sinks,
                              impl=impl, new_mask=new_mask, scale=scale)
         return o, state.tree_write(k, v, n)
 

@@ -31,6 +31,7 @@ key tiles [min lo_r // tk, ceil(max hi_r / tk)) only:
     repeated over the GQA group like the query rows) and writes the output. GPU (Triton): grid
     (B, Hkv), a ``fori_loop`` over the row's tiles loading from the whole cache row.
     The cache is read in place through free [B, S, Hkv*D] / [B, S, Hkv*Dv] views (block = one head's lanes).
+    Both calls also read a paged cache through its block table, a key tile a page (``paged_attention.py``).
 
 Logits, softmax and accumulators are float32; probabilities are cast to v.dtype for the PV matmul.
 """
@@ -228,13 +229,16 @@ def _tpu_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref,
 
 
 # positional: Pallas passes a kernel its refs in order (scalar prefetch, inputs, outputs, scratch)
-def _gpu_kernel(q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_ref, nm_ref, sink_ref, o_ref, *,
+def _gpu_kernel(q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_ref, nm_ref, sink_ref, *refs,
                 c: _Cfg):
+    """``refs``: (o_ref,), or for a paged cache (table_ref [n], o_ref): k_ref, v_ref are then the pools
+    [P*page, D] and key tile j, a page, starts at row table[j] * page."""
+    *table_ref, o_ref = refs
     q, lo, hi = q_ref[...], tiling.row_stats(lo_ref), tiling.row_stats(hi_ref)
     first, end = _tile_range(lo, hi, c.tk, axis=None)
 
     def body(j, cr):
-        kv = pl.ds(jnp.minimum(j * c.tk, c.ctx_len - c.tk), c.tk)
+        kv = pl.ds(table_ref[0][j] * c.tk if table_ref else jnp.minimum(j * c.tk, c.ctx_len - c.tk), c.tk)
         return _tile_step(q, k_ref[kv, :], v_ref[kv, :], lo, hi, j, c, cr)
 
     cr = lax.fori_loop(first, end, body, tiling.empty_carry(q.shape[0], o_ref.shape[-1]))
@@ -257,8 +261,11 @@ def _rows_pad(r: int, backend: str, interpret: bool) -> int:
 
 
 # positional: the attention operands (q, k, v, and their positions / lengths / masks), one order throughout
-def _pallas(q, k, v, q_pos, lengths, k_new, v_new, new_mask, sinks, c: _Cfg):
-    # 10 parameters: decode_attention's operands, passed through once from the jitted wrapper.
+def _pallas(q, k, v, q_pos, lengths, k_new, v_new, new_mask, sinks, c: _Cfg, launch):
+    """The kernel's operands laid out per (row, K/V head), ``launch(c, args, out_shape, cost, first, end)``
+    (``_launch``, or the paged one), its output back to [B, T, Hq, Dv]. k, v: the cache [B, S, Hkv, D] or
+    the pools [P, page, Hkv, D] (their last two axes flattened either way)."""
+    # 11 parameters: decode_attention's operands, passed through once from the jitted wrapper, and the call.
     b, t, hq, d = q.shape
     hkv, dv = k.shape[2], v.shape[-1]
     g = hq // hkv
@@ -295,16 +302,21 @@ def _pallas(q, k, v, q_pos, lengths, k_new, v_new, new_mask, sinks, c: _Cfg):
     entries = b * hkv * r * (c.ctx_len + (tn if c.has_new else 0))  # dense bound: every cache slot visited
     cost = tiling.cost_estimate(flops=2 * (d + dv) * entries, transcendentals=entries, operands=args,
                                 outputs=(out_shape,))
-    if c.backend == "tpu":
-        o = _tpu_call(c, args, out_shape, cost)(*_tile_range(lo, hi, c.tk), *args)
-    else:
-        o = _gpu_call(c, args, out_shape, cost)(*args)
+    o = launch(c, args, out_shape, cost, *_tile_range(lo, hi, c.tk))
     o = o[:, :, :t * g].reshape(b, hkv, t, g, dv)
     return jnp.einsum("BKTGV->BTKGV", o).reshape(b, t, hq, dv)
 
 
-def _tpu_call(c: _Cfg, args, out_shape, cost):
-    """The Mosaic pallas_call over (B, Hkv, key tiles + 1); it takes (first, end, *args)."""
+def _launch(c: _Cfg, args, out_shape, cost, first, end):
+    """The kernel over the rows' own caches; ``first`` / ``end`` [B]: each row's key tile range."""
+    if c.backend == "tpu":
+        return _tpu_call(c, args, out_shape, cost)(first, end, *args)
+    return _gpu_call(c, args, out_shape, cost)(*args)
+
+
+def _tpu_call(c: _Cfg, args, out_shape, cost, paged: bool = False):
+    """The Mosaic pallas_call over (B, Hkv, key tiles + 1); it takes (first, end, *args), or with ``paged``
+    (k, v pools [P, page, Hkv*D], a key tile a page) (first, end, table [B*n] of in-range pages, *args)."""
     from jax.experimental.pallas import tpu as pltpu
 
     qh, nm = args[0], args[9]
@@ -313,21 +325,25 @@ def _tpu_call(c: _Cfg, args, out_shape, cost):
     tn, nk = args[8].shape[-1], c.ctx_len // c.tk
     row = (None, r, c.lanes)
 
-    def kv_map(i, h, j, first, end):  # steps outside [first, end) stay on a tile already in VMEM
-        return i, jnp.minimum(jnp.maximum(j, first[i]), jnp.maximum(end[i] - 1, first[i])), h
+    def kv_map(i, h, j, first, end, *table):  # steps outside [first, end) stay on a tile already in VMEM
+        tile = jnp.minimum(jnp.maximum(j, first[i]), jnp.maximum(end[i] - 1, first[i]))
+        return (table[0][i * nk + tile], 0, h) if paged else (i, tile, h)
 
-    head = lambda i, h, j, first, end: (i, h, 0, 0)
-    per_row = lambda i, h, j, first, end: (i, 0, 0)
-    new = lambda i, h, j, first, end: (i, 0, h)
+    def kernel(first_ref, end_ref, *refs):  # the table is the index map's alone
+        _tpu_kernel(first_ref, end_ref, *(refs[1:] if paged else refs), c=c, nk=nk)
+
+    head = lambda i, h, j, *_: (i, h, 0, 0)
+    per_row = lambda i, h, j, *_: (i, 0, 0)
+    new = lambda i, h, j, *_: (i, 0, h)
     in_specs = [pl.BlockSpec((None, None, r, d), head), pl.BlockSpec((None, c.tk, d), kv_map),
                 pl.BlockSpec((None, c.tk, dv), kv_map), pl.BlockSpec((None, tn, d), new),
                 pl.BlockSpec((None, tn, dv), new)] + [pl.BlockSpec(row, per_row)] * 3 + [
                 pl.BlockSpec((None, 1, tn), per_row), pl.BlockSpec((None, *nm.shape[1:]), per_row),
-                pl.BlockSpec((None, r, c.lanes), lambda i, h, j, first, end: (h, 0, 0))]
+                pl.BlockSpec((None, r, c.lanes), lambda i, h, j, *_: (h, 0, 0))]
     return pl.pallas_call(
-        functools.partial(_tpu_kernel, c=c, nk=nk), out_shape=out_shape, interpret=c.interpret,
+        kernel, out_shape=out_shape, interpret=c.interpret,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(b, hkv, nk + 1), in_specs=in_specs,
+            num_scalar_prefetch=2 + paged, grid=(b, hkv, nk + 1), in_specs=in_specs,
             out_specs=pl.BlockSpec((None, None, r, dv), head),
             scratch_shapes=[pltpu.VMEM((r, c.lanes), jnp.float32), pltpu.VMEM((r, c.lanes), jnp.float32),
                             pltpu.VMEM((r, dv), jnp.float32)]),
@@ -335,8 +351,9 @@ def _tpu_call(c: _Cfg, args, out_shape, cost):
         cost_estimate=cost)
 
 
-def _gpu_call(c: _Cfg, args, out_shape, cost):
-    """The Triton pallas_call over (B, Hkv); each program loads from its whole cache row."""
+def _gpu_call(c: _Cfg, args, out_shape, cost, paged: bool = False):
+    """The Triton pallas_call over (B, Hkv); each program loads from its whole cache row, or with ``paged``
+    (k, v pools [P*page, Hkv*D], a key tile a page) from the whole pools, taking (*args, table [B, n])."""
     from jax.experimental.pallas import triton as pltr
 
     qh, nm = args[0], args[9]
@@ -345,11 +362,17 @@ def _gpu_call(c: _Cfg, args, out_shape, cost):
     head = lambda i, h: (i, h, 0, 0)
     per_row, per_row_2d = (lambda i, h: (i, 0)), (lambda i, h: (i, 0, 0))
     whole = lambda i, h: (i, 0, h)
-    in_specs = [pl.BlockSpec((None, None, r, d), head), pl.BlockSpec((None, c.ctx_len, d), whole),
-                pl.BlockSpec((None, c.ctx_len, dv), whole), pl.BlockSpec((None, tn, d), whole),
+    if paged:
+        cache = [pl.BlockSpec((args[1].shape[0], d), lambda i, h: (0, h)),
+                 pl.BlockSpec((args[2].shape[0], dv), lambda i, h: (0, h))]
+    else:
+        cache = [pl.BlockSpec((None, c.ctx_len, d), whole), pl.BlockSpec((None, c.ctx_len, dv), whole)]
+    in_specs = [pl.BlockSpec((None, None, r, d), head), *cache, pl.BlockSpec((None, tn, d), whole),
                 pl.BlockSpec((None, tn, dv), whole)] + [pl.BlockSpec((None, r), per_row)] * 3 + [
                 pl.BlockSpec((None, 1, tn), per_row_2d), pl.BlockSpec((None, *nm.shape[1:]), per_row_2d),
                 pl.BlockSpec((None, r), lambda i, h: (h, 0))]
+    if paged:
+        in_specs.append(pl.BlockSpec((None, c.ctx_len // c.tk), per_row))
     return pl.pallas_call(functools.partial(_gpu_kernel, c=c), grid=(b, hkv), in_specs=in_specs,
                           out_specs=pl.BlockSpec((None, None, r, dv), head), out_shape=out_shape,
                           interpret=c.interpret, cost_estimate=cost,
@@ -373,7 +396,8 @@ def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding
     c = _Cfg(window=sliding_window, scale=scale, tk=_pick_tile(k.shape[1], k_tile, backend), ctx_len=k.shape[1],
              has_new=k_new is not None, new_causal=bool(new_causal), has_mask=new_mask is not None,
              has_sinks=sinks is not None, backend=backend, interpret=interpret)
-    return _pallas(q, k, v, q_pos.astype(jnp.int32), lengths.astype(jnp.int32), k_new, v_new, new_mask, sinks, c)
+    return _pallas(q, k, v, q_pos.astype(jnp.int32), lengths.astype(jnp.int32), k_new, v_new, new_mask, sinks, c,
+                   _launch)
 
 
 def decode_kernel_supported(*, head_dim: int, kv_heads: int, ctx_len: int, v_head_dim: int | None = None) -> bool:
