@@ -187,25 +187,21 @@ class PagedKV:
     def max_len(self) -> int:
         return self.table.shape[1] * self.page
 
-    def _flat(self, positions):
-        """Flat pool index (page * page_size + offset) of ``positions`` [B, T]; P * page (dropped) for padding,
-        positions past the table and slots of no page."""
+    def _where(self, positions):
+        """(page, offset) [B, T] of ``positions`` [B, T]; page P (a write there is dropped) for padding, positions
+        past the table and slots of no page."""
         pages, size = self.k.shape[0], self.page
         col = jnp.clip(positions // size, 0, self.table.shape[1] - 1)
         page = jnp.take_along_axis(self.table, col, axis=1)
         ok = (positions >= 0) & (positions < self.max_len) & (page >= 0) & (page < pages)
-        return jnp.where(ok, page * size + positions % size, pages * size)
+        return jnp.where(ok, page, pages), positions % size
 
     def write(self, k_new, v_new, positions) -> "PagedKV":
         """Store k_new / v_new [B, T, K, H] at ``positions`` [B, T] in the rows' pages (padding, positions past
-        the table and slots of no page are dropped). Rows own distinct pages, so no two writes collide."""
-        at = self._flat(positions).reshape(-1)
-
-        def put(pool, new):
-            flat = pool.reshape((-1,) + pool.shape[2:])
-            flat = flat.at[at].set(new.reshape((-1,) + new.shape[2:]).astype(pool.dtype), mode="drop")
-            return flat.reshape(pool.shape)
-
+        the table and slots of no page are dropped). Rows own distinct pages, so no two writes collide. Indexed
+        in the pool's own layout (a flattened pool made XLA copy it on every step)."""
+        page, offset = self._where(positions)
+        put = lambda pool, new: pool.at[page, offset].set(new.astype(pool.dtype), mode="drop")  # noqa: E731
         return self.replace(k=put(self.k, k_new), v=put(self.v, v_new))
 
     def view(self):
@@ -233,9 +229,9 @@ class PagedKV:
         """``FullKV.compact`` in pages: positions ``src`` [B, L] copied to ``dst`` (src < 0: nothing), all read
         before any write."""
         keep = src >= 0
-        at = self._flat(jnp.maximum(src, 0))
-        read = lambda pool: pool.reshape((-1,) + pool.shape[2:])[jnp.minimum(at, pool.shape[0] * self.page - 1)]  # noqa
-        return self.write(read(self.k), read(self.v), jnp.where(keep, dst, -1))
+        page, offset = self._where(jnp.maximum(src, 0))
+        page = jnp.minimum(page, self.k.shape[0] - 1)  # a source of no page is never kept
+        return self.write(self.k[page, offset], self.v[page, offset], jnp.where(keep, dst, -1))
 
 
 @flax.struct.dataclass

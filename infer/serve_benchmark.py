@@ -6,6 +6,9 @@ client at each concurrency (a fixed number of requests, at most C in flight). Re
 server: output tokens/s (all requests' tokens over the level's wall time), time to first token and time per output
 token after it (p50 / p90), the mean acceptance length, DFlash's speedup over plain, and whether every answer is
 identical between the two. Every response is checked (complete, a finish reason, usage equal to its tokens).
+Beside each server, the engine itself decodes the same prompts one at a time in this process (what
+``infer.benchmark`` measures at batch 1): the server's concurrency-1 output tokens/s over the engine's batch-1
+tokens/s is the share of the engine's speed one user gets through the server.
 ``--url`` drives one server that is already running instead (no comparison). The machine's load average is
 printed beside the numbers: publish only what a quiet rerun reproduces.
 """
@@ -70,7 +73,8 @@ async def drive(url: str, model: str, prompts: list, max_tokens, concurrency: in
             start, first, parts, chunks = time.perf_counter(), None, [], 0
             finish, usage, ids, acc = None, None, [], []
             stream = await client.completions.create(model=model, prompt=prompt, max_tokens=budgets[i],
-                                                     temperature=0, stream=True, extra_body=body or None, **fields)
+                                                     temperature=0, stream=True, stream_options={"include_usage": True},
+                                                     extra_body=body or None, **fields)
             async for chunk in stream:
                 if chunk.choices:
                     c = chunk.choices[0]
@@ -189,7 +193,23 @@ def serve_both(args, prompts, levels) -> dict:
         with Running(service, warm=False) as server:
             asyncio.run(drive(server.url, "bench", prompts[:2], 4, 2))  # the HTTP path once, untimed
             out[kind] = run_levels(server.url, "bench", prompts, levels, args.max_new_tokens, args.num_requests)
+        ids = [encode_prompt({"prompt": p}, tokenizer) for p in prompts[:args.num_requests]]
+        out[kind]["engine"] = engine_batch1(target, d, ids, options)
     return out
+
+
+def engine_batch1(target, draft, prompts: list[list[int]], options) -> dict:
+    """The engine alone on ``prompts``, one at a time (``infer.benchmark``'s batch 1), after an untimed first call
+    -> {"tokens", "wall_s", "tokens_per_s"}: its generated tokens over the sum of each call's wall time."""
+    from dflash_jax.decode import speculative_generate
+
+    kw = dict(max_new_tokens=options.max_new_tokens, stop_token_ids=list(options.stop_token_ids),
+              block_size=options.block_size)
+    speculative_generate(target, draft, prompts[:1], **kw)  # compiled, untimed
+    results = [speculative_generate(target, draft, [p], **kw)[0] for p in prompts]
+    tokens, wall = sum(r.num_generated for r in results), sum(r.wall_time_s for r in results)
+    print(f"  engine at batch 1: {tokens / wall:.1f} tokens/s", file=sys.stderr)
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
 
 
 def main(argv=None) -> int:
@@ -206,6 +226,7 @@ def main(argv=None) -> int:
         results = {"server": run_levels(args.url, model, prompts, levels, args.max_new_tokens, args.num_requests)}
     else:
         results = serve_both(args, prompts, levels)
+    engine = {kind: by.pop("engine") for kind, by in results.items() if "engine" in by}
     rows = [dict(server=kind, **summary) for kind, by in results.items() for summary, _ in by.values()]
     summary = {"load_average_start": load, "load_average_end": os.getloadavg(), "max_new_tokens": args.max_new_tokens,
                "num_requests": args.num_requests}
@@ -213,6 +234,10 @@ def main(argv=None) -> int:
         d, pl = results["dflash"], results["plain"]
         summary["speedup"] = {c: d[c][0]["output_tokens_per_s"] / pl[c][0]["output_tokens_per_s"] for c in levels}
         summary["identical"] = all(a.token_ids == b.token_ids for c in levels for a, b in zip(d[c][1], pl[c][1]))
+        summary["engine_batch1_tokens_per_s"] = {k: e["tokens_per_s"] for k, e in engine.items()}
+        if 1 in levels:  # one user's share of the engine's own speed
+            summary["server_vs_engine"] = {k: results[k][1][0]["output_tokens_per_s"] / e["tokens_per_s"]
+                                           for k, e in engine.items()}
     if args.json:
         for r in rows:
             print(json.dumps(r))
@@ -229,6 +254,9 @@ def main(argv=None) -> int:
         print("speedup (DFlash / plain output tokens/s): " + ", ".join(
             f"{x:.2f}x at concurrency {c}" for c, x in summary["speedup"].items())
               + f"; identical answers: {'yes' if summary['identical'] else 'NO'}")
+    for kind, ratio in summary.get("server_vs_engine", {}).items():
+        print(f"{kind}: the server at concurrency 1 gives {ratio:.2f}x of the engine's batch-1 speed "
+              f"({summary['engine_batch1_tokens_per_s'][kind]:.1f} tokens/s)")
     print(f"load average {load[0]:.2f} at the start, {summary['load_average_end'][0]:.2f} at the end")
     return 0
 

@@ -113,7 +113,7 @@ def paged_audit(kind: str, bucket: int):
     at, n = np.arange(bucket, dtype=np.int32), np.int32(1)
     compiled = engine._compiled("run_rows", steps.run_rows_jit, st, at, n)
     pools = jax.tree_util.tree_leaves(st.pools)
-    shapes = {p.shape for p in pools}
+    shapes = {p.shape for p in pools} | {(p.shape[0] * p.shape[1],) + p.shape[2:] for p in pools}  # or flattened
     return (hlo.copies_of(compiled.as_text(), shapes), hlo.memory(compiled)["temp_bytes"],
             sum(p.size * p.dtype.itemsize for p in pools), engine)
 

@@ -19,6 +19,7 @@ class PagePool:
         self.free = list(range(self.pages - 1, -1, -1))  # pop() hands out the lowest ids first
         self.table = np.full((rows, self.columns), NO_PAGE, np.int32)
         self.owned = np.zeros((rows,), np.int32)  # pages each row holds (its first table entries)
+        self.version = 0  # counts the changes of ``table``
 
     def pages_for(self, tokens: int) -> int:
         """Pages that hold ``tokens`` positions (0..tokens-1)."""
@@ -42,6 +43,7 @@ class PagePool:
         for j in range(have, have + need):
             self.table[row, j] = self.free.pop()
         self.owned[row] = have + need
+        self.version += need > 0
         return True
 
     def release(self, row: int) -> None:
@@ -49,6 +51,7 @@ class PagePool:
         have = int(self.owned[row])
         self.free.extend(int(p) for p in self.table[row, :have][::-1])
         self.table[row] = NO_PAGE
+        self.version += have > 0
         self.owned[row] = 0
 
     def check(self) -> None:

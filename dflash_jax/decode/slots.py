@@ -109,6 +109,9 @@ class Engine:
         self.programs = PROGRAMS
         self._inputs_signature = signature(self.inputs)  # the params' tree: fixed for the engine's life
         self.used: set = set()  # the programs this engine ran (each compiled once per process, shared)
+        self._quick: dict = {}  # (name, signature of the arguments after the state) -> the executable
+        self._seen = None  # (finish, lengths) of the current state on the host, while no call has changed them
+        self._placed = -1  # the pool's version the current state's block tables hold
         self._admitted_at: dict[int, float] = {}
 
     def _pool(self, kv_cache_memory: int | None) -> PagePool:
@@ -147,13 +150,19 @@ class Engine:
 
     # --- programs -------------------------------------------------------------------------------------------
     def _compiled(self, name: str, fn, *args):
-        key = (name, self.spec, self._inputs_signature, signature(*args))
-        self.used.add(key)
-        return self.programs.get(key, lambda: fn.lower(self.spec, self.inputs, *args).compile())
+        """The executable of ``fn`` for ``args`` (the state first: of one structure for the engine's life, so a
+        program is looked up by its other arguments' signature, cheaply, on every step)."""
+        quick = (name, signature(*args[1:]))
+        if quick not in self._quick:
+            key = (name, self.spec, self._inputs_signature, signature(*args))
+            self.used.add(key)
+            self._quick[quick] = self.programs.get(key, lambda: fn.lower(self.spec, self.inputs, *args).compile())
+        return self._quick[quick]
 
     def empty(self) -> DecodeState:
         """A state of S free rows (paged: every page free)."""
         rows = self._rows([Request([0])], [self.options], [1], pad_to=self.rows, bucket=1)
+        self._seen = None
         if self.paged:
             for r in range(self.rows):
                 self._forget(r)
@@ -203,7 +212,7 @@ class Engine:
 
     def _bookkeeping(self, kept=None):
         """The host's record of one state (pages, admissions) -> a copy; ``kept`` given: put it back."""
-        names = ("pool", "_need", "_order", "_requests", "_preempted", "_admitted_at")
+        names = ("pool", "_need", "_order", "_requests", "_preempted", "_admitted_at", "_seen", "_placed")
         if kept is None:
             return {n: copy.deepcopy(getattr(self, n)) for n in names}
         for n in names:
@@ -261,6 +270,7 @@ class Engine:
         requests = list(requests)
         if not requests:
             return state, []
+        self._seen = None
         settings = self.check(requests)
         free = self.free_rows(state)
         rows = free[:len(requests)] if rows is None else [int(r) for r in rows]
@@ -319,6 +329,7 @@ class Engine:
             state, taken = self._compiled("run", steps.run_jit, state, n)(self.inputs, state, n)
             return state, int(taken)
         state, live = self._reserve(state)
+        self._seen = None
         if not live:
             return state, 0
         at = np.full((next(b for b in self.buckets() if b >= len(live)),), self.rows, np.int32)
@@ -330,7 +341,7 @@ class Engine:
     def _reserve(self, state: DecodeState) -> tuple[DecodeState, list[int]]:
         """Pages for the next ``LOOKAHEAD_STEPS`` steps of every running row, oldest first; the newest rows are
         preempted while the pool cannot give them -> (state, the running rows)."""
-        host = sharding.to_host((state.finish, state.tcache.lengths))
+        host = self._seen or sharding.to_host((state.finish, state.tcache.lengths))
         running = sorted((r for r in range(self.rows) if host[0][r] == Finish.RUNNING), key=self._order.get)
         ahead = LOOKAHEAD_STEPS * self.spec.max_block
         i = 0
@@ -359,7 +370,10 @@ class Engine:
             d.pop(row, None)
 
     def _tables(self, state: DecodeState) -> DecodeState:
-        """The state's block tables set to the pool's (the host's allocation)."""
+        """The state's block tables set to the pool's (the host's allocation), when it changed."""
+        if self._placed == self.pool.version:
+            return state
+        self._placed = self.pool.version
         return state.replace(pages=jax.device_put(self.pool.table, state.pages.sharding))
 
     def take_preempted(self) -> list[tuple[int, Resumed]]:
@@ -373,13 +387,16 @@ class Engine:
         and ``tail`` [S, W]: its last W tokens, ending at its newest committed one (W = max block + 1, the most an
         admission and one step commit), so that a host streaming after every ``step`` / ``run(state, 1)`` reads
         each row's new tokens without copying its whole token row."""
-        return sharding.to_host(steps.recent_jit(state, self.spec.max_block + 1))
+        out = sharding.to_host(steps.recent_jit(state, self.spec.max_block + 1))
+        self._seen = (out["finish"], out.pop("lengths"))  # the next run's page check reads these
+        return out
 
     def release(self, state: DecodeState, rows: Sequence[int]) -> tuple[DecodeState, list[GenerationResult]]:
         """The results of ``rows`` (timed from their admission by this engine) -> (state with them free, results)."""
         rows = [int(r) for r in rows]
         if not rows:
             return state, []
+        self._seen = None
         at = np.zeros((min(1 << (len(rows) - 1).bit_length(), self.rows),), np.int32)  # a few gather shapes
         at[:len(rows)] = rows
         host = sharding.to_host(steps.take_jit(state, at))

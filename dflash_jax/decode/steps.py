@@ -217,13 +217,13 @@ def take(state: DecodeState, at):
 
 
 def recent(state: DecodeState, width: int):
-    """Per row: its counters and its last ``width`` tokens ending at the newest committed one (what a streaming host
+    """Per row: its counters, its cache length, and its last ``width`` tokens ending at the newest committed one (what a streaming host
     reads after a step: a step commits at most a block, so ``width`` = max block + 1 covers an admission too)."""
     end = state.prompt_len + state.generated
     at = jnp.clip(end[:, None] - width + jnp.arange(width, dtype=end.dtype), 0, state.tokens.shape[1] - 1)
     last = jnp.take_along_axis(state.acceptance, jnp.maximum(state.steps - 1, 0)[:, None], axis=1)[:, 0]
     return dict(tail=jnp.take_along_axis(state.tokens, at, axis=1), generated=state.generated, finish=state.finish,
-                steps=state.steps, acceptance=last)
+                steps=state.steps, acceptance=last, lengths=state.tcache.lengths)
 
 
 empty_jit = jax.jit(_on_mesh(empty), static_argnames=("spec", "pages"))
