@@ -173,6 +173,7 @@ POLICY = [  # (extra fields, endpoint, honoured | ignored | refused)
     ({"stop_token_ids": [5, 6]}, "completions", "honoured"),
     ({"ignore_eos": True}, "chat", "honoured"),
     ({"max_completion_tokens": 3}, "chat", "honoured"),
+    ({"max_completion_tokens": 3, "max_tokens": 3}, "chat", "honoured"),  # both, equal (as some clients send)
     ({"stop": [f"never{i}" for i in range(40)]}, "completions", "honoured"),  # more than OpenAI's 4 / the old 16
     ({"logit_bias": {}}, "completions", "honoured"),
     ({"logit_bias": {"5": 2}}, "completions", "refused"),
@@ -387,3 +388,35 @@ def test_defaults_as_vllm(served, client, tmp_path):
     assert resolve_defaults(args) is None and (args.temperature, args.top_p, args.top_k) == (0.6, 0.95, 0)
     args = parse_args(["--target", str(tmp_path), "--temperature", "0", "--max-new-tokens", "64"])
     assert resolve_defaults(args) == 64 and args.temperature == 0 and args.top_p == 0.95
+
+
+def test_tokenize_and_detokenize(served, tok):
+    base = served[1]
+    r = httpx.post(base + "/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
+    assert r["tokens"] == tok(PROMPT)["input_ids"] and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_LENGTH
+    messages = [{"role": "user", "content": "hi"}]
+    r = httpx.post(base + "/tokenize", json={"messages": messages}).json()
+    assert r["tokens"] == served[0].chat_prompt(service_request(messages))
+    assert httpx.post(base + "/detokenize", json={"tokens": tok(PROMPT)["input_ids"]}).json()["prompt"] == PROMPT
+    assert httpx.post(base + "/detokenize", json={"tokens": [10 ** 6]}).status_code == 400
+    assert httpx.post(base + "/tokenize", json={"prompt": "x", "messages": messages}).status_code == 400
+    assert httpx.post(base + "/tokenize", content='{"prompt": "\\udcff"}',
+                      headers={"content-type": "application/json"}).status_code == 400
+
+
+def test_vllm_spec_decode_counters(served, client):
+    """vLLM's counter names beside the project's: drafts = verify steps, accepted = acceptance - 1 per step,
+    per position: how many steps accepted at least position + 1 draft tokens."""
+    base = served[1]
+    before = metrics(base)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    acc = r.choices[0].model_extra["acceptance_lengths"]
+    m = metrics(base)
+    grew = lambda name, labels=(): m.get((name, labels), 0) - before.get((name, labels), 0)  # noqa
+    assert grew("vllm:spec_decode_num_drafts_total") == len(acc)
+    assert grew("vllm:spec_decode_num_accepted_tokens_total") == sum(a - 1 for a in acc)
+    assert grew("vllm:spec_decode_num_draft_tokens_total") >= sum(a - 1 for a in acc)
+    assert grew("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),)) == sum(
+        1 for a in acc if a > 1)

@@ -19,7 +19,8 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infer.serve.metrics import CONTENT_TYPE_LATEST
-from infer.serve.protocol import DEFAULT_MAX_BODY, APIError, ChatRequest, CompletionRequest, first_surrogate, validation_error
+from infer.serve.protocol import (DEFAULT_MAX_BODY, APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
+                                  TokenizeRequest, check_text, first_surrogate, validation_error)
 from infer.serve.scheduler import Delta, Done, Failed
 from infer.serve.service import Service
 
@@ -49,8 +50,8 @@ def outcome_of(status: int, code: str | None = None) -> str:
 
 def route_of(path: str) -> str:
     """A bounded label for a request path (unknown routes are "other")."""
-    return path if path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics") \
-        else "other"
+    return path if path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+                            "/tokenize", "/detokenize") else "other"
 
 
 class TooLarge(HTTPException):
@@ -170,6 +171,20 @@ def create_app(service: Service, *, manage: bool = True, max_body: int = DEFAULT
     async def metrics():
         return Response(service.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if body.model is not None:
+            service.check_model(body.model)
+        check_text(body)
+        ids = await asyncio.to_thread(service.tokenize, body)
+        return Json({"count": len(ids), "max_model_len": service.max_length, "tokens": ids, "token_strs": None})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None:
+            service.check_model(body.model)
+        return Json({"prompt": await asyncio.to_thread(service.detokenize, body.tokens)})
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await _serve(service, body, request, "completions", service.completion_prompts)
@@ -194,9 +209,7 @@ async def _serve(service: Service, body, request: Request, endpoint: str, prompt
             loop.call_soon_threadsafe(channel.put_nowait, event)
 
     def prepare():  # off the event loop: a large prompt takes long to check and tokenize
-        bad = first_surrogate(body.model_dump(exclude_none=True))
-        if bad is not None:
-            raise APIError(400, f"{bad}: not valid Unicode text (a lone surrogate)", param=bad, code="invalid_text")
+        check_text(body)
         prompts = prompts_of(body)
         return prompts, service.jobs(body, prompts, body.token_budget, emit)
 

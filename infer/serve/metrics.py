@@ -46,6 +46,15 @@ class Metrics:
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("dflash_request_latency_seconds", "Request arrival until its last token",
                                  buckets=LATENCY_BUCKETS, registry=r)
+        # vLLM's speculative-decoding counters, by its names (dashboards and scripts written for vLLM read them)
+        self.vllm_drafts = Counter("vllm:spec_decode_num_drafts", "Verify steps of finished or cancelled "
+                                   "requests (one draft each)", registry=r)
+        self.vllm_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified (each step's "
+                                         "verified length, the pending token left out)", registry=r)
+        self.vllm_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted (the bonus "
+                                     "token left out)", registry=r)
+        self.vllm_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
+                                             "accepted at each draft position", ["position"], registry=r)
         self._accepted = self._verify_steps = 0
 
     def _tau(self) -> float:
@@ -58,6 +67,19 @@ class Metrics:
             self.acceptance.observe(a)
             self._accepted += int(a)
             self._verify_steps += 1
+
+    def drafts(self, acceptance_lengths, verify_lengths) -> None:
+        """A request's verify steps, when it leaves its row: vLLM's counters (a step that verified v tokens, the
+        pending one first, and committed a: v - 1 draft tokens, a - 1 of them accepted, positions 0..a-2)."""
+        if not len(acceptance_lengths):
+            return
+        self.vllm_drafts.inc(len(acceptance_lengths))
+        self.vllm_draft_tokens.inc(sum(max(int(v) - 1, 0) for v in verify_lengths))
+        accepted = [max(int(a) - 1, 0) for a in acceptance_lengths]
+        self.vllm_accepted.inc(sum(accepted))
+        longest = max(accepted)
+        for pos in range(longest):
+            self.vllm_accepted_per_pos.labels(str(pos)).inc(sum(1 for a in accepted if a > pos))
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -69,6 +69,13 @@ def first_surrogate(value, path: str = "") -> str | None:
     return None
 
 
+def check_text(body: BaseModel) -> None:
+    """400 where a request holds a string that is not valid Unicode (a lone surrogate)."""
+    bad = first_surrogate(body.model_dump(exclude_none=True))
+    if bad is not None:
+        raise APIError(400, f"{bad}: not valid Unicode text (a lone surrogate)", param=bad, code="invalid_text")
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
@@ -246,8 +253,8 @@ class ChatRequest(Sampling):
             raise refuse("tool_choice", "tool calling is not supported")
         if self.response_format is not None and self.response_format.type != "text":
             raise refuse("response_format", f"only text, got {self.response_format.type!r}")
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise APIError(400, "max_tokens and max_completion_tokens: give one", param="max_tokens")
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise APIError(400, "max_tokens and max_completion_tokens: give one (or both equal)", param="max_tokens")
 
     @property
     def token_budget(self) -> int | None:
@@ -255,6 +262,31 @@ class ChatRequest(Sampling):
 
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): ``prompt`` text (with the tokenizer's special tokens unless
+    ``add_special_tokens`` is false) or ``messages`` through the chat template -> the ids."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give one of prompt and messages", param="prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids -> their text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
 
 
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union-member steps in an error path

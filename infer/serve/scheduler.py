@@ -173,13 +173,19 @@ class Scheduler:
             self.active[row] = job
         return state
 
+    def _count_drafts(self, results) -> None:
+        if self.engine.spec.speculative:
+            for result in results:
+                self.metrics.drafts(result.acceptance_lengths, result.verify_lengths)
+
     def _turn(self, state):
         """Admit, drop the cancelled, one step (rows the pool cannot hold are preempted: they wait, first in line),
         send every row's new text, release the finished."""
         state = self._admit(state)
         gone = [r for r, j in self.active.items() if j.cancelled.is_set()]
         if gone:
-            state, _ = self.engine.release(state, gone)
+            state, results = self.engine.release(state, gone)
+            self._count_drafts(results)
             for r in gone:
                 job = self.active.pop(r)
                 job.emit(job.done("cancelled"))
@@ -215,6 +221,7 @@ class Scheduler:
             self.metrics.step(accepted)
         if done:
             state, results = self.engine.release(state, [r for r, _ in done])
+            self._count_drafts(results)
             now = time.perf_counter()
             for (r, reason), result in zip(done, results):
                 job = self.active.pop(r)

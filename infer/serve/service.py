@@ -9,10 +9,11 @@ import time
 
 from dflash_jax.decode import DecodeOptions, Engine, Request
 from dflash_jax.decode.slots import PAGE
-from dflash_jax.prompts import PromptError, chat_ids, encode_prompt
+from dflash_jax.prompts import PromptError, chat_ids, encode_prompt, token_ids
 from dflash_jax.target import Target, check_token_ids
 from infer.serve.metrics import Metrics
-from infer.serve.protocol import MAX_CHOICES, APIError, ChatRequest, CompletionRequest, Sampling
+from infer.serve.protocol import (MAX_CHOICES, APIError, ChatRequest, CompletionRequest, Sampling,
+                                  TokenizeRequest)
 from infer.serve.scheduler import Job, QueueFull, Scheduler
 from infer.serve.text import TextStream
 
@@ -96,6 +97,30 @@ class Service:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # a template that raises on these messages (e.g. roles out of order)
             raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
+
+    def tokenize(self, body: TokenizeRequest) -> list[int]:
+        """``/tokenize``: the ids a completions prompt (or chat messages) of this text would be."""
+        if self.tokenizer is None:
+            raise APIError(400, "this server's target has no tokenizer", param="prompt")
+        body.check()
+        if body.messages is not None:
+            try:
+                return chat_ids(self.tokenizer, [m.as_template() for m in body.messages], body.chat_template_kwargs,
+                                add_generation_prompt=body.add_generation_prompt)
+            except Exception as e:
+                raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
+        if body.add_special_tokens:
+            return encode_prompt({"prompt": body.prompt}, self.tokenizer)
+        return token_ids(self.tokenizer(body.prompt, add_special_tokens=False))
+
+    def detokenize(self, tokens: list[int]) -> str:
+        if self.tokenizer is None:
+            raise APIError(400, "this server's target has no tokenizer", param="tokens")
+        try:
+            check_token_ids(tokens or [0], self.target.config.vocab_size, "tokens")
+        except ValueError as e:
+            raise APIError(400, str(e), param="tokens") from None
+        return self.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     # --- requests -------------------------------------------------------------------------------------------
     def default_budget(self, body: Sampling, room: int) -> int:
