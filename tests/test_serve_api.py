@@ -420,3 +420,43 @@ def test_vllm_spec_decode_counters(served, client):
     assert grew("vllm:spec_decode_num_draft_tokens_total") >= sum(a - 1 for a in acc)
     assert grew("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),)) == sum(
         1 for a in acc if a > 1)
+
+
+def test_clients_exact_payloads(served, tok):
+    """The bodies guidellm 0.8 and lm-evaluation-harness 0.4 send (copied from their request builders): all
+    answered, the streamed ones with usage on every chunk; lm-eval's remote tokenizer probe finds its endpoints."""
+    base = served[1]
+    info = httpx.get(base + "/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and "chat_template" in info
+    probe = httpx.post(base + "/tokenize", json={"prompt": "test", "add_special_tokens": False}).json()
+    assert isinstance(probe["tokens"], list)
+    assert httpx.post(base + "/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()[
+        "tokens"][0] == tok.eos_token_id
+    guidellm = [("/v1/completions", {"model": MODEL, "stream": True, "prompt": "hello there",
+                                     "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                                     "max_tokens": 12, "stop": None, "ignore_eos": True}),
+                ("/v1/chat/completions", {"model": MODEL, "stream": True, "max_completion_tokens": 12, "stop": None,
+                                          "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                                          "ignore_eos": True, "messages": [
+                                              {"role": "user", "content": [{"type": "text", "text": "hello"}]}]})]
+    for path, body in guidellm:
+        with httpx.stream("POST", base + path, json=body, timeout=120) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert all(e["usage"] is not None for e in events) and events[-1]["usage"]["completion_tokens"] == 12
+    generate_until = {"prompt": ["def f(x):\n", "import os\n"], "model": MODEL, "max_tokens": 32, "temperature": 0,
+                      "stop": ["\n\n", "<|endoftext|>"], "seed": 1234}
+    r = httpx.post(base + "/v1/completions", json=generate_until, timeout=120)
+    assert r.status_code == 200 and sorted(c["index"] for c in r.json()["choices"]) == [0, 1]
+    context, continuation = tok("def f(x):\n")["input_ids"], tok("    return x")["input_ids"]
+    loglikelihood = {"model": MODEL, "prompt": [context + continuation], "temperature": 0, "max_tokens": 1,
+                     "logprobs": 1, "seed": 1234, "echo": True}
+    r = httpx.post(base + "/v1/completions", json=loglikelihood, timeout=120)
+    choice = r.json()["choices"][0]
+    ctxlen = len(context)
+    lps = choice["logprobs"]["token_logprobs"][ctxlen:-1]  # lm-eval's parse_logprobs
+    tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+    assert len(lps) == len(continuation) and all(lp <= max(top.values()) for lp, top in zip(lps, tops))
+    ref = log_softmax(served[0], context + continuation)
+    np.testing.assert_allclose(sum(lps), sum(ref[ctxlen + i - 1, t] for i, t in enumerate(continuation)),
+                               atol=1e-3)

@@ -51,7 +51,7 @@ def outcome_of(status: int, code: str | None = None) -> str:
 def route_of(path: str) -> str:
     """A bounded label for a request path (unknown routes are "other")."""
     return path if path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                            "/tokenize", "/detokenize") else "other"
+                            "/tokenize", "/detokenize", "/tokenizer_info") else "other"
 
 
 class TooLarge(HTTPException):
@@ -170,6 +170,10 @@ def create_app(service: Service, *, manage: bool = True, max_body: int = DEFAULT
     @app.get("/metrics")
     async def metrics():
         return Response(service.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return Json(service.tokenizer_info())
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

@@ -113,6 +113,16 @@ class Service:
             return encode_prompt({"prompt": body.prompt}, self.tokenizer)
         return token_ids(self.tokenizer(body.prompt, add_special_tokens=False))
 
+    def tokenizer_info(self) -> dict:
+        """``/tokenizer_info`` (vLLM's): the tokenizer's special tokens and chat template (lm-evaluation-harness
+        tokenizes through the server when this and ``/tokenize`` answer)."""
+        if self.tokenizer is None:
+            raise APIError(404, "this server's target has no tokenizer", code="not_found")
+        tok = self.tokenizer
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "unk_token": tok.unk_token,
+                "chat_template": getattr(tok, "chat_template", None), "model_max_length": self.max_length}
+
     def detokenize(self, tokens: list[int]) -> str:
         if self.tokenizer is None:
             raise APIError(400, "this server's target has no tokenizer", param="tokens")
