@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import target as target_lib
-from dflash_jax.attention import block_attention, decode_attention
+from dflash_jax.attention import block_attention, decode_attention, paged_decode_attention
 from dflash_jax.checkpoints import NameTable, export_params, load_params, resolve_path, save_safetensors
 from dflash_jax.config import DraftConfig
 from dflash_jax.dspark import ConfidenceHead, MarkovHead, walk
@@ -32,7 +32,7 @@ from dflash_jax.families import gemma4
 from dflash_jax.families.dense import DecoderLayer
 from dflash_jax.layers import Embed, Linear, RMSNorm, initializer, random_params
 from dflash_jax.sampling import categorical, row_keys
-from dflash_jax.state import DecodeCache, KVSpec
+from dflash_jax.state import DecodeCache, KVSpec, PagedKV
 from dflash_jax.target import Target, check_token_ids
 
 _CODEBOOKS = ("predecessor_codebook", "successor_codebook")
@@ -130,8 +130,12 @@ def injected_attention(layer, h, positions, anchors, k_ctx, v_ctx, *, impl: str,
         if block_len is not None:
             live = live & (jnp.arange(block)[None] < block_len[:, None])
         q_pos = jnp.where(live, positions, -1)
-        o = decode_attention(q, k_ctx, v_ctx, q_pos, jnp.maximum(anchors[:, 0], 0), k, v, sliding_window=window,
-                             impl=impl, new_causal=causal, scale=scale)
+        kw = dict(sliding_window=window, impl=impl, new_causal=causal, scale=scale)
+        if isinstance(k_ctx, PagedKV):  # the engine's paged context, read in place (``cache_kv``)
+            o = paged_decode_attention(q, k_ctx.k, k_ctx.v, k_ctx.table, q_pos, jnp.maximum(anchors[:, 0], 0), k, v,
+                                       **kw)
+        else:
+            o = decode_attention(q, k_ctx, v_ctx, q_pos, jnp.maximum(anchors[:, 0], 0), k, v, **kw)
     return layer.self_attn.output(o)
 
 
@@ -303,9 +307,11 @@ def new_cache(cfg: DraftConfig, batch: int, max_len: int, dtype, page: int = 0) 
 
 
 def cache_kv(cache: DecodeCache) -> tuple[tuple, tuple]:
-    """Per-layer context keys and values of a draft cache, as ``draft_hidden`` takes them."""
-    views = [s.view() for s in cache.layers]
-    return tuple(k for k, _ in views), tuple(v for _, v in views)
+    """Per-layer context keys and values of a draft cache, as ``draft_hidden`` takes them; a paged layer as its
+    ``PagedKV`` (keys) and None (values), which decoding reads in place (``paged_decode_attention``)."""
+    paged = [isinstance(s, PagedKV) for s in cache.layers]
+    return (tuple(s if p else s.k for s, p in zip(cache.layers, paged)),
+            tuple(None if p else s.v for s, p in zip(cache.layers, paged)))
 
 
 def abstract_variables(cfg: DraftConfig):

@@ -187,6 +187,10 @@ class PagedKV:
     def max_len(self) -> int:
         return self.table.shape[1] * self.page
 
+    @property
+    def dtype(self):
+        return self.k.dtype
+
     def _where(self, positions):
         """(page, offset) [B, T] of ``positions`` [B, T]; page P (a write there is dropped) for padding, positions
         past the table and slots of no page."""
