@@ -145,3 +145,29 @@ def test_a_server_with_a_small_pool_answers_every_request_identically(trained):
         alone = decode.speculative_generate(target, None, [r.prompt_ids], max_new_tokens=r.max_new_tokens,
                                             stop_token_ids=[])[0]
         assert answers[i] == (alone.generated_ids, "length"), i
+
+
+def test_pages_on_a_tensor_mesh_equal_one_device(trained):
+    """Params and the pools' KV heads over tensor=2 (rows whole on every device, so the engine pages): every row's
+    output and acceptance equal the single-device paged run's, preemptions included."""
+    import jax
+
+    from dflash_jax import model_sharding as ms
+    from dflash_jax import sharding as sh
+
+    target, draft, prompts = trained
+    requests = [Request(r.prompt_ids, max_new_tokens=r.max_new_tokens) for r in _requests(prompts)]
+    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+    probe = Engine(target, draft, DecodeOptions(max_new_tokens=30, stop_token_ids=()), max_batch=3,
+                   max_length=longest)
+    memory = (probe.pool.pages_for(longest - 1 + probe.spec.max_block) + 2) * probe.page_bytes
+    single = decode.continuous_generate(target, draft, requests, max_batch=3, stop_token_ids=[],
+                                        kv_cache_memory=memory)
+    mesh = sh.make_mesh("tensor=2", devices=jax.devices()[:2])
+    ts, ds = ms.shard_target(target, mesh), ms.shard_draft(draft, mesh)
+    stats = decode.RunStats()
+    out = decode.continuous_generate(ts, ds, requests, max_batch=3, stop_token_ids=[], stats=stats,
+                                     kv_cache_memory=memory)
+    assert stats.preemptions >= 1
+    assert [r.output_ids for r in out] == [r.output_ids for r in single]
+    assert [r.acceptance_lengths for r in out] == [r.acceptance_lengths for r in single]
