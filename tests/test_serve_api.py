@@ -469,3 +469,19 @@ def test_clients_exact_payloads(served, tok):
     ref = log_softmax(served[0], context + continuation)
     np.testing.assert_allclose(sum(lps), sum(ref[ctxlen + i - 1, t] for i, t in enumerate(continuation)),
                                atol=1e-3)
+
+
+@pytest.mark.parametrize("flags", [["--plain"], ["--tree-budget", "6"]], ids=["plain", "tree"])
+def test_logprobs_equal_across_decoding_methods(served, client, flags):
+    """A plain server and a tree-verifying one answer a greedy completion with the same tokens and the same
+    logprobs as the DFlash server (the logprobs are the target's, whatever drafted the tokens)."""
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2, echo=True,
+                extra_body={"ignore_eos": True})
+    want = client.completions.create(**body).choices[0]
+    other = build_service(parse_args(["--max-batch", "1", "--max-length", str(MAX_LENGTH), "--no-warm", *flags]))
+    with Running(other, warm=False) as running:
+        got = openai.OpenAI(base_url=running.url, api_key="none", max_retries=0,
+                            timeout=300).completions.create(**body).choices[0]
+    assert got.model_extra["token_ids"] == want.model_extra["token_ids"] and got.text == want.text
+    np.testing.assert_allclose(got.logprobs.token_logprobs[1:], want.logprobs.token_logprobs[1:], atol=1e-5)
+    assert got.logprobs.tokens == want.logprobs.tokens
