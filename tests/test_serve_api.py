@@ -238,11 +238,14 @@ def test_stop_token_ids_stop_the_answer(served, client, tok):
 
 
 # --- usage ----------------------------------------------------------------------------------------------------
-def test_usage_once_or_per_chunk(client, tok):
+def test_usage_once_or_per_chunk(served, client, tok):
     ask = lambda **kw: list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,  # noqa
                                                       stream=True, extra_body={"ignore_eos": True}, **kw))
     none = ask()
     assert all(ch.usage is None for ch in none)  # no stream_options: no usage at all
+    with httpx.stream("POST", served[1] + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}) as r:
+        assert not any('"usage"' in line for line in r.iter_lines())  # not even a null field, as OpenAI
     once = ask(stream_options={"include_usage": True})
     assert all(ch.usage is None for ch in once[:-1]) and once[-1].choices == []
     assert once[-1].usage.completion_tokens == 12 and once[-1].usage.prompt_tokens == len(tok(PROMPT)["input_ids"])

@@ -369,5 +369,8 @@ class Reply:
         choice["finish_reason"] = done.finish_reason if done else None
         if done:
             choice.update(self.extra(done))
-        out = dict(self.head("chunk"), choices=[choice], usage=usage)
+        out = dict(self.head("chunk"), choices=[choice])
+        options = self.body.stream_options
+        if options is not None and options.include_usage:  # OpenAI: then every chunk has the field (null or not)
+            out["usage"] = usage
         return {"data": json.dumps(out)}
