@@ -43,8 +43,8 @@ from dflash_jax.progress import progress_bar
 from infer import bench_sets, synthetic
 from infer.timing import fastest, first_mismatch, step_split, time_forwards
 from infer.common import (DEMO_TARGET, adaptive_kwargs, add_model_args, check_overrides, decoding_kwargs, die, encode,
-                          exits_on_interrupt, load_models, param_dtype, read_prompts_file, resolve_block, draft_kwargs,
-                          shows_bar)
+                          exits_on_interrupt, load_models, memory_arg, param_dtype, read_prompts_file, resolve_block,
+                          draft_kwargs, shows_bar)
 
 
 def parse_args(argv=None):
@@ -72,6 +72,10 @@ def parse_args(argv=None):
     b = p.add_argument_group("batching (continuous vs static vs one at a time: infer/batching.py)")
     b.add_argument("--max-batch", type=int, default=None,
                    help="run the batching comparison with S slots (instead of the per-prompt batch-1 benchmark)")
+    b.add_argument("--kv-cache-memory", type=memory_arg, default=None,
+                   help="the paged engine's cache pool (bytes, or a fraction of the free device memory): the "
+                        "continuous run pages in it, and a 'slots' run beside it holds as many max-length rows as "
+                        "the same memory fits (the engine with --page-size 0)")
     b.add_argument("--mixed-budgets", default=None,
                    help="LO,HI: each request's max_new_tokens drawn uniformly from [LO, HI] (fixed seed), where its "
                         "prompts-file row sets none (default: --max-new-tokens for all)")

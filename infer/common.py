@@ -360,20 +360,23 @@ def add_max_batch_arg(g) -> None:
 def paging_kwargs(args) -> dict:
     """``Engine``'s ``page`` and ``kv_cache_memory`` from the flags (a fraction resolved against the device's free
     memory now, after the weights loaded); dies on a bad value."""
-    if args.page_size < 0:
-        die(f"--page-size must be >= 0, got {args.page_size}")
+    from dflash_jax.decode.slots import PAGE
+
+    page = getattr(args, "page_size", PAGE)
+    if page < 0:
+        die(f"--page-size must be >= 0, got {page}")
     if args.kv_cache_memory is None:
-        return dict(page=args.page_size)
+        return dict(page=page)
     kind, value = args.kv_cache_memory
     if kind == "bytes":
-        return dict(page=args.page_size, kv_cache_memory=int(value))
+        return dict(page=page, kv_cache_memory=int(value))
     import jax
 
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         die("--kv-cache-memory as a fraction needs a device that reports its memory (TPU, GPU); on this one give "
             "bytes (for example 2GiB)")
-    return dict(page=args.page_size, kv_cache_memory=int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * value))
+    return dict(page=page, kv_cache_memory=int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * value))
 
 
 def check_overrides(args, overrides: list[dict]) -> None:
@@ -413,22 +416,29 @@ def max_batch(args, target, draft, prompts, overrides, kw: dict) -> int:
     return slots_that_fit(target, draft, cache_len, min(DEFAULT_MAX_BATCH, len(prompts)), max_block)
 
 
+def slot_row_bytes(target, draft, cache_len: int, max_block: int = 16) -> int:
+    """Bytes of one row's caches of ``cache_len`` slots, the target's and the draft's (unpaged: ``--page-size 0``)."""
+    import jax
+
+    from dflash_jax import draft as draft_lib
+    from dflash_jax import target as target_lib
+
+    dtype = jax.tree_util.tree_leaves(target.params)[0].dtype
+    caches = [jax.eval_shape(lambda: target_lib.new_cache(target.config, 1, cache_len, dtype, max_block))]
+    if draft is not None:
+        caches.append(jax.eval_shape(lambda: draft_lib.new_cache(draft.config, 1, cache_len, dtype)))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(caches))
+
+
 def slots_that_fit(target, draft, cache_len: int, n: int, max_block: int = 16) -> int:
     """At most ``n`` rows of ``cache_len`` cache slots (forwards of up to ``max_block`` tokens rolled back: the
     rings and recurrent stashes grow with it): fewer where their caches would pass a quarter of the device's free
     memory (TPU / GPU report it; CPU: no cap)."""
     import jax
 
-    from dflash_jax import draft as draft_lib
-    from dflash_jax import target as target_lib
-
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return n
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    dtype = jax.tree_util.tree_leaves(target.params)[0].dtype
-    caches = [jax.eval_shape(lambda: target_lib.new_cache(target.config, 1, cache_len, dtype, max_block))]
-    if draft is not None:
-        caches.append(jax.eval_shape(lambda: draft_lib.new_cache(draft.config, 1, cache_len, dtype)))
-    per_row = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(caches))
+    per_row = slot_row_bytes(target, draft, cache_len, max_block)
     return max(1, min(n, int(free // 4 // max(per_row, 1))))

@@ -381,3 +381,24 @@ def test_benchmark_compares_continuous_static_and_one_at_a_time(pair_dirs, capsy
     for r in rows:
         assert r["tokens"] == rows[0]["tokens"] and 0 < r["occupancy"] <= 1 and r["p90_request_s"] > 0
         assert r["slots"] == (1 if r["way"] == "one_at_a_time" else 2)
+
+
+def test_benchmark_compares_paged_and_slots_at_one_memory_budget(pair_dirs, capsys, tmp_path):
+    """``--kv-cache-memory``: every run pages in that pool and a fourth way, ``slots``, holds as many unpaged
+    max-length rows as the same memory fits; all eight outputs identical, rows in flight reported."""
+    from infer import benchmark as b
+
+    tdir, ddir, _ = pair_dirs
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt_ids": [i + 1, 5, 7]}) + "\n" for i in range(5)))
+    code, out = run(b, ["--target", tdir, "--draft", ddir, "--prompts-file", str(f), "--max-batch", "3",
+                        "--mixed-budgets", "2,40", "--ignore-eos", "--block-size", "4", "--kv-cache-memory", "200KB",
+                        "--json"], capsys)
+    assert code == 0, out.err
+    lines = [json.loads(x) for x in out.out.strip().splitlines()]
+    rows, summary = lines[:-1], lines[-1]
+    assert {r["way"] for r in rows} == {"continuous", "static", "one_at_a_time", "slots"}
+    assert summary["identical"] is True
+    slots = {r["method"]: r for r in rows if r["way"] == "slots"}
+    assert all(r["slots"] >= 1 and 0 < r["rows_in_flight"] <= r["slots"] for r in slots.values())
+    assert set(summary["paged_vs_slots"]) == {"plain", "dflash"}
