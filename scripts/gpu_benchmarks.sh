@@ -16,10 +16,15 @@
 #   tree16, tree64, tree256   the demo pair: plain vs chain vs tree verification at 16 / 64 / 256 nodes
 #   gdntree      one Gated DeltaNet layer at Qwen3.5-4B's shape: chain verify of 16 vs tree verifies of 16 / 64
 #                nodes, forward + commit (scripts/gdn_verify_cost.py)
+#   serve        the demo pair served with --max-batch 64: output tokens/s at concurrency 1 and 16 beside the
+#                engine's own batch-1 speed, plain and DFlash (server_vs_engine: one user's share)
+#   paged        the demo pair, 64 requests of 16-900 new tokens (its context is 1024) through 32 rows at one cache
+#                budget (64 MB): the paged engine vs unpaged max-length rows in the same memory (paged_vs_slots)
+#   cacheplan    Qwen3-8B + draft at 8K context: rows that fit 16 / 32 / 80 / 141 GB, slots vs paged (shapes only)
 set -u
 OUT=${1:-gpu_results}
 shift || true
-STEPS=${*:-kernel synthetic context train adaptive tree16 tree64 tree256 gdntree}
+STEPS=${*:-kernel synthetic context train adaptive tree16 tree64 tree256 gdntree serve paged cacheplan}
 mkdir -p "$OUT"
 python - <<'EOF' > "$OUT/devices.txt" 2>&1
 import jax
@@ -51,4 +56,9 @@ step tree16 150 python -m infer.benchmark --tree-budget 16 --json
 step tree64 150 python -m infer.benchmark --tree-budget 64 --json
 step tree256 200 python -m infer.benchmark --tree-budget 256 --json
 step gdntree 120 python scripts/gdn_verify_cost.py
+step serve 300 python -m infer.serve_benchmark --max-batch 64 --concurrency 1,16 --num-requests 16 \
+  --max-new-tokens 128 --json
+step paged 400 python -m infer.benchmark --max-batch 32 --num-prompts 64 --mixed-budgets 16,900 \
+  --kv-cache-memory 64MB --ignore-eos --json
+step cacheplan 60 python -m infer.cache_plan --preset qwen3-8b --memory 16,32,80,141 --context 8192 --json
 echo "results in $OUT/"
