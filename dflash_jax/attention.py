@@ -17,7 +17,7 @@ from dflash_jax.kernels.block_attention import block_attention_reference, kernel
 from dflash_jax.kernels.decode_attention import MAX_QUERIES, decode_attention_loop, decode_attention_reference
 from dflash_jax.kernels.decode_attention import decode_attention as decode_attention_kernel
 from dflash_jax.kernels.decode_attention import decode_kernel_supported
-from dflash_jax.kernels.paged_attention import gather_pages, paged_kernel_supported
+from dflash_jax.kernels.paged_attention import gather_pages, paged_decode_attention_loop, paged_kernel_supported
 from dflash_jax.kernels.paged_attention import paged_decode_attention as paged_decode_attention_kernel
 from dflash_jax.kernels.reference import attend, position_mask
 from dflash_jax.sharding.per_shard import attention_per_shard
@@ -106,14 +106,16 @@ def paged_decode_attention(q, k_pages, v_pages, table, q_pos, lengths, k_new=Non
     [P, page, Hkv, Dv] and the rows' block table [B, n] (row b's slot s in page table[b, s // page] at offset
     s % page; entries >= P: no page, past the row's length); see ``dflash_jax/kernels/paged_attention.py``.
     ``impl``: "auto" (the paged Pallas kernel on one TPU / GPU where supported, else the loop), "kernel",
-    "interpret" (kernel on CPU), "loop" (the tiled jnp loop over the gathered pages) or "reference" (dense over
-    the gathered pages)."""
+    "interpret" (kernel on CPU), "loop" (the tiled jnp loop, gathering a tile of pages at a time up to the longest
+    row) or "reference" (dense over the gathered pages)."""
     if impl == "auto":
         supported = paged_kernel_supported(head_dim=q.shape[-1], kv_heads=k_pages.shape[2], page=k_pages.shape[1],
                                            v_head_dim=v_pages.shape[-1])
         impl = "kernel" if supported else "loop"
     kw = dict(sliding_window=sliding_window, sinks=sinks, new_causal=new_causal, new_mask=new_mask, scale=scale)
-    if impl in ("loop", "reference"):  # the pages gathered into rows (``PagedKV.view``)
+    if impl == "loop":  # a tile of pages at a time, up to the longest row
+        return paged_decode_attention_loop(q, k_pages, v_pages, table, q_pos, lengths, k_new, v_new, **kw)
+    if impl == "reference":  # the pages gathered into rows (``PagedKV.view``)
         return decode_attention(q, gather_pages(k_pages, table), gather_pages(v_pages, table), q_pos, lengths, k_new,
                                 v_new, impl=impl, **kw)
     if impl not in ("kernel", "interpret"):

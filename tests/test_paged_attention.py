@@ -96,6 +96,24 @@ def test_matches_reference(backend, case):
         assert np.all(np.asarray(out, np.float32)[np.asarray(q_pos) < 0] == 0)
 
 
+@pytest.mark.parametrize("case", CASES, ids=["gqa2", "gqa4-window"])
+def test_the_loop_reads_tiles_of_pages(case):
+    """The CPU path (``paged_decode_attention_loop``): tiles of two pages (the last overlapping the one before),
+    read through the table up to the longest row, equal the reference; with own keys under a tree mask too."""
+    from dflash_jax.kernels.paged_attention import paged_decode_attention_loop
+
+    b, t, hq, hkv, d, page, n, pool, lengths, window = case
+    lengths_a, q_pos = jnp.asarray(lengths, jnp.int32), _positions(lengths, t)
+    q, k, v, kp, vp, kn, vn, table, sinks = _paged(page + n + 1, b, t, hq, hkv, d, page, n, pool, lengths,
+                                                   jnp.float32)
+    mask = jnp.asarray(np.tril(np.ones((b, t, t), bool)))
+    for own in ({}, dict(k_new=kn, v_new=vn), dict(k_new=kn, v_new=vn, new_mask=mask)):
+        kw = dict(sliding_window=None if "new_mask" in own else window, sinks=sinks)
+        ref = paged_decode_attention_reference(q, kp, vp, table, q_pos, lengths_a, **own, **kw)
+        out = paged_decode_attention_loop(q, kp, vp, table, q_pos, lengths_a, **own, k_tile=2 * page, **kw)
+        _close(out, ref, jnp.float32, n * page, f"loop {sorted(own)}")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tree_mask_and_causal_own_keys(backend):
     """The own keys as a random tree's ancestor-or-self ``new_mask`` (positions length + depth, ragged node counts;

@@ -132,10 +132,21 @@ def _check_new(k_new, new_mask):
 def decode_attention_loop(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding_window=None, sinks=None,
                           scale=None, k_tile: int = 512, new_causal: bool = False, new_mask=None):
     """Online softmax over the key tiles of ``[min lo, max hi)`` of the batch (a dynamic trip count)."""
+    tk = min(k_tile, k.shape[1])
+    tile = lambda start: (lax.dynamic_slice_in_dim(k, start, tk, axis=1),  # noqa: E731
+                          lax.dynamic_slice_in_dim(v, start, tk, axis=1))
+    return online_loop(q, tile, tk, k.shape[1], k.shape[2], v.shape[-1], q_pos, lengths, k_new, v_new,
+                       sliding_window=sliding_window, sinks=sinks, scale=scale, new_causal=new_causal,
+                       new_mask=new_mask)
+
+
+# positional: the attention operands, the cache read through ``tile``
+def online_loop(q, tile, tk: int, s_len: int, hkv: int, dv: int, q_pos, lengths, k_new=None, v_new=None, *,
+                sliding_window=None, sinks=None, scale=None, new_causal=False, new_mask=None):
+    """The tiled loop of ``decode_attention_loop`` over a cache of ``s_len`` slots that ``tile(start)`` reads
+    ``tk`` at a time (keys [B, tk, Hkv, D], values [B, tk, Hkv, Dv]; a row's cache, or its pages)."""
     _check_new(k_new, new_mask)
     b, t, hq, d = q.shape
-    s_len, hkv = k.shape[1], k.shape[2]
-    tk = min(k_tile, s_len)
     scale = d ** -0.5 if scale is None else scale
     qg = q.reshape(b, t, hkv, hq // hkv, d)
     lo, hi = _row_bounds(q_pos, lengths.astype(jnp.int32), s_len, sliding_window)
@@ -144,14 +155,13 @@ def decode_attention_loop(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sl
 
     def body(j, carry):
         start = jnp.minimum(j * tk, s_len - tk)  # the last tile may overlap the one before: mask the overlap
-        kt = lax.dynamic_slice_in_dim(k, start, tk, axis=1)
-        vt = lax.dynamic_slice_in_dim(v, start, tk, axis=1)
+        kt, vt = tile(start)
         p = start + jnp.arange(tk, dtype=jnp.int32)
         vis = (p >= jnp.maximum(lo, j * tk)) & (p < hi)
         logits = jnp.einsum("BTKGD,BSKD->BKGTS", qg, kt, preferred_element_type=jnp.float32) * scale
         return tiling.online_step(logits, jnp.swapaxes(vt, 1, 2)[:, :, None], vis, carry)
 
-    shape, dv = (b, hkv, hq // hkv, t), v.shape[-1]
+    shape = (b, hkv, hq // hkv, t)
     carry = (jnp.full(shape + (1,), tiling.MASK, jnp.float32), jnp.zeros(shape + (1,), jnp.float32),
              jnp.zeros(shape + (dv,), jnp.float32))
     carry = lax.fori_loop(first, end, body, carry)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from . import tiling
 from .decode_attention import _Cfg, _check_new, _gpu_call, _pallas, _tpu_call, decode_attention_reference
-from .decode_attention import decode_kernel_supported
+from .decode_attention import decode_kernel_supported, online_loop
 
 
 def gather_pages(pool, table):
@@ -29,6 +29,27 @@ def gather_pages(pool, table):
     >= P read the last page (past the row's length: masked). ``PagedKV.view`` of one pool."""
     at = jnp.clip(table, 0, pool.shape[0] - 1)
     return pool[at].reshape(at.shape[:1] + (-1,) + pool.shape[2:])
+
+
+# positional: the attention operands (q, the pools and table, positions / lengths, own keys), one order throughout
+@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "k_tile", "new_causal"))
+def paged_decode_attention_loop(q, k_pages, v_pages, table, q_pos, lengths, k_new=None, v_new=None, *,
+                                sliding_window=None, sinks=None, scale=None, k_tile: int = 512, new_causal=False,
+                                new_mask=None):
+    """``decode_attention_loop`` reading each key tile's pages through the table (tiles of whole pages): only the
+    pages below the batch's longest row are gathered, a tile at a time (the CPU path)."""
+    page, cols = k_pages.shape[1], table.shape[1]
+    per_tile = max(min(k_tile, cols * page) // page, 1)
+    at = jnp.clip(table, 0, k_pages.shape[0] - 1)
+
+    def tile(start):
+        pages = jax.lax.dynamic_slice_in_dim(at, start // page, per_tile, axis=1)  # [B, per_tile]
+        read = lambda pool: pool[pages].reshape(pages.shape[:1] + (-1,) + pool.shape[2:])  # noqa: E731
+        return read(k_pages), read(v_pages)
+
+    return online_loop(q, tile, per_tile * page, cols * page, k_pages.shape[2], v_pages.shape[-1], q_pos, lengths,
+                       k_new, v_new, sliding_window=sliding_window, sinks=sinks, scale=scale, new_causal=new_causal,
+                       new_mask=new_mask)
 
 
 def paged_decode_attention_reference(q, k_pages, v_pages, table, q_pos, lengths, *, k_new=None, v_new=None,
