@@ -382,12 +382,13 @@ class Engine:
         out, self._preempted = self._preempted, []
         return out
 
-    def progress(self, state: DecodeState) -> dict:
-        """Every row's counters on the host (``generated``, ``finish``, ``steps``, ``acceptance`` of its last step)
-        and ``tail`` [S, W]: its last W tokens, ending at its newest committed one (W = max block + 1, the most an
-        admission and one step commit), so that a host streaming after every ``step`` / ``run(state, 1)`` reads
-        each row's new tokens without copying its whole token row."""
-        out = sharding.to_host(steps.recent_jit(state, self.spec.max_block + 1))
+    def progress(self, state: DecodeState, steps_taken: int = 1) -> dict:
+        """Every row's counters on the host (``generated``, ``finish``, ``steps``, ``acceptance`` of its last step,
+        ``acceptances`` [S, n] of its last n = ``steps_taken`` steps) and ``tail`` [S, W]: its last W tokens, ending
+        at its newest committed one (W = n x max block + 1, the most an admission and n steps commit), so that a
+        host streaming after every ``run(state, n)`` reads each row's new tokens without copying its token row."""
+        n = max(int(steps_taken), 1)
+        out = sharding.to_host(steps.recent_jit(state, n * self.spec.max_block + 1, n))
         self._seen = (out["finish"], out.pop("lengths"))  # the next run's page check reads these
         return out
 

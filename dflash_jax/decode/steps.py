@@ -216,16 +216,20 @@ def take(state: DecodeState, at):
                 prompt_length=pick(state.prompt_len))
 
 
-def recent(state: DecodeState, width: int):
-    """Per row: its counters, its cache length, and its last ``width`` tokens ending at the newest committed one (what a streaming host
-    reads after a step: a step commits at most a block, so ``width`` = max block + 1 covers an admission too)."""
+def recent(state: DecodeState, width: int, steps: int = 1):
+    """Per row: its counters, its cache length, its last ``width`` tokens ending at the newest committed one, and
+    the acceptance lengths of its last ``steps`` verify steps (oldest first; ``acceptance``: the newest), what a
+    streaming host reads after a run of at most ``steps`` steps (each commits at most a block, so ``width`` =
+    steps x max block + 1 covers an admission too)."""
     end = state.prompt_len + state.generated
     at = jnp.clip(end[:, None] - width + jnp.arange(width, dtype=end.dtype), 0, state.tokens.shape[1] - 1)
-    last = jnp.take_along_axis(state.acceptance, jnp.maximum(state.steps - 1, 0)[:, None], axis=1)[:, 0]
+    last = jnp.maximum(state.steps[:, None] - steps + jnp.arange(steps, dtype=state.steps.dtype), 0)
+    acceptances = jnp.take_along_axis(state.acceptance, last, axis=1)
     return dict(tail=jnp.take_along_axis(state.tokens, at, axis=1), generated=state.generated, finish=state.finish,
-                steps=state.steps, acceptance=last, lengths=state.tcache.lengths)
+                steps=state.steps, acceptance=acceptances[:, -1], acceptances=acceptances,
+                lengths=state.tcache.lengths)
 
 
 empty_jit = jax.jit(_on_mesh(empty), static_argnames=("spec", "pages"))
 take_jit = jax.jit(take)
-recent_jit = jax.jit(recent, static_argnames=("width",))
+recent_jit = jax.jit(recent, static_argnames=("width", "steps"))

@@ -60,9 +60,9 @@ class Metrics:
     def _tau(self) -> float:
         return self._accepted / self._verify_steps if self._verify_steps else 0.0
 
-    def step(self, acceptance_lengths) -> None:
-        """One engine step: the acceptance length of each row that verified in it."""
-        self.steps.inc()
+    def step(self, acceptance_lengths, steps: int = 1) -> None:
+        """``steps`` engine steps: the acceptance length of each verify step of a row in them."""
+        self.steps.inc(steps)
         for a in acceptance_lengths:
             self.acceptance.observe(a)
             self._accepted += int(a)

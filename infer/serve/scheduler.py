@@ -21,6 +21,8 @@ from infer.serve.text import TextStream
 
 log = logging.getLogger("infer.serve")
 FINISHED = (int(Finish.LENGTH), int(Finish.STOP))
+STEPS_PER_TURN = 4  # decode steps on the device between two host reads while no request waits (a row that
+# finishes returns at once): fewer round trips per token, new tokens streamed in chunks of at most this many steps
 
 
 @dataclasses.dataclass
@@ -83,8 +85,10 @@ class QueueFull(Exception):
 class Scheduler:
     """Runs ``engine`` in a thread over requests ``submit``ted to a queue of at most ``queue_size`` jobs."""
 
-    def __init__(self, engine: Engine, metrics: Metrics, queue_size: int):
-        self.engine, self.metrics = engine, metrics
+    def __init__(self, engine: Engine, metrics: Metrics, queue_size: int, steps_per_turn: int = 1):
+        if steps_per_turn < 1:
+            raise ValueError(f"steps_per_turn must be >= 1, got {steps_per_turn}")
+        self.engine, self.metrics, self.steps_per_turn = engine, metrics, steps_per_turn
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._submit = threading.Lock()
         self._stop = threading.Event()
@@ -192,19 +196,21 @@ class Scheduler:
         self.metrics.slots_busy.set(len(self.active))
         if not self.active:
             return state
-        state, taken = self.engine.run(state, 1)
+        k = self.steps_per_turn if self.queue.empty() and not self.waiting else 1  # waiting: admit sooner
+        state, taken = self.engine.run(state, k)
         for row, again in reversed(self.engine.take_preempted()):  # first in line again, the oldest first
             job = self.active.pop(row)
             job.resume = again
             self.waiting.appendleft(job)
             self.metrics.preemptions.inc()
-        p = self.engine.progress(state)
+        p = self.engine.progress(state, self.steps_per_turn)
         width = p["tail"].shape[1]
         done, accepted = [], []
         for r, job in self.active.items():
-            if int(p["steps"][r]) > job.steps:  # this row verified in the step just taken
+            fresh = int(p["steps"][r]) - job.steps  # the verify steps this row took in the turn's run
+            if fresh > 0:
                 job.steps = int(p["steps"][r])
-                accepted.append(int(p["acceptance"][r]))
+                accepted += p["acceptances"][r, -fresh:].tolist()
             n = int(p["generated"][r])
             new = p["tail"][r, width - (n - job.sent):].tolist() if n > job.sent else []
             job.sent = n
@@ -218,7 +224,7 @@ class Scheduler:
             if stopped or int(p["finish"][r]) in FINISHED:
                 done.append((r, "stop" if stopped or int(p["finish"][r]) == Finish.STOP else "length"))
         if taken:
-            self.metrics.step(accepted)
+            self.metrics.step(accepted, taken)
         if done:
             state, results = self.engine.release(state, [r for r, _ in done])
             self._count_drafts(results)
