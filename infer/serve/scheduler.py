@@ -123,7 +123,7 @@ class Scheduler:
     def _loop(self) -> None:
         state = self.engine.empty()
         while True:
-            if self._stop.is_set() and not (self._drain and (self.active or not self.queue.empty())):
+            if self._stop.is_set() and not (self._drain and (self.active or self.waiting or not self.queue.empty())):
                 break
             try:
                 state = self._turn(state)
