@@ -39,6 +39,7 @@ FOREVER = 2 ** 31 - 1  # ``run``'s step limit when only a finishing row should r
 PAGE = 16  # tokens per page of the paged caches (``Engine``'s default)
 _ADMISSIONS = itertools.count()  # admission order across engines (only its order within one engine is read)
 LOOKAHEAD_STEPS = 8  # a run gives each running row pages for this many more steps (then returns for more)
+LOOKAHEAD_PAGES = 4  # and at least this many pages more (plain decoding's steps commit one token each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,11 +340,11 @@ class Engine:
         return state, int(taken)
 
     def _reserve(self, state: DecodeState) -> tuple[DecodeState, list[int]]:
-        """Pages for the next ``LOOKAHEAD_STEPS`` steps of every running row, oldest first; the newest rows are
-        preempted while the pool cannot give them -> (state, the running rows)."""
+        """Pages for the next ``LOOKAHEAD_STEPS`` steps (``LOOKAHEAD_PAGES`` pages at least) of every running row,
+        oldest first; the newest rows are preempted while the pool cannot give them -> (state, the running rows)."""
         host = self._seen or sharding.to_host((state.finish, state.tcache.lengths))
         running = sorted((r for r in range(self.rows) if host[0][r] == Finish.RUNNING), key=self._order.get)
-        ahead = LOOKAHEAD_STEPS * self.spec.max_block
+        ahead = max(LOOKAHEAD_STEPS * self.spec.max_block, LOOKAHEAD_PAGES * self.spec.page)
         i = 0
         while i < len(running):
             r = running[i]
