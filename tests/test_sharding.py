@@ -175,7 +175,12 @@ def test_speculative_sharded_equals_single_device(pair, prompts, single, spec):
     engine = S.Engine(ts, ds, S.DecodeOptions(max_new_tokens=MAX_NEW), max_batch=len(prompts), max_length=64)
     state = jax.tree_util.tree_map(lambda x: x.sharding, engine.admit(engine.empty(), [S.Request(prompts[0])])[0])
     cache = NamedSharding(mesh, sh.cache_spec(mesh, 4))
-    assert state.tcache.layers[0].k.is_equivalent_to(cache, 4) and state.dcache.layers[0].v.is_equivalent_to(cache, 4)
+    if engine.paged:  # rows whole on every device (no data split): the pools, pages whole, KV heads as a row cache's
+        pool = NamedSharding(mesh, P(None, *sh.cache_spec(mesh, 4)[1:]))
+        assert state.pools[0][0][0].is_equivalent_to(pool, 4) and state.pools[1][0][1].is_equivalent_to(pool, 4)
+    else:
+        assert state.tcache.layers[0].k.is_equivalent_to(cache, 4)
+        assert state.dcache.layers[0].v.is_equivalent_to(cache, 4)
     assert state.tokens.is_equivalent_to(sh.batch_sharding(mesh, 2), 2)
 
     # a batch that is not a multiple of data*fsdp is padded (extra rows finish at prefill), results unchanged

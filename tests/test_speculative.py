@@ -247,6 +247,10 @@ def _assert_draft_context_is_committed(target, draft, state):
     from dflash_jax import draft as D
     from dflash_jax.target import forward
 
+    from dflash_jax.decode import steps
+
+    if state.pools is not None:  # a paged engine's state: its caches read through the rows' block tables
+        state = steps.join(state)
     n = np.asarray(state.tcache.lengths)
     np.testing.assert_array_equal(np.asarray(state.dcache.lengths), n)
     tokens = np.asarray(state.tokens)
@@ -258,7 +262,7 @@ def _assert_draft_context_is_committed(target, draft, state):
     # rounding, then the context projections (within the draft's depth), relative to each row's scale
     depth = draft_depth(target.config, draft.config.layers, tokens.shape[1], 0)
     for layer, (kl, vl) in enumerate(zip(k, v)):
-        got_k, got_v = np.asarray(state.dcache.layers[layer].k), np.asarray(state.dcache.layers[layer].v)
+        got_k, got_v = (np.asarray(x) for x in state.dcache.layers[layer].view())
         for r, m in enumerate(n):
             assert_close(got_k[r, :m], np.asarray(kl)[r, :m], depth, what=f"layer {layer} row {r} k")
             assert_close(got_v[r, :m], np.asarray(vl)[r, :m], depth, what=f"layer {layer} row {r} v")
