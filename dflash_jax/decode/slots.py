@@ -459,23 +459,26 @@ def _stream(engine: Engine, requests: Iterable[Request], stats: RunStats,
     pending = iter(enumerate(requests))
     state, active, queued = engine.empty(), {}, {}  # row -> request index; row -> its time in the queue
     resume: list[tuple[int, float, Resumed]] = []  # preempted: (index, its queue time, what re-admits it)
+    held = None  # the next new request, read from ``requests`` but not admitted yet (the pool lacked its pages)
     exhausted = False
     while True:
         free = [r for r in range(engine.rows) if r not in active]
         batch = []  # (index, queued so far, request): the preempted first, then new ones while pages last
         if policy == "continuous" or not active:
             while len(batch) < len(free):
-                nxt = resume[0] if resume else next(pending, None)
-                if nxt is None:
-                    exhausted = True
-                    break
-                item = nxt if resume else (nxt[0], None, nxt[1])
+                if not resume and held is None:
+                    nxt = next(pending, None)
+                    if nxt is None:
+                        exhausted = True
+                        break
+                    held = (nxt[0], None, nxt[1])
+                item = resume[0] if resume else held
                 if not engine.can_admit([r for _, _, r in batch] + [item[2]]):
-                    if not resume:
-                        pending = itertools.chain([nxt], pending)
                     break
                 if resume:
                     resume.pop(0)
+                else:
+                    held = None
                 batch.append(item)
         if batch:
             t = time.perf_counter()
