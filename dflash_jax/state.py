@@ -215,19 +215,8 @@ class PagedKV:
         view = lambda pool: pool[at].reshape(at.shape[:1] + (-1,) + pool.shape[2:])  # noqa: E731
         return view(self.k), view(self.v)
 
-    def update(self, k_new, v_new, positions):
-        """-> (new state, keys, values [B, S', K, H], key positions [B, S'], key exists [B, S']): ``FullKV.update``
-        over the gathered pages."""
-        new = self.write(k_new, v_new, positions)
-        slot_pos = jnp.broadcast_to(jnp.arange(self.max_len, dtype=jnp.int32), positions.shape[:1] + (self.max_len,))
-        return new, *new.view(), slot_pos, jnp.ones(slot_pos.shape, bool)
-
-    def commit(self, kept) -> "PagedKV":
-        return self
-
-    def tree_write(self, k_new, v_new, start) -> "PagedKV":
-        """``FullKV.tree_write`` in pages."""
-        return self.write(k_new, v_new, start[:, None] + jnp.arange(k_new.shape[1], dtype=jnp.int32))
+    # FullKV's protocol through ``write`` / ``view``: nothing to undo, a tree's tokens in slot order
+    update, commit, tree_write = FullKV.update, FullKV.commit, FullKV.tree_write
 
     def compact(self, src, dst) -> "PagedKV":
         """``FullKV.compact`` in pages: positions ``src`` [B, L] copied to ``dst`` (src < 0: nothing), all read
