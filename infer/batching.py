@@ -19,7 +19,7 @@ import json
 
 import numpy as np
 
-from infer.common import die, paging_kwargs, shows_bar, slot_row_bytes
+from infer.common import die, paging_kwargs, param_dtype, row_cache_bytes, shows_bar
 
 WAYS = (("continuous", "continuous"), ("static", "static"), ("one_at_a_time", "continuous"))
 
@@ -65,7 +65,8 @@ def slots_in(memory: int, target, draft, requests, budgets, opts: dict) -> int:
 
     max_block = DecodeOptions(**opts).max_block(draft)
     cache_len = cache_length([len(r.prompt_ids) for r in requests], budgets, max_block)
-    return max(1, memory // slot_row_bytes(target, draft, cache_len, max_block))
+    per_row = row_cache_bytes(target.config, draft and draft.config, cache_len, param_dtype(target), max_block)
+    return max(1, memory // per_row)
 
 
 def run(args, target, draft, prompts, overrides, *, kw: dict, spec_kw: dict, where: dict) -> int:

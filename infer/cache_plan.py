@@ -12,10 +12,9 @@ import argparse
 import json
 import sys
 
-import jax
 import numpy as np
 
-from infer.common import die, parse_ints
+from infer.common import die, parse_ints, row_cache_bytes
 
 DEFAULT_MEMORY = "16,32,80,141"
 DEFAULT_MEAN = "1024,2048,4096"
@@ -39,14 +38,10 @@ def shapes(preset: str, dtype: str, context: int, page: int, block: int) -> dict
     specs = (family_of(p.target).state_specs(p.target), draft_lib.state_specs(p.draft))
     token = sum(state.page_bytes(s, 1, dt, cache_len, block) for s in specs)
 
-    def row_bytes(page_size: int) -> int:  # one row's state that the pool does not hold
-        caches = jax.eval_shape(lambda: (target_lib.new_cache(p.target, 1, cache_len, dt, block, page=page_size),
-                                         draft_lib.new_cache(p.draft, 1, cache_len, dt, page=page_size)))
-        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(caches))
-
     weights = (num_params(target_lib.param_shapes(p.target)) + num_params(draft_lib.draft_param_shapes(p.draft))) * size
     return {"preset": preset, "source": p.source, "dtype": dtype, "weights_bytes": weights, "token_bytes": token,
-            "slot_row_bytes": row_bytes(0), "paged_row_bytes": row_bytes(page), "cache_len": cache_len}
+            "slot_row_bytes": row_cache_bytes(p.target, p.draft, cache_len, dt, block),
+            "paged_row_bytes": row_cache_bytes(p.target, p.draft, cache_len, dt, block, page), "cache_len": cache_len}
 
 
 def plan(s: dict, memory_gb: float, context: int, mean: int, page: int, block: int) -> dict:

@@ -416,17 +416,18 @@ def max_batch(args, target, draft, prompts, overrides, kw: dict) -> int:
     return slots_that_fit(target, draft, cache_len, min(DEFAULT_MAX_BATCH, len(prompts)), max_block)
 
 
-def slot_row_bytes(target, draft, cache_len: int, max_block: int = 16) -> int:
-    """Bytes of one row's caches of ``cache_len`` slots, the target's and the draft's (unpaged: ``--page-size 0``)."""
+def row_cache_bytes(target_config, draft_config, cache_len: int, dtype, max_block: int = 16, page: int = 0) -> int:
+    """Bytes of one row's caches of ``cache_len`` slots, the target's and the draft's (None: plain decoding) in
+    ``dtype``: all of them (``page`` 0: ``--page-size 0``), or with pages the part no page pool holds (sliding
+    rings, recurrent states, lengths)."""
     import jax
 
     from dflash_jax import draft as draft_lib
     from dflash_jax import target as target_lib
 
-    dtype = jax.tree_util.tree_leaves(target.params)[0].dtype
-    caches = [jax.eval_shape(lambda: target_lib.new_cache(target.config, 1, cache_len, dtype, max_block))]
-    if draft is not None:
-        caches.append(jax.eval_shape(lambda: draft_lib.new_cache(draft.config, 1, cache_len, dtype)))
+    caches = [jax.eval_shape(lambda: target_lib.new_cache(target_config, 1, cache_len, dtype, max_block, page=page))]
+    if draft_config is not None:
+        caches.append(jax.eval_shape(lambda: draft_lib.new_cache(draft_config, 1, cache_len, dtype, page=page)))
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(caches))
 
 
@@ -440,5 +441,5 @@ def slots_that_fit(target, draft, cache_len: int, n: int, max_block: int = 16) -
     if "bytes_limit" not in stats:
         return n
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    per_row = slot_row_bytes(target, draft, cache_len, max_block)
+    per_row = row_cache_bytes(target.config, draft and draft.config, cache_len, param_dtype(target), max_block)
     return max(1, min(n, int(free // 4 // max(per_row, 1))))
