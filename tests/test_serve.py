@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import dflash_jax as dj
 from dflash_jax.demo import DEMO_TARGET
-from infer.serve.launch import free_port
 from infer.serve_benchmark import check_samples, drive
+from serve_process import serve_cli
 
 SLOTS, QUEUE, MAX_LENGTH = 4, 40, 512
 PROMPTS = ["def add(a, b):\n", "import os\n\n\ndef read_lines(path):\n", "class Stack:\n    def __init__(self):\n",
@@ -29,29 +29,12 @@ PROMPTS = ["def add(a, b):\n", "import os\n\n\ndef read_lines(path):\n", "class 
 
 
 @pytest.fixture(scope="module")
-def server():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "infer.serve", "--port", str(port), "--max-batch", str(SLOTS),
-                             "--queue-size", str(QUEUE), "--max-length", str(MAX_LENGTH), "--max-new-tokens", "24",
-                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}: {proc.stdout.read()}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("the server did not come up")
-        time.sleep(0.5)
-    yield proc, base
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+def server(tmp_path_factory):
+    """(process, base URL, its log file)."""
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    with serve_cli(["--max-batch", str(SLOTS), "--queue-size", str(QUEUE), "--max-length", str(MAX_LENGTH),
+                    "--max-new-tokens", "24", "--log-level", "warning"], log) as (proc, base):
+        yield proc, base, log
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +264,7 @@ def test_metrics_are_prometheus_text(server):
 
 def test_sigterm_finishes_the_stream_in_flight_and_exits_0(server):
     """Last: SIGTERM stops the server; the stream already running completes ([DONE]) first."""
-    proc, base = server
+    proc, base, log = server
     with httpx.stream("POST", base + "/v1/completions", timeout=120,
                       json={"model": "dflash-demo", "prompt": PROMPTS[3], "max_tokens": 160, "temperature": 0,
                             "stream": True, "ignore_eos": True}) as r:
@@ -295,7 +278,7 @@ def test_sigterm_finishes_the_stream_in_flight_and_exits_0(server):
     assert final["choices"][0]["finish_reason"] == "length" and len(final["choices"][0]["token_ids"]) == 160
     assert "usage" not in final  # no stream_options: no usage in the stream
     assert proc.wait(timeout=60) == 0
-    assert "server stopped" in proc.stdout.read()
+    assert "server stopped" in log.read_text()
 
 
 def test_bad_options_are_refused_before_loading():

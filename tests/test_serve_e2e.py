@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import numpy as np
@@ -30,7 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_jax.demo import DEMO_TARGET
-from infer.serve.launch import free_port
+from serve_process import serve_cli
 
 pytestmark = pytest.mark.slow
 
@@ -60,33 +59,11 @@ def tool_env(tmp) -> dict:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """``python -m infer.serve`` on the demo pair, greedy by default, on a free port; its log in a file (a pipe
-    nobody reads would fill and stall the server)."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("serve_e2e") / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "infer.serve", "--port", str(port), "--temperature", "0",
-                             "--max-batch", str(SLOTS), "--max-length", str(MAX_LENGTH), "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}: {log_path.read_text()}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"the server did not come up: {log_path.read_text()}")
-        time.sleep(0.5)
-    yield base, log_path
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    log.close()
+    """``python -m infer.serve`` on the demo pair, greedy by default -> (base URL, its log file)."""
+    log = tmp_path_factory.mktemp("serve_e2e") / "server.log"
+    with serve_cli(["--temperature", "0", "--max-batch", str(SLOTS), "--max-length", str(MAX_LENGTH),
+                    "--log-level", "warning"], log) as (_, base):
+        yield base, log
 
 
 @pytest.fixture(scope="module")
