@@ -402,3 +402,32 @@ def test_benchmark_compares_paged_and_slots_at_one_memory_budget(pair_dirs, caps
     slots = {r["method"]: r for r in rows if r["way"] == "slots"}
     assert all(r["slots"] >= 1 and 0 < r["rows_in_flight"] <= r["slots"] for r in slots.values())
     assert set(summary["paged_vs_slots"]) == {"plain", "dflash"}
+
+
+def test_cache_memory_and_page_flags(capsys):
+    """``--kv-cache-memory``: bytes with a unit or a fraction of the free device memory (which a CPU does not
+    report: a clear error); ``--page-size`` below 0 refused."""
+    import argparse
+
+    from infer.common import memory_arg, paging_kwargs
+
+    assert memory_arg("2GiB") == ("bytes", 2 * 2 ** 30) and memory_arg("512MB") == ("bytes", 512e6)
+    assert memory_arg("3e9") == ("bytes", 3e9) and memory_arg("0.9") == ("fraction", 0.9)
+    for bad in ("lots", "-1GB", "0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            memory_arg(bad)
+    args = argparse.Namespace(page_size=16, kv_cache_memory=("bytes", 1e6))
+    assert paging_kwargs(args) == {"page": 16, "kv_cache_memory": 1000000}
+    import jax
+
+    fraction = argparse.Namespace(page_size=16, kv_cache_memory=("fraction", 0.9))
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:  # a TPU / GPU: 0.9 of what is free
+        assert 0 < paging_kwargs(fraction)["kv_cache_memory"] <= 0.9 * stats["bytes_limit"]
+    else:
+        with pytest.raises(SystemExit):
+            paging_kwargs(fraction)
+        assert "needs a device that reports its memory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        paging_kwargs(argparse.Namespace(page_size=-1, kv_cache_memory=None))
+    assert "--page-size must be >= 0" in capsys.readouterr().err

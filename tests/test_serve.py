@@ -284,7 +284,8 @@ def test_sigterm_finishes_the_stream_in_flight_and_exits_0(server):
 def test_bad_options_are_refused_before_loading():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     for argv, says in [(["--port", "70000"], "--port"), (["--queue-size", "0"], "--queue-size"),
-                       (["--plain", "--draft", "x"], "--plain")]:
+                       (["--plain", "--draft", "x"], "--plain"), (["--steps-per-turn", "0"], "--steps-per-turn"),
+                       (["--kv-cache-memory", "lots"], "--kv-cache-memory")]:
         r = subprocess.run([sys.executable, "-m", "infer.serve", *argv], capture_output=True, text=True, env=env,
                            timeout=120)
         assert r.returncode == 2 and says in r.stderr, r.stderr
