@@ -7,7 +7,8 @@ import os
 import sys
 
 from dflash_jax.attention import DECODE_IMPLS
-from dflash_jax.checkpoints import DTYPES, auto_dtype, has_chat_template, has_tokenizer, resolve_path
+from dflash_jax.checkpoints import has_chat_template, has_tokenizer, resolve_path
+from dflash_jax.cli_flags import add_dtype_arg, resolve_dtype_arg
 from dflash_jax.demo import DEMO_DIR, DEMO_DRAFT, DEMO_TARGET
 from dflash_jax.prompts import PromptError, encode_prompt, read_prompts
 from infer.auto_block import PROBE_ROWS
@@ -19,9 +20,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                                     "directory or hub id (default: embedded demo)")
     g.add_argument("--draft", help="DFlash draft: directory or hub id (default: embedded demo draft when the "
                                    "target is the demo; none otherwise = plain decoding)")
-    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                   help="parameter/compute dtype; auto (default): the checkpoint's dtype on TPU/GPU, float32 on "
-                        "CPU (where bfloat16 is emulated and slower); the dtype that ran is printed")
+    add_dtype_arg(g)
     g.add_argument("--mesh", default=None,
                    help="shard over devices: 'data=2,tensor=4' (axes data, fsdp, expert, tensor; omitted = 1, one "
                         "may be -1 = the rest) or 'auto' (all devices on data). Params tensor-parallel (MoE experts "
@@ -178,8 +177,7 @@ def load_models(args, prompts: list[dict] = ()):
         draft_path = draft_path or DEMO_DRAFT
     try:
         check_before_loading(args, target_path, draft_path, prompts)
-        # auto: the TARGET checkpoint's dtype (float32 on CPU), for the draft too: one compute dtype
-        dtype = auto_dtype(resolve_path(target_path)) if args.dtype == "auto" else args.dtype
+        dtype = resolve_dtype_arg(args.dtype, target_path)
         if getattr(args, "mesh", None):
             from dflash_jax import model_sharding
 

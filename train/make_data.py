@@ -1,4 +1,4 @@
-"""``python -m train.make_data --target T --prompts FILE --out DIR``: training data for a DFlash draft.
+"""``python -m train.make_data --target T --prompts-file FILE --out DIR``: training data for a DFlash draft.
 
 By default the TARGET answers the prompts (as in the paper: the draft learns the target's own
 distribution), continuously batched through the project's decode engine (``dflash_jax.decode``; plain
@@ -26,6 +26,7 @@ import sys
 import numpy as np
 
 from dflash_jax.checkpoints import load_tokenizer
+from dflash_jax.cli_flags import add_dtype_arg, add_renamed, resolve_dtype_arg
 from dflash_jax.prompts import encode_prompt, read_prompts
 from train.data import (FORMAT, DataError, conversation_turns, encode_conversation, encode_pair, read_manifest,
                         shard_name, write_manifest, write_shard)
@@ -44,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train.make_data", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", required=True, help="target checkpoint directory or hub id")
-    p.add_argument("--prompts", required=True, help="prompt file: text lines (\\n = newline), or JSONL with "
-                   "prompt / prompt_ids (and optionally response / response_ids)")
+    add_renamed(p, "--prompts-file", "--prompts", required=True, help="prompt file: text lines (\\n = newline), or "
+                "JSONL with prompt / prompt_ids (and optionally response / response_ids)")
     p.add_argument("--out", required=True, help="output data directory")
     p.add_argument("--responses", choices=["auto", "generate", "use"], default="auto",
                    help="generate: the target answers; use: take the file's responses; auto: use them when "
@@ -63,15 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (a prompt's key: this seed and the prompt's index in the run)")
-    p.add_argument("--batch-size", type=int, default=8, help="decode slots: prompts generated together, a finished one's slot refilled at once")
+    add_renamed(p, "--max-batch", "--batch-size", type=int, default=8,
+                help="decode slots: prompts generated together, a finished one's slot refilled at once")
     p.add_argument("--shard-size", type=int, default=256, help="prompts per output shard")
     p.add_argument("--max-prompt-len", type=int, default=0, help="skip prompts longer than this (0: no limit)")
     p.add_argument("--max-length", type=int, default=0, help="cap on prompt + response tokens (0: the target's "
                    "max_position_embeddings)")
     p.add_argument("--draft", default="", help="optional draft to speed up generation (output unchanged)")
-    p.add_argument("--dtype", default="float32", help="target dtype for generation (float32 / bfloat16)")
+    add_dtype_arg(p)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm progress bar")
     return p
+
+
+# A manifest's settings by the flags that set them (the rest: "--" + the key, dashed).
+_FLAGS = {"chat_kwargs": "--chat-template-kwargs", "batch_size": "--max-batch"}
 
 
 def _differences(manifest: dict, settings: dict, vocab: int) -> list[str]:
@@ -84,7 +90,7 @@ def _differences(manifest: dict, settings: dict, vocab: int) -> list[str]:
         if k == "prompts_sha1":
             out.append("the prompt file's contents")
         else:
-            name = "--chat-template-kwargs" if k == "chat_kwargs" else "--" + k.replace("_", "-")
+            name = _FLAGS.get(k) or "--" + k.replace("_", "-")
             out.append(f"{name} {had.get(k)!r} -> {settings.get(k)!r}")
     if manifest.get("vocab_size") != vocab:
         out.append(f"the target's vocab_size {manifest.get('vocab_size')} -> {vocab}")
@@ -132,7 +138,7 @@ def make_data(target, prompts: str, out: str, *, responses: str = "auto", chat: 
               turns: str = "last", log=print) -> dict:
     """Python API of the command; ``target`` is a loaded ``dflash_jax.target.Target``. Returns the manifest."""
     if batch_size < 1 or shard_size < 1 or max_new_tokens < 1:
-        raise ValueError("--batch-size, --shard-size and --max-new-tokens must be >= 1")
+        raise ValueError("--max-batch, --shard-size and --max-new-tokens must be >= 1")
     if turns not in ("last", "all"):
         raise ValueError(f"--turns must be last or all, got {turns!r}")
     records = read_prompts(prompts)
@@ -233,15 +239,16 @@ def main(argv=None) -> int:
     try:
         from dflash_jax.target import load_target
 
-        target = load_target(a.target, dtype=a.dtype)
+        dtype = resolve_dtype_arg(a.dtype, a.target)
+        target = load_target(a.target, dtype=dtype)
         draft = None
         if a.draft:
             from dflash_jax.draft import load_draft
 
-            draft = load_draft(a.draft, dtype=a.dtype)
-        make_data(target, a.prompts, a.out, responses=a.responses, chat=a.chat, chat_kwargs=chat_kwargs,
+            draft = load_draft(a.draft, dtype=dtype)
+        make_data(target, a.prompts_file, a.out, responses=a.responses, chat=a.chat, chat_kwargs=chat_kwargs,
                   max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                  seed=a.seed, batch_size=a.batch_size, shard_size=a.shard_size, max_prompt_len=a.max_prompt_len,
+                  seed=a.seed, batch_size=a.max_batch, shard_size=a.shard_size, max_prompt_len=a.max_prompt_len,
                   max_length=a.max_length, draft=draft, progress=a.progress, turns=a.turns)
     except (DataError, OSError, ValueError) as e:  # bad input: exit 2, as argparse and the infer CLIs
         print(f"error: {e}", file=sys.stderr)
