@@ -13,7 +13,7 @@ def machine() -> dict:
     load = os.getloadavg()
     return {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
             "cpu_count": os.cpu_count(), "load_average": [round(x, 2) for x in load],
-            "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}  # huge pages for malloc or not (infer.huge_pages)
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}  # huge pages for malloc or not (dflash_jax.huge_pages)
 
 
 def warn_if_busy(where: dict) -> None:

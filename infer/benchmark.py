@@ -40,6 +40,7 @@ import numpy as np
 
 from dflash_jax.machine import machine, warn_if_busy
 from dflash_jax.progress import progress_bar
+from dflash_jax.launch import launch
 from infer import bench_sets, synthetic
 from infer.timing import fastest, first_mismatch, step_split, time_forwards
 from infer.common import (DEMO_TARGET, adaptive_kwargs, add_model_args, check_overrides, decoding_kwargs, die, encode,
@@ -319,6 +320,7 @@ def print_report(args, summary: dict, rows: list[dict]) -> None:
 
 @exits_on_interrupt
 def main(argv=None) -> int:
+    launch()
     args = parse_args(argv)
     if args.repeats < 1:
         die(f"--repeats must be >= 1, got {args.repeats}")

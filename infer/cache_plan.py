@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 
+from dflash_jax.launch import launch
 from infer.common import die, parse_ints, row_cache_bytes
 
 DEFAULT_MEMORY = "16,32,80,141"
@@ -72,6 +73,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    launch()
     args = parse_args(argv)
     memory = [float(x) for x in args.memory.split(",") if x.strip()]
     means = parse_ints(args.mean_lengths, "--mean-lengths")

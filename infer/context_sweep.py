@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from dflash_jax.launch import launch
 from infer.common import die, parse_ints
 
 
@@ -35,6 +36,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    launch()
     args = parse_args(argv)
     import jax
 

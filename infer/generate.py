@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from dflash_jax.launch import launch
 from infer.common import (adaptive_kwargs, add_max_batch_arg, add_model_args, check_overrides, decoding_kwargs, die,
                           encode, exits_on_interrupt, load_models, max_batch, paging_kwargs, param_dtype, read_prompts_file,
                           requests_of, resolve_block, draft_kwargs, shows_bar)
@@ -128,6 +129,7 @@ def _decode(args, target, draft, requests, slots: int, **kw):
 
 @exits_on_interrupt
 def main(argv=None) -> int:
+    launch()
     args = parse_args(argv)
     if args.chat and not (args.prompt or args.prompts_file):
         die("--chat applies to text prompts: pass --prompt or --prompts-file")

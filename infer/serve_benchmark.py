@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from dflash_jax.launch import launch
 from infer.common import add_model_args, die, parse_ints
 
 DEFAULT_CONCURRENCY = "1,4,16"
@@ -213,6 +214,7 @@ def engine_batch1(target, draft, prompts: list[list[int]], options) -> dict:
 
 
 def main(argv=None) -> int:
+    launch()
     args = parse_args(argv)
     levels = parse_ints(args.concurrency, "--concurrency")
     if args.num_requests < 1:

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import sys
 
+from dflash_jax.launch import launch
+
 
 def main(argv=None) -> int:
+    launch()
     from train.config import parse_args
 
     cfg = parse_args(argv)

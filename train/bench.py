@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from dflash_jax.synthetic import preset as synthetic_preset
+from dflash_jax.launch import launch
 
 # name -> (synthetic target config (Hugging Face keys), shape defaults)
 PRESETS = {
@@ -473,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    launch()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:

@@ -21,6 +21,7 @@ import sys
 from dflash_jax.checkpoints import DTYPES
 from dflash_jax.config import DraftConfig
 from dflash_jax.draft import Draft, draft_param_shapes, save_draft
+from dflash_jax.launch import launch
 from train.checkpoint import Checkpointer, CheckpointError, find_checkpoint
 
 # the architectures this trainer exports (config.json "architectures"): DFlash and DSpark (DeepSpec's layout)
@@ -119,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    launch()
     a = build_parser().parse_args(argv)
     try:
         out = export(a.checkpoint, a.out, a.dtype, force=a.force)

@@ -31,6 +31,7 @@ from dflash_jax.prompts import encode_prompt, read_prompts
 from train.data import (FORMAT, DataError, conversation_turns, encode_conversation, encode_pair, read_manifest,
                         shard_name, write_manifest, write_shard)
 from dflash_jax.progress import progress_bar
+from dflash_jax.launch import launch
 
 
 def _file_digest(path: str) -> str:
@@ -230,6 +231,7 @@ def _generate(target, draft, prompts, records, *, batch_size, max_new_tokens, te
 
 
 def main(argv=None) -> int:
+    launch()
     a = build_parser().parse_args(argv)
     try:
         chat_kwargs = json.loads(a.chat_template_kwargs)

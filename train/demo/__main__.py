@@ -38,6 +38,7 @@ import time
 import numpy as np
 
 from dflash_jax.demo import DEMO_DRAFT, DEMO_TARGET
+from dflash_jax.launch import launch
 
 DEFAULT_WORK = os.path.join("runs", "demo")
 
@@ -309,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    launch()
     args = build_parser().parse_args(argv)
     return args.func(args)
 

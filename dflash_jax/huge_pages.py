@@ -6,8 +6,9 @@ XLA's CPU runtime allocates each device call's temporary buffer with malloc; abo
 preset at batch 8, which calls the device once per step or two (docs/benchmarks.md). With the kernel's huge pages
 in ``madvise`` mode, glibc (2.35 or newer) advises them for its mappings only when ``GLIBC_TUNABLES`` holds
 ``glibc.malloc.hugetlb=1``, a setting read at process start: so a command line re-runs itself once with it set
-(``reexec``; a few hundred faults per call then). ``DFLASH_HUGE_PAGES=0`` keeps the process as it is. A library
-import never re-executes anything: only a command line does (``command_line``).
+(``reexec``, from ``dflash_jax.launch``, first thing in each CLI's ``main()``; a few hundred faults per call then).
+``DFLASH_HUGE_PAGES=0`` keeps the process as it is. An import never re-executes anything, nor does a ``main()``
+called as a library (``command_line``).
 """
 from __future__ import annotations
 
@@ -55,11 +56,11 @@ def tunables(environ) -> str:
     return f"{held}:{TUNABLE}=1" if held else f"{TUNABLE}=1"
 
 
-def command_line(argv0: str) -> bool:
-    """Whether the package is being imported by one of the project's command lines: ``python -m infer.*`` /
-    ``python -m train*`` (while Python locates the module, ``sys.argv[0]`` is "-m") or a ``dflash-*`` script of
-    pyproject.toml; not a library import (a test, a notebook, the user's own program)."""
-    return argv0 == "-m" or os.path.basename(argv0).startswith("dflash-")
+def command_line(main_module: str | None, argv0: str) -> bool:
+    """Whether this process is one of the project's command lines: ``python -m infer.*`` / ``python -m train*``
+    (``main_module``: the module Python runs as ``__main__``) or a ``dflash-*`` script of pyproject.toml; not a
+    ``main()`` called from a test, a notebook or the user's own program."""
+    return (main_module or "").split(".")[0] in ("infer", "train") or os.path.basename(argv0).startswith("dflash-")
 
 
 def reexec() -> None:
