@@ -2,6 +2,7 @@
 Face's kernel hub, which transformers imports) and import nothing from the rest of the library."""
 import ast
 import importlib.metadata
+import os
 from pathlib import Path
 
 import pytest
@@ -30,10 +31,52 @@ def test_installed_distribution_has_no_top_level_kernels():
     assert sorted(top_level) == ["dflash_jax", "infer", "train"], "stale install: rerun pip install -e ."
 
 
+def _not_own(folder: Path) -> bool:
+    """A folder inside a checkout that holds none of its own files: a virtual environment (``python3 -m venv .venv``,
+    as README says: it has a pyvenv.cfg) or .git."""
+    return folder.name == ".git" or (folder / "pyvenv.cfg").is_file()
+
+
+def in_own_tree(root: Path, path: Path) -> bool:
+    """Whether ``path`` is one of the checkout ``root``'s own files: under it, and in no folder that ``_not_own``."""
+    root, path = root.resolve(), path.resolve()
+    return path.is_relative_to(root) and not any(_not_own(d) for d in path.parents if d.is_relative_to(root) and d != root)
+
+
+def kernel_hub_shadows(root: Path) -> list[Path]:
+    """The ``kernels`` folders and ``kernels.py`` files of the checkout ``root``'s own tree that Python would import as
+    the top-level ``kernels`` wherever their folder is on sys.path (it is no package: no __init__.py), virtual
+    environments and .git inside it skipped (their ``kernels`` is the real one)."""
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = sorted(d for d in subfolders if not _not_own(Path(folder, d)))
+        if "__init__.py" not in files:
+            found += [Path(folder, n) for n in ("kernels", "kernels.py") if n in subfolders or n in files]
+    return found
+
+
+def test_the_shadow_scan_skips_virtual_environments(tmp_path):
+    """A venv made inside the checkout holds Hugging Face's ``kernels`` in its site-packages: not a shadow; a
+    top-level ``kernels/`` (or one in a plain folder such as scripts/) is, a subpackage ``kernels`` is not."""
+    site = tmp_path / ".venv" / "lib" / "python3.11" / "site-packages" / "kernels"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("")
+    (tmp_path / ".venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (tmp_path / "pkg" / "kernels").mkdir(parents=True)
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    assert kernel_hub_shadows(tmp_path) == []
+    assert not in_own_tree(tmp_path, site / "__init__.py") and in_own_tree(tmp_path, tmp_path / "pkg" / "kernels")
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "kernels.py").write_text("")
+    assert kernel_hub_shadows(tmp_path) == [tmp_path / "kernels", tmp_path / "scripts" / "kernels.py"]
+
+
 def test_the_checkout_root_does_not_shadow_the_kernel_hub():
     """Python puts the folder it runs from first on sys.path (``python -m pytest``, ``python -m infer.generate`` from
     the checkout): a ``kernels`` there shadowed Hugging Face's ``kernels``, which transformers 5.25 imports with its
-    PyTorch models (``ImportError: cannot import name 'CUDAProperties' from 'kernels'``)."""
+    PyTorch models (``ImportError: cannot import name 'CUDAProperties' from 'kernels'``). Found from the checkout,
+    ``kernels`` is none of its own files (the real one may lie in a venv inside it, as README's install makes)."""
     import subprocess
     import sys
 
@@ -41,8 +84,8 @@ def test_the_checkout_root_does_not_shadow_the_kernel_hub():
     r = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     found = r.stdout.strip()
-    assert found == "-" or not Path(found).resolve().is_relative_to(REPO), found
-    assert not (REPO / "kernels").exists() and not (REPO / "kernels.py").exists()
+    assert found == "-" or not in_own_tree(REPO, Path(found)), found
+    assert kernel_hub_shadows(REPO) == []
 
 
 def test_kernels_import_nothing_from_the_library():
@@ -64,21 +107,26 @@ def test_kernels_import_nothing_from_the_library():
                 f"{path.name}:{node.lineno} imports {names}"
 
 
+INSTALL_STEPS = ("python3 -m venv", "pip install")
+
+
 def _install_block() -> list[str]:
-    """The pip commands of README's first code block under "## Install" (the CPU install)."""
+    """The venv and pip commands of README's first code block under "## Install" (the CPU install)."""
     text = (REPO / "README.md").read_text().split("## Install", 1)[1]
     block = text.split("```bash", 1)[1].split("```", 1)[0]
-    return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip().startswith("pip install")]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip().startswith(INSTALL_STEPS)]
 
 
 def test_ci_installs_exactly_as_the_readme_says():
-    """.ci/run runs README's CPU install commands, in the same order (quiet flags aside), before the test suite
-    (what it installs after the tests, the docs extra for mkdocs, is its own)."""
+    """.ci/run runs README's CPU install commands, in the same order (quiet flags aside), before the test suite,
+    its virtual environment made in the clone as README's (what it installs after the tests, the docs extra for
+    mkdocs, is its own)."""
     readme = _install_block()
     before_tests = (REPO / ".ci" / "run").read_text().split("python -m pytest", 1)[0]
     ci = [line.strip().replace(" --quiet", "") for line in before_tests.splitlines()
-          if line.strip().startswith("pip install")]
+          if line.strip().startswith(INSTALL_STEPS)]
     assert readme and readme == ci, (readme, ci)
+    assert readme[0] == "python3 -m venv .venv && source .venv/bin/activate"  # in the clone, as a newcomer's
     assert any("torch==2.13.0" in c and "whl/cpu" in c for c in readme)  # the CPU torch before the test extra
     assert readme[-1] == 'pip install -e ".[test]"'
 
