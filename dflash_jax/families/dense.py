@@ -73,6 +73,15 @@ class DecoderLayer(nn.Module):
             o = _cache_attention(state, q, positions, jnp.max(positions, axis=1) + 1,
                                  sliding_window=window, sinks=sinks, impl=self.attention_impl, scale=scale)
             return o, state
+        if isinstance(state, (FullKV, PagedKV)):  # a prefill: the cache below its first position, then its own
+            # tokens causally, so that its cost follows the prompt, not the cache's length. Written first: reading
+            # the old pool beside the write made XLA copy the whole pool
+            impl = "loop" if self.attention_impl in ("auto", "kernel", "interpret") else self.attention_impl
+            first = jnp.min(jnp.where(positions >= 0, positions, jnp.iinfo(jnp.int32).max), axis=1)
+            state = state.write(k, v, positions)
+            o = _cache_attention(state, q, positions, jnp.where(jnp.any(positions >= 0, axis=1), first, 0), k, v,
+                                 sliding_window=window, sinks=sinks, impl=impl, new_causal=True, scale=scale)
+            return o, state
         if state is None:
             k_pos, exists = positions, positions >= 0
             if segment_ids is not None:
