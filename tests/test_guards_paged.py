@@ -42,3 +42,20 @@ def test_preempted_sampled_rows_draw_what_they_would_have_drawn(monkeypatch):
     tight = decode.continuous_generate(target, draft, requests, kv_cache_memory=pages * probe.page_bytes, **kw)
     assert max(preempted, default=0) > 0, preempted  # a row that had stepped (its key moved on) was preempted
     assert [r.output_ids for r in tight] == [r.output_ids for r in roomy]
+
+
+def test_warming_a_small_pool_compiles_what_it_can_hold():
+    """``warm`` on a pool that holds one long row but not half the rows' prompts (the group admission's program):
+    it compiles what this pool can run and leaves every page free, instead of failing the server's start."""
+    target, draft = random_pair(vocab=32, block_size=4)
+    probe = Engine(target, draft, DecodeOptions(max_new_tokens=8), max_batch=8, max_length=64, page=8)
+    pages = probe.pool.pages_for(63 + probe.spec.max_block) + 1
+    engine = Engine(target, draft, DecodeOptions(max_new_tokens=8), max_batch=8, max_length=64, page=8,
+                    kv_cache_memory=pages * probe.page_bytes)
+    assert not engine.can_admit([Request([1] * 40)] * 5)  # the 8-row group's admission never fits this pool
+    engine.warm([40])
+    engine.pool.check()
+    assert len(engine.pool.free) == engine.pool.pages
+    out = decode.continuous_generate(target, draft, [Request([1, 2, 3], max_new_tokens=5)] * 3, max_batch=8,
+                                     page=8, kv_cache_memory=pages * probe.page_bytes)
+    assert all(r.num_generated == 5 for r in out)

@@ -285,7 +285,28 @@ def test_bad_options_are_refused_before_loading():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     for argv, says in [(["--port", "70000"], "--port"), (["--queue-size", "0"], "--queue-size"),
                        (["--plain", "--draft", "x"], "--plain"), (["--steps-per-turn", "0"], "--steps-per-turn"),
-                       (["--kv-cache-memory", "lots"], "--kv-cache-memory")]:
+                       (["--turn-ms", "0"], "--turn-ms"), (["--kv-cache-memory", "lots"], "--kv-cache-memory")]:
         r = subprocess.run([sys.executable, "-m", "infer.serve", *argv], capture_output=True, text=True, env=env,
                            timeout=120)
         assert r.returncode == 2 and says in r.stderr, r.stderr
+
+
+def test_a_turn_runs_the_steps_that_fit_its_time():
+    """Paced turns: one step until a step was timed, then the power of two of steps that fits the turn's time at the
+    running seconds per step (at least one, at most PROGRESS_STEPS); a fixed count stays fixed."""
+    from dflash_jax.decode.slots import PROGRESS_STEPS
+    from infer.serve.scheduler import Pace
+
+    pace = Pace(None, 0.025)
+    assert pace.steps() == 1
+    pace.ran(10, 0.010)  # 1 ms a step: 25 fit, 16 run
+    assert pace.steps() == 16
+    pace.ran(0, 5.0)  # a run that took no step says nothing about a step's time
+    assert pace.steps() == 16
+    for _ in range(30):
+        pace.ran(4, 0.4)  # 100 ms a step: one step a turn
+    assert pace.steps() == 1
+    for _ in range(30):
+        pace.ran(100, 0.001)
+    assert pace.steps() == PROGRESS_STEPS
+    assert Pace(3, 0.025).steps() == 3

@@ -40,6 +40,7 @@ PAGE = 16  # tokens per page of the paged caches (``Engine``'s default)
 _ADMISSIONS = itertools.count()  # admission order across engines (only its order within one engine is read)
 LOOKAHEAD_STEPS = 8  # a run gives each running row pages for this many more steps (then returns for more)
 LOOKAHEAD_PAGES = 4  # and at least this many pages more (plain decoding's steps commit one token each)
+PROGRESS_STEPS = 64  # the most steps one ``progress`` read covers (it reads for a power of two of them: few programs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,20 +197,28 @@ class Engine:
         buckets = sorted({prepare.prompt_bucket(n, self.spec.cache_len) for n in prompt_lengths})
         kept = self._bookkeeping()
         try:
-            for b in buckets:
+            for b in buckets:  # one prompt of the bucket's length makes the group's program: the others are short
                 for g in self.groups():
-                    dummy = [Request([0] * min(b, self.max_length - 1))] * (1 if g == self.unit else g // 2 + 1)
-                    state, rows = self.admit(self.empty(), dummy)
-                    state, _ = self.run(state, 1)
-                    jax.block_until_ready(self.release(state, rows)[0])
+                    n = 1 if g == self.unit else g // 2 + 1
+                    self._warm_run([Request([0] * min(b, self.max_length - 1))] + [Request([0])] * (n - 1))
             for n in self.buckets()[:-1] if self.paged else []:  # admissions above ran the largest
                 if most_rows is not None and n > most_rows:
                     break
-                state, rows = self.admit(self.empty(), [Request([0])] * n)
-                state, _ = self.run(state, 1)
-                jax.block_until_ready(self.release(state, rows)[0])
+                self._warm_run([Request([0])] * n)
+            state = self.empty()
+            for k in range(PROGRESS_STEPS.bit_length()):  # every read a streaming host may make
+                self.progress(state, 1 << k)
         finally:
             self._bookkeeping(kept)
+
+    def _warm_run(self, requests: list[Request]) -> None:
+        """Admit ``requests`` into an empty state, one step, release: unless the pool could never hold them (a
+        program no run of this pool can use)."""
+        state = self.empty()
+        if self.can_admit(requests):
+            state, rows = self.admit(state, requests)
+            state, _ = self.run(state, 1)
+            jax.block_until_ready(self.release(state, rows)[0])
 
     def _bookkeeping(self, kept=None):
         """The host's record of one state (pages, admissions) -> a copy; ``kept`` given: put it back."""
@@ -387,8 +396,12 @@ class Engine:
         """Every row's counters on the host (``generated``, ``finish``, ``steps``, ``acceptance`` of its last step,
         ``acceptances`` [S, n] of its last n = ``steps_taken`` steps) and ``tail`` [S, W]: its last W tokens, ending
         at its newest committed one (W = n x max block + 1, the most an admission and n steps commit), so that a
-        host streaming after every ``run(state, n)`` reads each row's new tokens without copying its token row."""
+        host streaming after every ``run(state, n)`` reads each row's new tokens without copying its token row.
+        ``steps_taken`` is rounded up to a power of two (one program each), at most ``PROGRESS_STEPS``."""
         n = max(int(steps_taken), 1)
+        if n > PROGRESS_STEPS:
+            raise ValueError(f"progress reads at most {PROGRESS_STEPS} steps back, asked {n}")
+        n = 1 << (n - 1).bit_length()
         out = sharding.to_host(steps.recent_jit(state, n * self.spec.max_block + 1, n))
         self._seen = (out["finish"], out.pop("lengths"))  # the next run's page check reads these
         return out

@@ -21,7 +21,9 @@ from infer.serve.protocol import DEFAULT_MAX_BODY
 from infer.common import (DEFAULT_MAX_BATCH, adaptive_kwargs, add_max_batch_arg, add_model_args, decoding_kwargs, die,
                           fixed_block_size, load_models, paging_kwargs, slots_that_fit, draft_kwargs)
 
-from infer.serve.scheduler import STEPS_PER_TURN
+from dflash_jax.launch import launch
+from dflash_jax.decode.slots import PROGRESS_STEPS
+from infer.serve.scheduler import TURN_MS
 
 DEFAULT_PORT = 8000
 DEFAULT_MAX_LENGTH = 4096  # the default --max-length cap: every slot's cache holds this many tokens
@@ -47,10 +49,13 @@ def parse_args(argv=None):
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="at SIGTERM, seconds the requests in flight may take to finish before they are cancelled "
                         "(default 30)")
-    s.add_argument("--steps-per-turn", type=int, default=STEPS_PER_TURN,
-                   help="decode steps the engine runs between two reads of the rows' new tokens while no request "
-                        f"waits (a finishing row returns at once; default {STEPS_PER_TURN}): fewer host round trips "
-                        "per token, tokens streamed in chunks of up to this many steps; 1: every step")
+    s.add_argument("--turn-ms", type=float, default=TURN_MS,
+                   help="while no request waits, the engine runs the decode steps that fit in about this many "
+                        f"milliseconds between two reads of the rows' new tokens (default {TURN_MS:g}; a power of two "
+                        f"of steps, at most {PROGRESS_STEPS}, from the measured step time; a finishing row returns "
+                        "at once): few host round trips per token, tokens streamed in chunks of up to a turn")
+    s.add_argument("--steps-per-turn", type=int, default=None,
+                   help=f"a fixed number of decode steps per turn instead (1-{PROGRESS_STEPS}; 1: stream every step)")
     s.add_argument("--no-warm", action="store_true", help="skip compiling the short-prompt programs before serving")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY,
                    help=f"request bodies above this size get 413 (default {DEFAULT_MAX_BODY})")
@@ -70,8 +75,10 @@ def check_args(args) -> None:
         die(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_length is not None and args.max_length < 2:
         die(f"--max-length must be >= 2, got {args.max_length}")
-    if args.steps_per_turn < 1:
-        die(f"--steps-per-turn must be >= 1, got {args.steps_per_turn}")
+    if args.steps_per_turn is not None and not 1 <= args.steps_per_turn <= PROGRESS_STEPS:
+        die(f"--steps-per-turn must be in [1, {PROGRESS_STEPS}], got {args.steps_per_turn}")
+    if not args.turn_ms > 0:
+        die(f"--turn-ms must be > 0, got {args.turn_ms}")
     if args.shutdown_timeout < 0:
         die(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.plain and args.draft:
@@ -132,7 +139,7 @@ def build_service(args):
         name, aliases = model_name(args.target, target.path)
         service = Service(target, draft, tokenizer, options,
                           Limits(slots, max_length, args.queue_size, **paging_kwargs(args),
-                                 steps_per_turn=args.steps_per_turn),
+                                 steps_per_turn=args.steps_per_turn, turn_ms=args.turn_ms),
                           name=args.served_model_name or name, aliases=aliases,
                           default_max_tokens=default_max_tokens)
     except ValueError as e:
@@ -141,6 +148,7 @@ def build_service(args):
 
 
 def main(argv=None) -> int:
+    launch()
     args = parse_args(argv)
     check_args(args)
     import uvicorn

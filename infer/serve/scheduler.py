@@ -16,13 +16,16 @@ from typing import Callable
 import collections
 
 from dflash_jax.decode import Engine, Finish, Request, Resumed
+from dflash_jax.decode.slots import PROGRESS_STEPS
 from infer.serve.metrics import Metrics
 from infer.serve.text import TextStream
 
 log = logging.getLogger("infer.serve")
 FINISHED = (int(Finish.LENGTH), int(Finish.STOP))
-STEPS_PER_TURN = 4  # decode steps on the device between two host reads while no request waits (a row that
-# finishes returns at once): fewer round trips per token, new tokens streamed in chunks of at most this many steps
+TURN_MS = 25.0  # while no request waits, a turn runs the decode steps that fit in about this many milliseconds
+# (a power of two of them, measured from the last turns, at most ``PROGRESS_STEPS``): a host round trip costs about a
+# millisecond on a CPU, a tiny model's step less, so that one user gets the engine's own speed; a row that finishes
+# returns at once, and tokens are streamed in chunks of at most a turn
 
 
 @dataclasses.dataclass
@@ -85,10 +88,15 @@ class QueueFull(Exception):
 class Scheduler:
     """Runs ``engine`` in a thread over requests ``submit``ted to a queue of at most ``queue_size`` jobs."""
 
-    def __init__(self, engine: Engine, metrics: Metrics, queue_size: int, steps_per_turn: int = 1):
-        if steps_per_turn < 1:
-            raise ValueError(f"steps_per_turn must be >= 1, got {steps_per_turn}")
-        self.engine, self.metrics, self.steps_per_turn = engine, metrics, steps_per_turn
+    def __init__(self, engine: Engine, metrics: Metrics, queue_size: int, steps_per_turn: int | None = None,
+                 turn_ms: float = TURN_MS):
+        if steps_per_turn is not None and not 1 <= steps_per_turn <= PROGRESS_STEPS:
+            raise ValueError(f"steps_per_turn must be in [1, {PROGRESS_STEPS}] (or None: paced by turn_ms), got "
+                             f"{steps_per_turn}")
+        if not turn_ms > 0:
+            raise ValueError(f"turn_ms must be > 0, got {turn_ms}")
+        self.engine, self.metrics = engine, metrics
+        self.pace = Pace(steps_per_turn, turn_ms / 1000)
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._submit = threading.Lock()
         self._stop = threading.Event()
@@ -167,7 +175,7 @@ class Scheduler:
             new.append(job)
         self.metrics.queue_depth.set(self.queue.qsize())
         if not new:
-            return state
+            return state, False
         now = time.perf_counter()  # queued until the admission (prefill) begins, as the library's queue_time_s
         state, rows = self.engine.admit(state, [j.resume or j.request for j in new], free[:len(new)])
         for row, job in zip(rows, new):
@@ -175,7 +183,7 @@ class Scheduler:
                 self.metrics.queue_time.observe(now - job.arrived)
             job.resume = None
             self.active[row] = job
-        return state
+        return state, True
 
     def _count_drafts(self, results) -> None:
         if self.engine.spec.speculative:
@@ -183,9 +191,9 @@ class Scheduler:
                 self.metrics.drafts(result.acceptance_lengths, result.verify_lengths)
 
     def _turn(self, state):
-        """Admit, drop the cancelled, one step (rows the pool cannot hold are preempted: they wait, first in line),
-        send every row's new text, release the finished."""
-        state = self._admit(state)
+        """Admit (the new rows' first tokens sent at once), drop the cancelled, a run of steps (rows the pool cannot
+        hold are preempted: they wait, first in line), send every row's new text, release the finished."""
+        state, admitted = self._admit(state)
         gone = [r for r, j in self.active.items() if j.cancelled.is_set()]
         if gone:
             state, results = self.engine.release(state, gone)
@@ -193,17 +201,25 @@ class Scheduler:
             for r in gone:
                 job = self.active.pop(r)
                 job.emit(job.done("cancelled"))
+        if admitted:  # the first token comes from the prefill: its time is the prefill's, not a turn's
+            state = self._send(state, 1)
         self.metrics.slots_busy.set(len(self.active))
         if not self.active:
             return state
-        k = self.steps_per_turn if self.queue.empty() and not self.waiting else 1  # waiting: admit sooner
+        k = self.pace.steps() if self.queue.empty() and not self.waiting else 1  # waiting: admit sooner
+        begun = time.perf_counter()
         state, taken = self.engine.run(state, k)
+        self.pace.ran(taken, time.perf_counter() - begun)
         for row, again in reversed(self.engine.take_preempted()):  # first in line again, the oldest first
             job = self.active.pop(row)
             job.resume = again
             self.waiting.appendleft(job)
             self.metrics.preemptions.inc()
-        p = self.engine.progress(state, self.steps_per_turn)
+        return self._send(state, k, taken)
+
+    def _send(self, state, k: int, taken: int = 0):
+        """Every row's new tokens since the last read (at most ``k`` steps ago) out as text; the finished released."""
+        p = self.engine.progress(state, k)
         width = p["tail"].shape[1]
         done, accepted = [], []
         for r, job in self.active.items():
@@ -247,3 +263,25 @@ class Scheduler:
         if self.engine.paged:
             self.metrics.pages_free.set(len(self.engine.pool.free))
         return state
+
+
+class Pace:
+    """How many decode steps a turn runs: ``fixed``, or the power of two of them that fits in ``turn_s`` seconds at
+    the recent seconds per step (each turn's wall time over its steps, host round trip included: a running mean)."""
+
+    def __init__(self, fixed: int | None, turn_s: float):
+        self.fixed, self.turn_s = fixed, turn_s
+        self.step_s: float | None = None  # unknown: the first turn runs one step
+
+    def steps(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        if self.step_s is None:
+            return 1
+        fit = max(int(self.turn_s / max(self.step_s, 1e-9)), 1)
+        return min(1 << (fit.bit_length() - 1), PROGRESS_STEPS)
+
+    def ran(self, taken: int, seconds: float) -> None:
+        if taken > 0:
+            now = seconds / taken
+            self.step_s = now if self.step_s is None else 0.7 * self.step_s + 0.3 * now

@@ -14,7 +14,7 @@ from dflash_jax.target import Target, check_token_ids
 from infer.serve.metrics import Metrics
 from infer.serve.protocol import (MAX_CHOICES, APIError, ChatRequest, CompletionRequest, Sampling,
                                   TokenizeRequest)
-from infer.serve.scheduler import STEPS_PER_TURN, Job, QueueFull, Scheduler
+from infer.serve.scheduler import TURN_MS, Job, QueueFull, Scheduler
 from infer.serve.text import TextStream
 
 
@@ -25,7 +25,8 @@ class Limits:
     queue_size: int  # requests waiting for a slot before 503
     page: int = PAGE  # tokens per cache page (0: a max-length cache per row)
     kv_cache_memory: int | None = None  # bytes of the page pool (None: every row at the max length)
-    steps_per_turn: int = STEPS_PER_TURN  # decode steps between two reads of the rows' new tokens (streaming)
+    steps_per_turn: int | None = None  # decode steps between two reads of the rows' new tokens (None: paced)
+    turn_ms: float = TURN_MS  # paced: a turn runs the steps that fit in about this many milliseconds
 
 
 class Service:
@@ -42,7 +43,8 @@ class Service:
         self.engine = Engine(target, draft, options, max_batch=limits.max_batch, max_length=limits.max_length,
                              sampled=True, page=limits.page, kv_cache_memory=limits.kv_cache_memory)
         self.metrics = Metrics(self.engine.rows, self.engine.spec.max_block)
-        self.scheduler = Scheduler(self.engine, self.metrics, limits.queue_size, limits.steps_per_turn)
+        self.scheduler = Scheduler(self.engine, self.metrics, limits.queue_size, limits.steps_per_turn,
+                                   limits.turn_ms)
         self.created = int(time.time())
         self._streams = itertools.count(1)  # the key stream of a request that gives no seed
         self._scorer = None
