@@ -353,6 +353,9 @@ def add_max_batch_arg(g) -> None:
                         "output unchanged. Default: every row of --max-batch at the max length (never dry)")
     g.add_argument("--page-size", type=int, default=PAGE,
                    help=f"tokens per cache page (default {PAGE}; 0: every row owns a cache of the max length)")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole: no sharing of the pages of prompt prefixes already cached (on "
+                        "by default where pages hold every layer; hybrid and sliding-window targets never share)")
 
 
 def paging_kwargs(args) -> dict:
@@ -363,18 +366,19 @@ def paging_kwargs(args) -> dict:
     page = getattr(args, "page_size", PAGE)
     if page < 0:
         die(f"--page-size must be >= 0, got {page}")
+    out = dict(page=page, prefix_cache=not getattr(args, "no_prefix_cache", False))
     if args.kv_cache_memory is None:
-        return dict(page=page)
+        return out
     kind, value = args.kv_cache_memory
     if kind == "bytes":
-        return dict(page=page, kv_cache_memory=int(value))
+        return dict(out, kv_cache_memory=int(value))
     import jax
 
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         die("--kv-cache-memory as a fraction needs a device that reports its memory (TPU, GPU); on this one give "
             "bytes (for example 2GiB)")
-    return dict(page=page, kv_cache_memory=int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * value))
+    return dict(out, kv_cache_memory=int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * value))
 
 
 def check_overrides(args, overrides: list[dict]) -> None:

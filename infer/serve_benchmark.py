@@ -44,6 +44,7 @@ class Sample:
     first: float | None
     end: float
     chunks: int
+    cached_tokens: int = 0  # the server's usage.prompt_tokens_details.cached_tokens
 
     @property
     def ttft(self) -> float:
@@ -89,8 +90,9 @@ async def drive(url: str, model: str, prompts: list, max_tokens, concurrency: in
                         ids, acc = extra_fields.get("token_ids", []), extra_fields.get("acceptance_lengths", [])
                 if chunk.usage is not None:
                     usage = chunk.usage
+            details = getattr(usage, "prompt_tokens_details", None)
             return Sample(i, "".join(parts), ids, finish, usage.completion_tokens if usage else -1, acc, start, first,
-                          time.perf_counter(), chunks)
+                          time.perf_counter(), chunks, getattr(details, "cached_tokens", None) or 0)
 
     try:
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
@@ -119,16 +121,32 @@ def summarize(samples: list[Sample], wall: float) -> dict:
             "tpot_p90_s": pct(tpot, 90), "tau": float(np.mean(acc)) if acc else None}
 
 
-def run_levels(url: str, model: str, prompts: list, levels: list[int], max_tokens: int, num_requests: int) -> dict:
-    """Each concurrency level over the first ``num_requests`` prompts -> {level: (summary, samples)}."""
+def opening(level: int, words: int) -> str:
+    """A system-prompt-like opening of about ``words`` words, its first word naming the level (each level's first
+    wave starts cold: no page of another level's opening matches)."""
+    return f"Level {level}. " + " ".join(f"rule{i % 97} holds" for i in range(words // 2)) + "\n"
+
+
+def run_levels(url: str, model: str, prompts: list, levels: list[int], max_tokens: int, num_requests: int,
+               shared_prefix: int = 0) -> dict:
+    """Each concurrency level over the first ``num_requests`` prompts -> {level: (summary, samples)}. With
+    ``shared_prefix`` words, every prompt of a level opens with the same text and the level runs twice: the first
+    wave (its opening not cached yet) under the key ``level``, the second under ``(level, 2)``."""
     out = {}
     for c in levels:
-        start = time.perf_counter()
-        samples = asyncio.run(drive(url, model, prompts[:num_requests], max_tokens, c))
-        wall = time.perf_counter() - start
-        check_samples(samples)
-        out[c] = (dict(concurrency=c, **summarize(samples, wall)), samples)
-        print(f"  concurrency {c}: {out[c][0]['output_tokens_per_s']:.1f} output tokens/s", file=sys.stderr)
+        batch = prompts[:num_requests]
+        waves = [(c, batch)] if not shared_prefix else [(key, [opening(c, shared_prefix) + p for p in batch])
+                                                        for key in (c, (c, 2))]
+        for key, wave in waves:
+            start = time.perf_counter()
+            samples = asyncio.run(drive(url, model, wave, max_tokens, c))
+            wall = time.perf_counter() - start
+            check_samples(samples)
+            extra = {} if not shared_prefix else {"wave": 1 if key == c else 2,
+                                                  "cached_tokens": sum(s.cached_tokens for s in samples)}
+            out[key] = (dict(concurrency=c, **summarize(samples, wall), **extra), samples)
+            print(f"  concurrency {c}{'' if key == c else ', second wave'}: "
+                  f"{out[key][0]['output_tokens_per_s']:.1f} output tokens/s", file=sys.stderr)
     return out
 
 
@@ -145,6 +163,10 @@ def parse_args(argv=None):
     g.add_argument("--num-requests", type=int, default=32, help="requests per level (default 32)")
     g.add_argument("--max-batch", type=int, default=16, help="the servers' decode slots (default 16)")
     g.add_argument("--prompts-file", default=None, help="text prompts (default: the demo's held-out code prompts)")
+    g.add_argument("--shared-prefix", type=int, default=0, metavar="WORDS",
+                   help="every prompt of a level opens with the same text of about WORDS words, and the level runs "
+                        "twice: a first wave (the opening not cached yet), then a second (its pages cached): time to "
+                        "first token of both, and the prompt tokens the server read from cache")
     g.add_argument("--json", action="store_true", help="one JSON object per level and server, then a summary")
     p.set_defaults(max_new_tokens=128, max_length=1024)
     return p.parse_args(argv)
@@ -182,7 +204,8 @@ def serve_both(args, prompts, levels) -> dict:
     max_length = min(args.max_length, target.config.max_position_embeddings)
     options = DecodeOptions(**dict(decoding_kwargs(args, target), max_length=max_length,
                                    block_size=fixed_block_size(args)))
-    lens = [len(encode_prompt({"prompt": p}, tokenizer)) for p in prompts]  # as the server encodes them
+    first = opening(max(levels), args.shared_prefix) if args.shared_prefix else ""
+    lens = [len(encode_prompt({"prompt": first + p}, tokenizer)) for p in prompts]  # as the server encodes them
     if max(lens) >= max_length:
         die(f"a prompt has {max(lens)} tokens, past --max-length {max_length}")
     out = {}
@@ -190,10 +213,11 @@ def serve_both(args, prompts, levels) -> dict:
         print(f"{kind}: compiling, then serving...", file=sys.stderr)
         service = Service(target, d, tokenizer, options, Limits(args.max_batch, max_length, 4 * args.num_requests),
                           name="bench")
-        service.engine.warm(lens)  # every prompt bucket compiled before the clock starts
+        service.engine.warm(range(1, max(lens) + 1))  # every prompt bucket (a cached prefix's tail: a smaller one)
         with Running(service, warm=False) as server:
             asyncio.run(drive(server.url, "bench", prompts[:2], 4, 2))  # the HTTP path once, untimed
-            out[kind] = run_levels(server.url, "bench", prompts, levels, args.max_new_tokens, args.num_requests)
+            out[kind] = run_levels(server.url, "bench", prompts, levels, args.max_new_tokens, args.num_requests,
+                                   args.shared_prefix)
         ids = [encode_prompt({"prompt": p}, tokenizer) for p in prompts[:args.num_requests]]
         out[kind]["engine"] = engine_batch1(target, d, ids, options)
     return out
@@ -225,7 +249,8 @@ def main(argv=None) -> int:
         import openai
 
         model = args.model or openai.OpenAI(base_url=args.url, api_key="none").models.list().data[0].id
-        results = {"server": run_levels(args.url, model, prompts, levels, args.max_new_tokens, args.num_requests)}
+        results = {"server": run_levels(args.url, model, prompts, levels, args.max_new_tokens, args.num_requests,
+                                        args.shared_prefix)}
     else:
         results = serve_both(args, prompts, levels)
     engine = {kind: by.pop("engine") for kind, by in results.items() if "engine" in by}
@@ -235,7 +260,7 @@ def main(argv=None) -> int:
     if "plain" in results:
         d, pl = results["dflash"], results["plain"]
         summary["speedup"] = {c: d[c][0]["output_tokens_per_s"] / pl[c][0]["output_tokens_per_s"] for c in levels}
-        summary["identical"] = all(a.token_ids == b.token_ids for c in levels for a, b in zip(d[c][1], pl[c][1]))
+        summary["identical"] = all(a.token_ids == b.token_ids for c in d for a, b in zip(d[c][1], pl[c][1]))
         summary["engine_batch1_tokens_per_s"] = {k: e["tokens_per_s"] for k, e in engine.items()}
         if 1 in levels:  # one user's share of the engine's own speed
             summary["server_vs_engine"] = {k: results[k][1][0]["output_tokens_per_s"] / e["tokens_per_s"]
@@ -245,12 +270,15 @@ def main(argv=None) -> int:
             print(json.dumps(r))
         print(json.dumps(summary))
         return 0
-    print(f"| server | concurrency | output tok/s | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) | tau |")
-    print("|---|---:|---:|---:|---:|---:|")
+    waves = "wave" in rows[0]
+    print("| server | concurrency |" + (" wave | cached tokens |" if waves else "") +
+          " output tok/s | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) | tau |")
+    print("|---|---:|" + ("---:|---:|" if waves else "") + "---:|---:|---:|---:|")
     ms = lambda x: "-" if x is None else f"{x * 1e3:.1f}"  # noqa: E731
     for r in rows:
         tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
-        print(f"| {r['server']} | {r['concurrency']} | {r['output_tokens_per_s']:.1f} | {ms(r['ttft_p50_s'])} / "
+        wave = f" {r['wave']} | {r['cached_tokens']} |" if waves else ""
+        print(f"| {r['server']} | {r['concurrency']} |{wave} {r['output_tokens_per_s']:.1f} | {ms(r['ttft_p50_s'])} / "
               f"{ms(r['ttft_p90_s'])} | {ms(r['tpot_p50_s'])} / {ms(r['tpot_p90_s'])} | {tau} |")
     if "speedup" in summary:
         print("speedup (DFlash / plain output tokens/s): " + ", ".join(

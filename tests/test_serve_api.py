@@ -255,6 +255,30 @@ def test_usage_once_or_per_chunk(served, client, tok):
     assert sum(ch.usage.completion_tokens for ch in once if ch.usage) == 12  # summing over chunks counts once
 
 
+def test_a_shared_prompt_prefix_is_cached_and_reported(served, client, tok):
+    """Two requests opening with the same long system text: the second reads the first's full prompt pages
+    (``usage.prompt_tokens_details.cached_tokens``, the metrics' hits and cached tokens), and its greedy answer
+    equals plain decoding; streamed, the final usage chunk carries the same count."""
+    service, base = served
+    system = "You are a careful assistant. Answer briefly and exactly. " * 6
+    before = metrics(base)
+    first = client.completions.create(model=MODEL, prompt=system + "Q: one", max_tokens=8, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=system + "Q: two", max_tokens=8, temperature=0)
+    shared = len(tok(system)["input_ids"]) - 1  # the texts' tokens may merge at the seam
+    page = service.engine.pool.page
+    assert first.usage.prompt_tokens_details.cached_tokens % page == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= shared // page * page > 0
+    ids = tok(system + "Q: two")["input_ids"]
+    assert second.choices[0].model_extra["token_ids"] == plain(service, ids, 8)
+    after = metrics(base)
+    hits = after[("dflash_prefix_cache_hits_total", ())] - before.get(("dflash_prefix_cache_hits_total", ()), 0)
+    tokens = after[("dflash_prefix_cache_tokens_total", ())] - before.get(("dflash_prefix_cache_tokens_total", ()), 0)
+    assert hits >= 1 and tokens >= second.usage.prompt_tokens_details.cached_tokens
+    streamed = list(client.completions.create(model=MODEL, prompt=system + "Q: two", max_tokens=8, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens >= shared // page * page
+
+
 def test_completion_tokens_stop_at_the_stop_string(served, client, tok):
     service = served[0]
     prompt = tok(PROMPT)["input_ids"]

@@ -101,14 +101,18 @@ def row_key(seed: int, stream: int) -> np.ndarray:
 
 
 def make_rows(spec: EngineSpec, prompts: Sequence[np.ndarray], budget, settings: Sequence[DecodeOptions],
-              streams: Sequence[int], *, pad_to: int | None = None, bucket: int | None = None) -> Rows:
+              streams: Sequence[int], *, pad_to: int | None = None, bucket: int | None = None,
+              starts: Sequence[int] | None = None) -> Rows:
     """New rows as host arrays, padded to ``pad_to`` rows (1-token rows of budget 1, finished at prefill) and to a
-    prompt ``bucket`` (default: the longest prompt rounded up to 32)."""
+    prompt ``bucket`` (default: the longest prompt rounded up to 32). ``starts``: each prompt's first position to
+    prefill (its pages hold the rest: a cached prefix); the rows then carry the prompts from there."""
     n = len(prompts)
     pad_to = pad_to or n
-    p = bucket or round_up(max(len(r) for r in prompts), MIN_PROMPT_BUCKET)
+    starts = np.zeros((n,), np.int32) if starts is None else np.asarray(starts, np.int32)
+    tails = [r[s:] for r, s in zip(prompts, starts)]
+    p = bucket or round_up(max(len(r) for r in tails), MIN_PROMPT_BUCKET)
     padded = np.zeros((pad_to, p), np.int32)
-    for i, r in enumerate(prompts):
+    for i, r in enumerate(tails):
         padded[i, :len(r)] = r
     lens = np.ones((pad_to,), np.int32)
     lens[:n] = [len(r) for r in prompts]
@@ -120,9 +124,9 @@ def make_rows(spec: EngineSpec, prompts: Sequence[np.ndarray], budget, settings:
     keys = np.zeros((pad_to, 2), np.uint32)
     for i, (s, stream) in enumerate(zip(settings, streams)):
         keys[i] = row_key(s.seed, stream)
-    return Rows(prompts=padded, lens=lens, budget=budget, stop_ids=stops,
-                temperature=pick("temperature", np.float32, 0.0), top_k=pick("top_k", np.int32, 0),
-                top_p=pick("top_p", np.float32, 1.0), key=keys)
+    return Rows(prompts=padded, lens=lens, start=np.concatenate([starts, np.zeros((pad_to - n,), np.int32)]),
+                budget=budget, stop_ids=stops, temperature=pick("temperature", np.float32, 0.0),
+                top_k=pick("top_k", np.int32, 0), top_p=pick("top_p", np.float32, 1.0), key=keys)
 
 
 def place_rows(spec: EngineSpec, rows: Rows) -> Rows:

@@ -80,7 +80,7 @@ class Engine:
 
     def __init__(self, target: Target, draft, options: DecodeOptions, *, max_batch: int, max_length: int | None = None,
                  sampled: bool | None = None, stop_width: int = 8, page: int = PAGE,
-                 kv_cache_memory: int | None = None):
+                 kv_cache_memory: int | None = None, prefix_cache: bool = True):
         if not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         max_length = max_length or options.max_length
@@ -104,6 +104,10 @@ class Engine:
         self.spec, self.inputs = prepare.engine(target, draft, options, cache_len, greedy=not self.sampled,
                                                 rows=self.rows, stop_width=stop_width, page=page)
         self.pool = self._pool(kv_cache_memory) if page else None
+        self.prefix_cache = bool(prefix_cache) and self.paged and steps.pages_every_layer(self.spec)
+        self._prefix_refused = bool(prefix_cache) and self.paged and not self.prefix_cache
+        self.cached_tokens = 0  # prompt tokens admitted from cached pages (not prefilled), over the engine's life
+        self._cached: dict[int, int] = {}  # row -> its prompt tokens that came from cached pages
         self._need: dict[int, int] = {}  # row -> the most positions it may ever write (paged)
         self._order: dict[int, int] = {}  # row -> its admission's sequence number (the newest is preempted first)
         self._requests: dict[int, Request] = {}
@@ -146,9 +150,12 @@ class Engine:
         if not self.paged:
             return f"{self.rows} slots of {self.spec.cache_len} tokens"
         p = self.pool
+        sharing = ("prefix caching on" if self.prefix_cache else
+                   "prefix caching off: this model keeps sliding-window rings or recurrent states per row, which "
+                   "pages cannot share" if self._prefix_refused else "prefix caching off")
         return (f"{p.pages} pages of {p.page} tokens = {p.pages * p.page} tokens "
                 f"({p.pages * self.page_bytes / 2 ** 20:.1f} MiB: {p.pages * p.page // self.max_length} rows at the max "
-                f"length, more when shorter), up to {self.rows} rows in flight")
+                f"length, more when shorter), up to {self.rows} rows in flight; {sharing}")
 
     # --- programs -------------------------------------------------------------------------------------------
     def _compiled(self, name: str, fn, *args):
@@ -171,12 +178,13 @@ class Engine:
             self._preempted.clear()
         return steps.empty_jit(self.spec, self.inputs, rows, self.pool.pages if self.paged else 0)
 
-    def _rows(self, requests, settings, budget, pad_to, bucket=None):
+    def _rows(self, requests, settings, budget, pad_to, bucket=None, starts=None):
         prompts = [np.asarray(r.prompt_ids, np.int32) for r in requests]
-        longest = max(len(p) for p in prompts)
+        starts = [0] * len(prompts) if starts is None else starts
+        longest = max(len(p) - s for p, s in zip(prompts, starts))  # what the prefill runs
         bucket = bucket or prepare.prompt_bucket(longest, self.spec.cache_len)
         rows = prepare.make_rows(self.spec, prompts, budget, settings, [r.stream for r in requests], pad_to=pad_to,
-                                 bucket=bucket)
+                                 bucket=bucket, starts=starts)
         return prepare.place_rows(self.spec, rows)
 
     def groups(self) -> list[int]:
@@ -196,6 +204,7 @@ class Engine:
         slower). The engine's pages are left as they were."""
         buckets = sorted({prepare.prompt_bucket(n, self.spec.cache_len) for n in prompt_lengths})
         kept = self._bookkeeping()
+        self.prefix_cache = False  # the dummy prompts repeat: hits would skip the prefill programs to compile
         try:
             for b in buckets:  # one prompt of the bucket's length makes the group's program: the others are short
                 for g in self.groups():
@@ -208,6 +217,8 @@ class Engine:
             state = self.empty()
             for k in range(PROGRESS_STEPS.bit_length()):  # every read a streaming host may make
                 self.progress(state, 1 << k)
+            for b in buckets if kept["prefix_cache"] else []:  # a hit's prefix tokens (its tail: a smaller bucket)
+                state = self._put_prefix(state, [self.rows], [Request([0] * b)], [b])
         finally:
             self._bookkeeping(kept)
 
@@ -222,7 +233,8 @@ class Engine:
 
     def _bookkeeping(self, kept=None):
         """The host's record of one state (pages, admissions) -> a copy; ``kept`` given: put it back."""
-        names = ("pool", "_need", "_order", "_requests", "_preempted", "_admitted_at", "_seen", "_placed")
+        names = ("pool", "_need", "_order", "_requests", "_preempted", "_admitted_at", "_seen", "_placed",
+                 "_cached", "cached_tokens", "prefix_cache")
         if kept is None:
             return {n: copy.deepcopy(getattr(self, n)) for n in names}
         for n in names:
@@ -268,7 +280,18 @@ class Engine:
         """Whether the pool has the pages to prefill ``requests`` now (always, unpaged)."""
         if not self.paged:
             return True
-        return sum(self.pool.pages_for(len(r.prompt_ids)) for r in requests) <= len(self.pool.free)
+        hits = [self._hit(r)[1] for r in requests]
+        need = sum(self.pool.pages_for(len(r.prompt_ids)) - len(h) for r, h in zip(requests, hits))
+        return need <= self.pool.available() - self.pool.pinned([p for h in hits for p in h])
+
+    def _hit(self, request) -> tuple[list[int], list[int]]:
+        """(the hashes of the request's prompt pages a row may share: full pages, the last prompt token left to
+        prefill; the cached pages of their longest cached run)."""
+        if not self.prefix_cache:
+            return [], []
+        ids = request.prompt_ids
+        hashes = self.pool.chain(ids, self.pool.page, (len(ids) - 1) // self.pool.page)
+        return hashes, self.pool.lookup(hashes)
 
     def admit(self, state: DecodeState, requests: Sequence[Request | Resumed],
               rows: Sequence[int] | None = None) -> tuple[DecodeState, list[int]]:
@@ -289,30 +312,43 @@ class Engine:
         if len(rows) != len(requests) or any(r not in free for r in rows) or len(set(rows)) != len(rows):
             raise ValueError(f"rows {rows} must be {len(requests)} distinct free rows (free: {free})")
         if not self.can_admit(requests):
-            raise ValueError(f"the page pool has {len(self.pool.free)} free pages of {self.pool.page} tokens, too "
+            raise ValueError(f"the page pool has {self.pool.available()} free pages of {self.pool.page} tokens, too "
                              f"few for these {len(requests)} prompts: admit them when rows are released")
         lens = [len(r.prompt_ids) for r in requests]
         budget = prepare.budgets(lens, settings, self.max_length)
-        for r, req, n, b in zip(rows, requests, lens, budget):
+        for r, req, b in zip(rows, requests, budget):
+            full = req.saved if isinstance(req, Resumed) else None
+            self._forget(r)
             if self.paged:
-                self._forget(r)
-                self.pool.grow(r, n)
-                full = req.saved if isinstance(req, Resumed) else None
-                self._need[r] = self._most(int(full["prompt_len"]) if full else n,
+                self._need[r] = self._most(int(full["prompt_len"]) if full else len(req.prompt_ids),
                                            int(full["budget"]) if full else int(b))
             self._order[r] = next(_ADMISSIONS)
             self._requests[r] = req.request if isinstance(req, Resumed) else req
         groups = [range(len(rows))] if 2 * len(rows) > self.rows else [[i] for i in range(len(rows))]
-        for group in groups:
+        for group in groups:  # a group's prompts share the pages cached before its prefill (not each other's)
+            hits = [self._hit(requests[i]) for i in group]
+            starts = []
+            for i, (_, pages) in zip(group, hits):
+                if self.paged:
+                    self.pool.share(rows[i], pages)
+                    self.pool.grow(rows[i], lens[i])
+                starts.append(len(pages) * (self.pool.page if self.paged else 0))
             size = self.unit if len(group) == 1 else self.rows
             at = np.full((size,), self.rows, np.int32)  # padding rows go past the state: dropped
             at[:len(group)] = [rows[i] for i in group]
             new = self._rows([requests[i] for i in group], [settings[i] for i in group], budget[list(group)],
-                             pad_to=size)
+                             pad_to=size, starts=starts)
             args = (state, new, at)
             if self.paged:  # padding rows: no pages, every write dropped
                 args += (np.where((at < self.rows)[:, None], self.pool.table[np.minimum(at, self.rows - 1)], NO_PAGE),)
             state = self._compiled("admit", steps.admit_jit, *args)(self.inputs, *args)
+            for i, (hashes, _), start in zip(group, hits, starts):
+                if self.prefix_cache:
+                    self.pool.register(rows[i], hashes)
+                self._cached[rows[i]] = start
+                self.cached_tokens += start
+            if any(starts):
+                state = self._put_prefix(state, [rows[i] for i in group], [requests[i] for i in group], starts)
         resumed = [(r, q.saved) for r, q in zip(rows, requests) if isinstance(q, Resumed)]
         if resumed:
             at = np.asarray([r for r, _ in resumed], np.int32)
@@ -323,6 +359,14 @@ class Engine:
                 self.spec, self.inputs.proposer_args, rows, [self._requests[r].stream for r in rows]))
         self._admitted_at.update({r: begun for r in rows})
         return state, rows
+
+    def _put_prefix(self, state: DecodeState, rows, requests, starts) -> DecodeState:
+        """The cached prefixes' tokens into the rows' token rows (their prefill wrote the rest)."""
+        width = prepare.prompt_bucket(max(starts), self.spec.cache_len)
+        prefix = np.zeros((len(rows), width), np.int32)
+        for j, (req, start) in enumerate(zip(requests, starts)):
+            prefix[j, :start] = req.prompt_ids[:start]
+        return steps.put_prefix_jit(state, np.asarray(rows, np.int32), prefix, np.asarray(starts, np.int32))
 
     def step(self, state: DecodeState) -> DecodeState:
         """One draft + verify + commit of every running row."""
@@ -375,8 +419,9 @@ class Engine:
 
     def _forget(self, row: int) -> None:
         """Row ``row`` holds no request: its pages back to the pool."""
-        self.pool.release(row)
-        for d in (self._need, self._order, self._requests):
+        if self.paged:
+            self.pool.release(row)
+        for d in (self._need, self._order, self._requests, self._cached):
             d.pop(row, None)
 
     def _tables(self, state: DecodeState) -> DecodeState:
@@ -416,17 +461,12 @@ class Engine:
         at[:len(rows)] = rows
         host = sharding.to_host(steps.take_jit(state, at))
         now = time.perf_counter()
-        results = [row_result(host, j, int(host["prompt_length"][j]), now - self._admitted_at.pop(r, now))
-                   for j, r in enumerate(rows)]
+        results = [row_result(host, j, int(host["prompt_length"][j]), now - self._admitted_at.pop(r, now),
+                              cached_tokens=self._cached.get(r, 0)) for j, r in enumerate(rows)]
         free = np.full((self.rows,), self.rows, np.int32)  # one program: padding indices past the state are dropped
         free[:len(rows)] = rows
-        if self.paged:
-            for r in rows:
-                self._forget(r)
-        else:
-            for r in rows:
-                self._requests.pop(r, None)
-                self._order.pop(r, None)
+        for r in rows:
+            self._forget(r)
         return steps.release_jit(self.spec, state, free), results
 
 
@@ -521,7 +561,8 @@ def _stream(engine: Engine, requests: Iterable[Request], stats: RunStats,
 def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequence[int]], *, max_batch: int,
                         max_new_tokens: int | None = None, stats: RunStats | None = None, warm: bool = True,
                         policy: str = "continuous", on_result=None, page: int = PAGE,
-                        kv_cache_memory: int | None = None, **options) -> list[GenerationResult]:
+                        kv_cache_memory: int | None = None, prefix_cache: bool = True,
+                        **options) -> list[GenerationResult]:
     """Decode ``requests`` (``Request``s, or prompts as lists of ids) through ``max_batch`` slots, continuously
     batched -> one ``GenerationResult`` per request, in input order. ``options``: ``DecodeOptions``' (the defaults a
     request's own settings override; ``max_new_tokens`` may be left out when every request sets its own). A plain
@@ -529,7 +570,8 @@ def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequ
     the longest prompt + budget of the requests. ``warm``: compile and run every program once before the clock
     starts (``Engine.warm``), so that timings exclude compilation. ``policy``: ``stream_requests``'.
     ``on_result(index, result)``, if given, is called as each request finishes (a progress bar, early writes).
-    ``page``, ``kv_cache_memory``: ``Engine``'s (paged caches; the pool's bytes)."""
+    ``page``, ``kv_cache_memory``, ``prefix_cache``: ``Engine``'s (paged caches; the pool's bytes; shared prompt
+    prefixes)."""
     requests = [r if isinstance(r, Request) else Request(list(r), stream=i) for i, r in enumerate(requests)]
     if not requests:
         raise ValueError("requests must be a non-empty list")
@@ -547,7 +589,8 @@ def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequ
     budget = prepare.budgets(lens, settings, limit)
     engine = Engine(target, draft, opts, max_batch=max_batch, max_length=int(max(np.add(lens, budget))),
                     sampled=any(s.temperature > 0 for s in settings),
-                    stop_width=prepare.stop_width(settings), page=page, kv_cache_memory=kv_cache_memory)
+                    stop_width=prepare.stop_width(settings), page=page, kv_cache_memory=kv_cache_memory,
+                    prefix_cache=prefix_cache)
     engine.check(requests)
     stream = stream_requests(engine, requests, stats, policy)  # checks the policy; its clock starts at the first row
     if warm:

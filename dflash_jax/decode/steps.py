@@ -31,15 +31,17 @@ def prefill(spec: EngineSpec, inp: Inputs, rows: Rows, pools=None, table=None) -
                                   page=spec.page)
     if spec.page:
         tcache = tcache.join_pages(pools[0], table)
-    offsets = jnp.arange(p, dtype=jnp.int32)
+    offsets = rows.start[:, None] + jnp.arange(p, dtype=jnp.int32)  # a cached prefix's pages hold the rest
     positions = jnp.where(offsets < lens[:, None], offsets, -1)  # padding: never cached, never attended
     logits, features, tcache = target_lib.forward(spec.target_config, inp.tparams, prompts, positions, tcache,
-                                                  spec.feature_layer_ids, lens - 1,
+                                                  spec.feature_layer_ids, lens - 1 - rows.start,
                                                   attention_impl=spec.attention_impl)
     key, sub = row_keys(rows.key, 2)
     first = choose(logits[:, 0], sub, rows.temperature, rows.top_k, rows.top_p, greedy=spec.greedy)
     idx = jnp.arange(b)
-    tokens = jnp.zeros((b, spec.cache_len), jnp.int32).at[:, :p].set(prompts).at[idx, lens].set(first)
+    tokens = jnp.zeros((b, spec.cache_len), jnp.int32).at[idx[:, None], jnp.where(positions >= 0, positions,
+                                                                                  spec.cache_len)].set(
+        prompts, mode="drop").at[idx, lens].set(first)  # a cached prefix's tokens: ``put_prefix``
     dcache = None
     if spec.speculative:
         dcache = draft_lib.new_cache(spec.draft_config, b, spec.cache_len, dtype, page=spec.page)
@@ -88,6 +90,14 @@ def restore(spec: EngineSpec, state: DecodeState, at, saved: dict) -> DecodeStat
     their caches were prefilled again from their committed tokens, the rest continues where it stopped."""
     put = lambda x, v: x.at[at].set(v.astype(x.dtype), mode="drop")  # noqa: E731
     return spec.place(state.replace(**{f: put(getattr(state, f), saved[f]) for f in RESUMED}))
+
+
+def put_prefix(state: DecodeState, at, prefix, start) -> DecodeState:
+    """Rows ``at`` [A] given the tokens of their cached prefixes (``prefix`` [A, P]: positions below ``start`` [A];
+    the prefill wrote the rest; a row index past the state: dropped)."""
+    j = jnp.arange(prefix.shape[1], dtype=jnp.int32)[None]
+    cols = jnp.where(j < start[:, None], j, state.tokens.shape[1])
+    return state.replace(tokens=state.tokens.at[at[:, None], cols].set(prefix, mode="drop"))
 
 
 RESUMED = ("tokens", "prompt_len", "generated", "budget", "finish", "acceptance", "verified", "steps", "key")
@@ -175,6 +185,7 @@ release_jit = jax.jit(release, static_argnames=("spec",), donate_argnames=("stat
 step_jit = jax.jit(_on_mesh(step), static_argnames=("spec",), donate_argnames=("state",))
 run_jit = jax.jit(_on_mesh(run), static_argnames=("spec",), donate_argnames=("state",))
 run_rows_jit = jax.jit(_on_mesh(run_rows), static_argnames=("spec",), donate_argnames=("state",))
+put_prefix_jit = jax.jit(put_prefix, donate_argnames=("state",))
 restore_jit = jax.jit(restore, static_argnames=("spec",), donate_argnames=("state",))
 generate_jit = jax.jit(_on_mesh(generate), static_argnames=("spec",))
 
@@ -200,6 +211,17 @@ def page_bytes(spec: EngineSpec, inp: Inputs) -> int:
     dtype = jax.tree_util.tree_leaves(inp.tparams)[0].dtype
     return sum(state_lib.page_bytes(specs, spec.page, dtype, spec.cache_len, spec.max_block)
                for specs in page_specs(spec))
+
+
+def pages_every_layer(spec: EngineSpec) -> bool:
+    """Whether pages hold every layer's whole state (no sliding ring, no recurrent state): what a cached prefix
+    needs, since only pages can be shared."""
+    def paged(s):
+        if isinstance(s, state_lib.SharedKVSpec):
+            return True
+        return isinstance(s, state_lib.KVSpec) and s.paged(spec.cache_len, spec.max_block, spec.page)
+
+    return all(paged(s) for specs in page_specs(spec) for s in specs)
 
 
 def page_specs(spec: EngineSpec) -> tuple[tuple, tuple]:

@@ -100,8 +100,9 @@ class Inputs:
 class Rows:
     """New rows for a prefill (``steps.prefill``; rows first): prompts, budgets and per-row settings."""
 
-    prompts: jax.Array  # [A, P] int32, padded to a bucket
+    prompts: jax.Array  # [A, P] int32, padded to a bucket: each prompt from ``start`` on (what the prefill runs)
     lens: jax.Array  # [A] prompt lengths
+    start: jax.Array  # [A] positions the row's pages already hold (a cached prefix; 0: none)
     budget: jax.Array  # [A] most tokens each row may generate
     stop_ids: jax.Array  # [A, W] int32 stop ids, padded with -1
     temperature: jax.Array  # [A] float32 (0: greedy)
@@ -159,6 +160,7 @@ class GenerationResult:
     tokens_per_second: float
     time_to_first_token_s: float | None = None  # streaming only: prefill until the first token reached the host
     queue_time_s: float | None = None  # continuous batching: the run's start until its admission (prefill) began
+    cached_tokens: int = 0  # prompt tokens read from cached pages (a shared prefix), not prefilled
 
     @property
     def generated_ids(self) -> list[int]:

@@ -316,7 +316,10 @@ class Reply:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def usage(self, done: list[Done]) -> dict:
-        return self.usage_of(sum(len(d.ids) for d in done))
+        """The whole request's usage; ``prompt_tokens_details.cached_tokens``: its prompt tokens read from cached
+        pages instead of prefilled (counted per choice, as its prompt tokens are)."""
+        return dict(self.usage_of(sum(len(d.ids) for d in done)),
+                    prompt_tokens_details={"cached_tokens": sum(d.cached_tokens for d in done)})
 
     def scored_only(self) -> list[Done]:
         """The choices of a request that generates nothing (completions, max_tokens 0 with echo)."""

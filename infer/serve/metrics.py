@@ -30,7 +30,14 @@ class Metrics:
         self.slots_total.set(slots)
         self.preemptions = Counter("dflash_preemptions", "Requests preempted (the cache pool ran dry: their pages "
                                    "freed, admitted again later where they stopped)", registry=r)
-        self.pages_free = Gauge("dflash_cache_pages_free", "Free pages of the paged K/V cache pool", registry=r)
+        self.pages_free = Gauge("dflash_cache_pages_free", "Pages of the paged K/V cache pool a request may take "
+                                "(free, or cached and held by no request: evicted when taken)", registry=r)
+        self.prefix_hits = Counter("dflash_prefix_cache_hits", "Finished requests whose prompt started with cached "
+                                   "pages (a shared prefix: not prefilled again)", registry=r)
+        self.cached_tokens = Counter("dflash_prefix_cache_tokens", "Prompt tokens read from cached pages instead of "
+                                     "prefilled", registry=r)
+        self.evictions = Gauge("dflash_prefix_cache_evictions", "Cached pages evicted (least recently used) for new "
+                               "tokens since the start", registry=r)
         self.steps = Counter("dflash_engine_steps", "Decode steps of the engine (each drafts and verifies every "
                              "busy slot)", registry=r)
         self.acceptance = Histogram("dflash_acceptance_length", "Tokens committed per verify step of a request "

@@ -49,6 +49,7 @@ class Done:
     finish_reason: str
     prompt_tokens: int
     acceptance_lengths: list[int]
+    cached_tokens: int = 0  # prompt tokens read from cached pages (a shared prefix), not prefilled
 
 
 @dataclasses.dataclass
@@ -75,10 +76,10 @@ class Job:
     def cancel(self) -> None:
         self.cancelled.set()
 
-    def done(self, reason: str, acceptance_lengths=()) -> Done:
+    def done(self, reason: str, acceptance_lengths=(), cached_tokens: int = 0) -> Done:
         """The ``Done`` event of this job as it stands."""
         return Done(self.index, self.text.text, list(self.text.answer_ids), reason, len(self.request.prompt_ids),
-                    list(acceptance_lengths))
+                    list(acceptance_lengths), cached_tokens)
 
 
 class QueueFull(Exception):
@@ -258,10 +259,13 @@ class Scheduler:
                     self.metrics.ttft.observe(job.first_token - job.arrived)
                     if out > 1:
                         self.metrics.tpot.observe((now - job.first_token) / (out - 1))
-                job.emit(job.done(reason, result.acceptance_lengths))
+                self.metrics.cached_tokens.inc(result.cached_tokens)
+                self.metrics.prefix_hits.inc(result.cached_tokens > 0)
+                job.emit(job.done(reason, result.acceptance_lengths, result.cached_tokens))
         self.metrics.slots_busy.set(len(self.active))
         if self.engine.paged:
-            self.metrics.pages_free.set(len(self.engine.pool.free))
+            self.metrics.pages_free.set(self.engine.pool.available())
+            self.metrics.evictions.set(self.engine.pool.evictions)
         return state
 
 

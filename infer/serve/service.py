@@ -27,6 +27,7 @@ class Limits:
     kv_cache_memory: int | None = None  # bytes of the page pool (None: every row at the max length)
     steps_per_turn: int | None = None  # decode steps between two reads of the rows' new tokens (None: paced)
     turn_ms: float = TURN_MS  # paced: a turn runs the steps that fit in about this many milliseconds
+    prefix_cache: bool = True  # share the pages of common prompt prefixes (where every layer is paged)
 
 
 class Service:
@@ -41,7 +42,8 @@ class Service:
         # chat the rest of the context)
         self.default_max_tokens = default_max_tokens
         self.engine = Engine(target, draft, options, max_batch=limits.max_batch, max_length=limits.max_length,
-                             sampled=True, page=limits.page, kv_cache_memory=limits.kv_cache_memory)
+                             sampled=True, page=limits.page, kv_cache_memory=limits.kv_cache_memory,
+                             prefix_cache=limits.prefix_cache)
         self.metrics = Metrics(self.engine.rows, self.engine.spec.max_block)
         self.scheduler = Scheduler(self.engine, self.metrics, limits.queue_size, limits.steps_per_turn,
                                    limits.turn_ms)
