@@ -69,14 +69,14 @@ class PagePool:
         return sum(1 for p in set(pages) if p in self.idle)
 
     def share(self, row: int, pages) -> None:
-        """Row ``row`` (holding no page) starts with the cached ``pages`` (read-only: its writes go past them)."""
-        if self.owned[row]:
-            raise ValueError(f"row {row} already holds pages")
-        for j, p in enumerate(pages):
+        """Row ``row``'s next pages are the cached ``pages`` (read-only: its writes go past them); the row holds
+        only shared pages so far."""
+        have = int(self.owned[row])
+        for j, p in enumerate(pages, have):
             self.table[row, j] = p
             self.refs[p] += 1
             self.idle.pop(p, None)
-        self.owned[row] = len(pages)
+        self.owned[row] = have + len(pages)
         self.version += len(pages) > 0
 
     def register(self, row: int, hashes) -> None:

@@ -324,14 +324,18 @@ class Engine:
                                            int(full["budget"]) if full else int(b))
             self._order[r] = next(_ADMISSIONS)
             self._requests[r] = req.request if isinstance(req, Resumed) else req
+        for r, req in zip(rows, requests):  # cached pages held at once: no row's growth below may evict them
+            if self.prefix_cache:
+                self.pool.share(r, self._hit(req)[1])
         groups = [range(len(rows))] if 2 * len(rows) > self.rows else [[i] for i in range(len(rows))]
         for group in groups:  # a group's prompts share the pages cached before its prefill (not each other's)
             hits = [self._hit(requests[i]) for i in group]
             starts = []
             for i, (_, pages) in zip(group, hits):
                 if self.paged:
-                    self.pool.share(rows[i], pages)
-                    self.pool.grow(rows[i], lens[i])
+                    self.pool.share(rows[i], pages[int(self.pool.owned[rows[i]]):])  # an earlier group's pages too
+                    if not self.pool.grow(rows[i], lens[i]):  # can_admit counted the pages: never
+                        raise RuntimeError(f"row {rows[i]}: the pool lost the pages can_admit counted")
                 starts.append(len(pages) * (self.pool.page if self.paged else 0))
             size = self.unit if len(group) == 1 else self.rows
             at = np.full((size,), self.rows, np.int32)  # padding rows go past the state: dropped
