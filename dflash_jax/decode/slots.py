@@ -140,6 +140,41 @@ class Engine:
     def paged(self) -> bool:
         return self.pool is not None
 
+    def update_params(self, target_params, draft_params=None) -> None:
+        """Swap in new weights of the target (and the draft) between rollouts, compiling nothing: each tree must have
+        the current one's paths, shapes and dtypes (else ValueError naming the first leaf that differs) and is placed
+        on its shardings. Refused while rows hold requests (their caches hold the old weights' K/V): release every
+        row, and take the preempted ones, first. Cached prompt pages are dropped for the same reason."""
+        if self._requests or self._preempted:
+            raise ValueError(f"update_params with {len(self._requests)} rows admitted and {len(self._preempted)} "
+                             "preempted: their caches hold the old weights'; release every row first")
+        if draft_params is not None and self.inputs.dparams is None:
+            raise ValueError("draft_params given, but this engine decodes without a draft")
+
+        def placed(new, old, what: str):
+            """``new`` laid out as ``old`` (its tree, its shardings), or ValueError at the first leaf that differs."""
+            olds, news = ({jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(t)}
+                          for t in (old, new))
+            kind = lambda x: "absent" if x is None else f"{np.shape(x)} {getattr(x, 'dtype', type(x).__name__)}"  # noqa
+            for path in [*olds, *(p for p in news if p not in olds)]:
+                if kind(olds.get(path)) != kind(news.get(path)):
+                    raise ValueError(f"{what} parameter {path}: the new one is {kind(news.get(path))}, the engine's "
+                                     f"{kind(olds.get(path))} (update_params keeps shapes and dtypes: no recompiling)")
+            return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(old), [
+                jax.device_put(news[p], getattr(x, "sharding", None)) for p, x in olds.items()])
+
+        tparams = placed(target_params, self.inputs.tparams, "target")
+        dparams = self.inputs.dparams if draft_params is None else placed(draft_params, self.inputs.dparams, "draft")
+        if self.paged:  # no later prompt may share pages of the old weights' K/V
+            self.pool.free.extend(self.pool.idle)
+            self.pool.idle.clear()
+            self.pool.page_of.clear()
+            self.pool.hash_of.clear()
+        self.inputs = self.inputs.replace(tparams=tparams, dparams=dparams)
+        self.target = dataclasses.replace(self.target, params=tparams)
+        if draft_params is not None:
+            self.draft = dataclasses.replace(self.draft, params=dparams)
+
     @property
     def page_bytes(self) -> int:
         """Bytes of one page: its tokens' K/V in every paged layer of the target and the draft."""

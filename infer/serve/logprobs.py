@@ -1,5 +1,5 @@
 """Log-probabilities of a finished request's tokens: one scoring forward of the target over prompt + answer (no
-cache; every position's logits), after the request finishes, off the engine thread.
+cache; every position's logits: ``dflash_jax.scoring``'s core), after the request finishes, off the engine thread.
 
 What is reported: the log-softmax of the target's raw logits (before temperature, top-k and top-p), as vLLM's
 default (``logprobs_mode: raw_logprobs``): the target's own distribution at each position, whatever the request
@@ -11,31 +11,20 @@ import functools
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.target import Target, forward
+from dflash_jax.scoring import next_token_logps, padded
+from dflash_jax.target import Target
 from infer.serve.protocol import MAX_LOGPROBS
-
-MIN_BUCKET = 16  # the shortest padded length (lengths are padded to powers of two: one program per bucket)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k"))
 def _score(cfg, params, ids, k: int):
     """ids [1, L] -> (log p of ids[t] given ids[:t] for t in 1..L-1 [L-1], the top k log-probabilities [L-1, k]
     and their ids [L-1, k]) from the raw logits of one causal forward."""
-    positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
-    logits, _, _ = forward(cfg, params, ids, positions)
-    logp = jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logp, ids[0, 1:, None], axis=-1)[:, 0]
-    top, top_ids = jax.lax.top_k(logp, k)
-    return chosen, top, top_ids
-
-
-def bucket(n: int, cap: int) -> int:
-    """The padded length of n tokens: a power of two >= MIN_BUCKET (n itself past ``cap``)."""
-    b = max(MIN_BUCKET, 1 << (n - 1).bit_length())
-    return b if b <= cap else n
+    logp, chosen = next_token_logps(cfg, params, ids)
+    top, top_ids = jax.lax.top_k(logp[0], k)
+    return chosen[0], top, top_ids
 
 
 class Scorer:
@@ -52,11 +41,8 @@ class Scorer:
         n = len(ids)
         if n < 2:
             return np.zeros(0, np.float32), np.zeros((0, MAX_LOGPROBS), np.float32), np.zeros((0, MAX_LOGPROBS), int)
-        size = bucket(n, max(self.target.config.max_position_embeddings, n))
-        padded = np.zeros((1, size), np.int32)
-        padded[0, :n] = ids
         with self._lock:
-            chosen, top, top_ids = _score(self.target.config, self.target.params, jnp.asarray(padded),
+            chosen, top, top_ids = _score(self.target.config, self.target.params, padded(self.target.config, [ids]),
                                           k=min(MAX_LOGPROBS, self.target.config.vocab_size))
             return np.asarray(chosen)[:n - 1], np.asarray(top)[:n - 1], np.asarray(top_ids)[:n - 1]
 
