@@ -417,7 +417,9 @@ def test_cache_memory_and_page_flags(capsys):
         with pytest.raises(argparse.ArgumentTypeError):
             memory_arg(bad)
     args = argparse.Namespace(page_size=16, kv_cache_memory=("bytes", 1e6))
-    assert paging_kwargs(args) == {"page": 16, "kv_cache_memory": 1000000}
+    assert paging_kwargs(args) == {"page": 16, "kv_cache_memory": 1000000, "prefix_cache": True}
+    args = argparse.Namespace(page_size=16, kv_cache_memory=None, no_prefix_cache=True)
+    assert paging_kwargs(args) == {"page": 16, "prefix_cache": False}
     import jax
 
     fraction = argparse.Namespace(page_size=16, kv_cache_memory=("fraction", 0.9))

@@ -57,9 +57,9 @@ def test_a_cached_prefix_gives_the_cold_output(trained):
     assert engine.prefix_cache and engine.cached_tokens > 0
     assert [r.output_ids for r in hot] == [r.output_ids for r in cold]
     cached = [r.cached_tokens for r in hot]
-    # the first two are admitted together (one prefill: neither sees the other's pages); then full pages only, the
-    # last prompt token always prefilled (48 tokens: 2 pages, not 3)
-    assert cached[:6] == [0, 0, 32, 32, 32, 48], cached
+    # the first two are admitted together: the second, opening with the first's pages, is prefilled after it and
+    # shares them; full pages only, the last prompt token always prefilled (48 tokens: 2 pages, not 3)
+    assert cached[:6] == [0, 32, 32, 32, 32, 48], cached
     assert all(c % PAGE == 0 and c < len(q.prompt_ids) for c, q in zip(cached, requests))
     assert any(a > 1 for r in hot for a in r.acceptance_lengths)  # the draft's cached context is used
     greedy = [i for i, q in enumerate(requests) if not q.temperature]
@@ -142,3 +142,18 @@ def test_shared_pages_are_counted_and_never_written(ops):
             for j in range(int(pool.owned[r])):
                 if pool.refs[pool.table[r, j]] > 1:
                     assert j < shared.get(r, 0), (r, j)
+
+
+def test_a_sample_group_shares_its_prompt_and_is_reproducible(trained):
+    """``Request.group(4)`` with a seed: four sampled rows of one prompt, prefilled once (the later rows read its
+    pages), each drawing its own tokens; a rerun gives the same four, and so does a run without prefix caching."""
+    target, draft, _ = trained
+    prompt = np.random.RandomState(3).randint(1, target.config.vocab_size, 50).tolist()
+    group = Request(prompt, max_new_tokens=16, temperature=1.0, seed=11).group(4)
+    assert len({r.stream for r in group}) == 4
+    runs = [decode.continuous_generate(target, draft, group, max_batch=4, warm=False, prefix_cache=on)
+            for on in (True, True, False)]
+    outs = [[r.generated_ids for r in run] for run in runs]
+    assert outs[0] == outs[1] == outs[2]
+    assert len({tuple(o) for o in outs[0]}) > 1  # the samples differ
+    assert [r.cached_tokens for r in runs[0]] == [0, 48, 48, 48]

@@ -177,3 +177,11 @@ class Request:
         own = {f: getattr(self, f) for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed",
                                              "stop_token_ids") if getattr(self, f) is not None}
         return options.replace(**own) if own else options
+
+    def group(self, n: int) -> list["Request"]:
+        """``n`` samples of this prompt (a GRPO group): the same request on key streams stream * n + j, so each
+        draws its own tokens, the group is reproducible with a ``seed``, and an engine with prefix caching prefills
+        the prompt once (the later rows share its pages)."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"a group needs n >= 1 samples, got {n!r}")
+        return [dataclasses.replace(self, stream=self.stream * n + j) for j in range(n)]

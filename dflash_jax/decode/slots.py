@@ -362,8 +362,7 @@ class Engine:
         for r, req in zip(rows, requests):  # cached pages held at once: no row's growth below may evict them
             if self.prefix_cache:
                 self.pool.share(r, self._hit(req)[1])
-        groups = [range(len(rows))] if 2 * len(rows) > self.rows else [[i] for i in range(len(rows))]
-        for group in groups:  # a group's prompts share the pages cached before its prefill (not each other's)
+        for group in self._groups(requests):  # a group's prompts share the pages cached before its prefill
             hits = [self._hit(requests[i]) for i in group]
             starts = []
             for i, (_, pages) in zip(group, hits):
@@ -398,6 +397,19 @@ class Engine:
                 self.spec, self.inputs.proposer_args, rows, [self._requests[r].stream for r in rows]))
         self._admitted_at.update({r: begun for r in rows})
         return state, rows
+
+    def _groups(self, requests) -> list[list[int]]:
+        """The prefill programs of one admission, as lists of request indices: more than S / 2 requests are one
+        program of S rows, fewer one each. With prefix caching, the requests whose first shareable page another
+        request of the call also opens with (the n samples of one prompt) are prefilled after it, so that they
+        share its pages instead of prefilling the same prompt in the same program."""
+        leaders, followers, seen = [], [], set()
+        for i, req in enumerate(requests):
+            hashes = self._hit(req)[0][:1]
+            (followers if hashes and hashes[0] in seen else leaders).append(i)
+            seen.update(hashes)
+        return [g for phase in (leaders, followers) if phase
+                for g in ([phase] if 2 * len(phase) > self.rows else [[i] for i in phase])]
 
     def _put_prefix(self, state: DecodeState, rows, requests, starts) -> DecodeState:
         """The cached prefixes' tokens into the rows' token rows (their prefill wrote the rest)."""
