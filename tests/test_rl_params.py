@@ -10,6 +10,8 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax import decode
+from dflash_jax import model_sharding as ms
+from dflash_jax import sharding as sh
 from dflash_jax.decode import DecodeOptions, Engine, Request
 from dflash_jax.decode.programs import PROGRAMS
 from dflash_jax.decode.slots import stream_requests
@@ -40,14 +42,19 @@ def _plain(target) -> list[list[int]]:
                                                               stop_token_ids=[])]
 
 
-def test_update_params_decodes_the_new_weights_and_compiles_nothing(pair):
+@pytest.mark.parametrize("mesh", [None, "data=1,fsdp=1,tensor=8"])
+def test_update_params_decodes_the_new_weights_and_compiles_nothing(mesh):
     """Target and draft swapped between two rollouts of the same prompts: the second equals plain greedy decoding
     of the new target (not the old one's), and neither the engine's programs, the shared table, nor any jax compile
-    (counted by jax.monitoring's backend-compile events) were added by it."""
-    target, draft = pair
+    (counted by jax.monitoring's backend-compile events) were added by it. On a mesh, the new single-device
+    weights are placed on the engine's shardings."""
+    target, draft = random_pair(seed=0, num_attention_heads=8, num_key_value_heads=4)  # heads split over tensor=8
     new = Target(target.config, init_params(target.config, seed=7))
     old_plain, new_plain = _plain(target), _plain(new)
     assert old_plain != new_plain  # the two weights decode differently: the comparison below can tell them apart
+    if mesh is not None:
+        mesh = sh.make_mesh(mesh)
+        target, draft = ms.shard_target(target, mesh), ms.shard_draft(draft, mesh)
     engine = _engine(target, draft)
     assert _rollout(engine) == old_plain
     compiles = []
@@ -61,6 +68,9 @@ def test_update_params_decodes_the_new_weights_and_compiles_nothing(pair):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == [] and (len(engine.used), len(PROGRAMS._table)) == (used, table)
     assert engine.target.params is engine.inputs.tparams and engine.draft.params is engine.inputs.dparams
+    if mesh is not None:
+        q = engine.target.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
+        assert q.sharding == target.params["layers_0"]["self_attn"]["q_proj"]["kernel"].sharding
     engine.pool.check()
 
 
