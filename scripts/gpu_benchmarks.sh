@@ -62,5 +62,6 @@ step paged 400 python -m infer.benchmark --max-batch 32 --num-prompts 64 --mixed
   --kv-cache-memory 64MB --ignore-eos --json
 step prefix 300 python -m infer.serve_benchmark --max-batch 64 --concurrency 8 --num-requests 16 \
     --max-new-tokens 64 --shared-prefix 200 --json
+step group 300 python -m infer.group_benchmark --num-prompts 32 --group 8 --max-batch 64 --json
 step cacheplan 60 python -m infer.cache_plan --preset qwen3-8b --memory 16,32,80,141 --context 8192 --json
 echo "results in $OUT/"

@@ -42,7 +42,7 @@ def test_gpu_script_commands_parse():
     import shlex
 
     from dflash_jax.synthetic import PRESETS
-    from infer import benchmark, cache_plan, context_sweep, serve_benchmark
+    from infer import benchmark, cache_plan, context_sweep, group_benchmark, serve_benchmark
     from train import bench
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu_benchmarks.sh")
@@ -50,7 +50,7 @@ def test_gpu_script_commands_parse():
     commands = [shlex.split(line)[3:] for line in text.splitlines() if line.startswith("step ")]
     parse = {"infer.benchmark": benchmark.parse_args, "infer.context_sweep": context_sweep.parse_args,
              "train.bench": bench.build_parser().parse_args, "infer.serve_benchmark": serve_benchmark.parse_args,
-             "infer.cache_plan": cache_plan.parse_args}
+             "infer.cache_plan": cache_plan.parse_args, "infer.group_benchmark": group_benchmark.parse_args}
     seen = set()
     for cmd in commands:
         if cmd[1].startswith("scripts/"):  # a script of this repository: its own parser
@@ -67,7 +67,7 @@ def test_gpu_script_commands_parse():
             args = parse[cmd[2]](cmd[3:])
             assert getattr(args, "synthetic", None) in (None, *PRESETS), cmd
             seen.add(cmd[2])
-    assert seen == set(parse) | {"scripts/gdn_verify_cost.py"} and len(commands) == 12
+    assert seen == set(parse) | {"scripts/gdn_verify_cost.py"} and len(commands) == 14
 
 
 def _demo_stage(stage: str):

@@ -79,6 +79,15 @@ class PagePool:
         self.owned[row] = have + len(pages)
         self.version += len(pages) > 0
 
+    def drop_cached(self) -> None:
+        """Forget every cached page (new weights: their K/V is stale); none may be held by a row."""
+        if any(self.refs[p] for p in self.hash_of):
+            raise ValueError("cached pages are held by rows: release them first")
+        self.free.extend(self.idle)
+        self.idle.clear()
+        self.page_of.clear()
+        self.hash_of.clear()
+
     def register(self, row: int, hashes) -> None:
         """Row ``row``'s first pages, full of the prompt tokens ``hashes`` name, become cached (a hash already
         cached keeps its page)."""

@@ -166,10 +166,7 @@ class Engine:
         tparams = placed(target_params, self.inputs.tparams, "target")
         dparams = self.inputs.dparams if draft_params is None else placed(draft_params, self.inputs.dparams, "draft")
         if self.paged:  # no later prompt may share pages of the old weights' K/V
-            self.pool.free.extend(self.pool.idle)
-            self.pool.idle.clear()
-            self.pool.page_of.clear()
-            self.pool.hash_of.clear()
+            self.pool.drop_cached()
         self.inputs = self.inputs.replace(tparams=tparams, dparams=dparams)
         self.target = dataclasses.replace(self.target, params=tparams)
         if draft_params is not None:
@@ -234,10 +231,13 @@ class Engine:
 
     def warm(self, prompt_lengths: Iterable[int], most_rows: int | None = None) -> None:
         """Compile, and run once on a scratch state, every program a run over prompts of these lengths can use
-        (each admission group x prompt bucket, ``run`` of every row bucket up to ``most_rows`` rows, ``release``),
+        (each admission group x prompt bucket, and every shorter bucket with prefix caching, where a hit prefills
+        a prompt's tail; ``run`` of every row bucket up to ``most_rows`` rows, ``release``),
         so that timings exclude compilation and first-run setup (on CPU a cold first run is several times
         slower). The engine's pages are left as they were."""
         buckets = sorted({prepare.prompt_bucket(n, self.spec.cache_len) for n in prompt_lengths})
+        if self.prefix_cache:  # a hit prefills the prompt's tail: any shorter bucket
+            buckets = sorted({prepare.prompt_bucket(n, self.spec.cache_len) for n in range(1, buckets[-1] + 1)})
         kept = self._bookkeeping()
         self.prefix_cache = False  # the dummy prompts repeat: hits would skip the prefill programs to compile
         try:
