@@ -213,7 +213,7 @@ def serve_both(args, prompts, levels) -> dict:
         print(f"{kind}: compiling, then serving...", file=sys.stderr)
         service = Service(target, d, tokenizer, options, Limits(args.max_batch, max_length, 4 * args.num_requests),
                           name="bench")
-        service.engine.warm(lens)  # every prompt bucket compiled before the clock starts
+        service.engine.warm(lens, streaming=True)  # every prompt bucket compiled before the clock starts
         with Running(service, warm=False) as server:
             asyncio.run(drive(server.url, "bench", prompts[:2], 4, 2))  # the HTTP path once, untimed
             out[kind] = run_levels(server.url, "bench", prompts, levels, args.max_new_tokens, args.num_requests,

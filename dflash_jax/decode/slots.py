@@ -17,6 +17,7 @@ length for the batch, chosen from every running row's confidence, so a row's ver
 sampled row's tokens, depend on its company (the output law, and greedy output, stay exact)."""
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import itertools
@@ -229,15 +230,18 @@ class Engine:
             return [self.rows]
         return sorted({min(1 << i, self.rows) for i in range(self.rows.bit_length() + 1)})
 
-    def warm(self, prompt_lengths: Iterable[int], most_rows: int | None = None) -> None:
+    def warm(self, prompt_lengths: Iterable[int], most_rows: int | None = None, *,
+             tails: Iterable[int] | None = None, streaming: bool = False) -> None:
         """Compile, and run once on a scratch state, every program a run over prompts of these lengths can use
-        (each admission group x prompt bucket, and every shorter bucket with prefix caching, where a hit prefills
-        a prompt's tail; ``run`` of every row bucket up to ``most_rows`` rows, ``release``),
+        (each admission group x prompt bucket; ``run`` of every row bucket up to ``most_rows`` rows, ``release``),
         so that timings exclude compilation and first-run setup (on CPU a cold first run is several times
-        slower). The engine's pages are left as they were."""
-        buckets = sorted({prepare.prompt_bucket(n, self.spec.cache_len) for n in prompt_lengths})
-        if self.prefix_cache:  # a hit prefills the prompt's tail: any shorter bucket
-            buckets = sorted({prepare.prompt_bucket(n, self.spec.cache_len) for n in range(1, buckets[-1] + 1)})
+        slower). With prefix caching a hit prefills a prompt's tail: ``tails``, the tail lengths hits may prefill
+        (None: any length below the longest prompt, a server's case), get their buckets and the cached tokens'
+        writes compiled too. ``streaming``: also every ``progress`` read (a server's). The engine's pages are left
+        as they were."""
+        lengths = list(prompt_lengths)
+        tails = list(range(1, max(lengths)) if tails is None else tails) if self.prefix_cache else []
+        buckets = sorted({prepare.prompt_bucket(n, self.spec.cache_len) for n in lengths + tails})
         kept = self._bookkeeping()
         self.prefix_cache = False  # the dummy prompts repeat: hits would skip the prefill programs to compile
         try:
@@ -250,9 +254,9 @@ class Engine:
                     break
                 self._warm_run([Request([0])] * n)
             state = self.empty()
-            for k in range(PROGRESS_STEPS.bit_length()):  # every read a streaming host may make
+            for k in range(PROGRESS_STEPS.bit_length()) if streaming else []:  # every read a streaming host makes
                 self.progress(state, 1 << k)
-            for b in buckets if kept["prefix_cache"] else []:  # a hit's prefix tokens (its tail: a smaller bucket)
+            for b in buckets if tails else []:  # a hit's cached tokens written beside its tail's prefill
                 state = self._put_prefix(state, [self.rows], [Request([0] * b)], [b])
         finally:
             self._bookkeeping(kept)
@@ -609,6 +613,17 @@ def _stream(engine: Engine, requests: Iterable[Request], stats: RunStats,
     stats.programs = len(engine.used)
 
 
+def _hit_tails(requests: Sequence[Request], page: int) -> list[int]:
+    """The prompt tails a prefix-cache hit may prefill in a known workload: each prompt less its longest run of full
+    leading pages that another prompt opens with too (none when no two prompts share a page)."""
+    if not page:
+        return []
+    chains = [PagePool.chain(r.prompt_ids, page, (len(r.prompt_ids) - 1) // page) for r in requests]
+    seen = collections.Counter(h for c in chains for h in set(c))
+    return [len(r.prompt_ids) - page * sum(seen[h] > 1 for h in c) for r, c in zip(requests, chains)
+            if c and seen[c[0]] > 1]
+
+
 def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequence[int]], *, max_batch: int,
                         max_new_tokens: int | None = None, stats: RunStats | None = None, warm: bool = True,
                         policy: str = "continuous", on_result=None, page: int = PAGE,
@@ -645,7 +660,7 @@ def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequ
     engine.check(requests)
     stream = stream_requests(engine, requests, stats, policy)  # checks the policy; its clock starts at the first row
     if warm:
-        engine.warm(lens, most_rows=len(requests))
+        engine.warm(lens, most_rows=len(requests), tails=_hit_tails(requests, engine.spec.page))
     out: list = [None] * len(requests)
     for index, result in stream:
         out[index] = result

@@ -67,7 +67,7 @@ class Service:
     def start(self, warm: bool = True) -> None:
         """Compile (and run once) the programs of short prompts, then start the engine thread."""
         if warm:
-            self.engine.warm([1])
+            self.engine.warm([1], streaming=True)
         self.scheduler.start()
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
