@@ -16,10 +16,9 @@ import functools
 
 import numpy as np
 
+from dflash_jax.decode.load_policy import expected_tau, position_acceptance
+
 PROBE_TOKENS = 96  # tokens per row of each probe run (fewer steps: costs and acceptance too noisy to choose by)
-# A weak prior on each position's acceptance (PRIOR, worth PRIOR_WEIGHT steps): a strong one compounds over a
-# long block's positions, each seen in few steps, and biases the choice toward short blocks.
-PRIOR, PRIOR_WEIGHT = 0.5, 0.1
 # Runs of fewer new tokens per row take the trained block unprobed: probing every candidate would cost more than
 # the run, and see too few steps to choose by.
 MIN_PROBED_TOKENS = PROBE_TOKENS // 2
@@ -45,25 +44,6 @@ def worth_probing(trained: int, max_new_tokens: int) -> bool:
     """Whether a run of ``max_new_tokens`` per row with a draft trained at block ``trained`` is probed at all
     (else it verifies the trained block): there must be a choice, and a run long enough to pay for it."""
     return len(candidates(trained)) > 1 and max_new_tokens >= MIN_PROBED_TOKENS
-
-
-def position_acceptance(runs, block: int) -> list[float]:
-    """P(draft token k is accepted | tokens 1..k-1 were), k = 1..block-1, from ``runs``: (acceptance lengths,
-    each counting the bonus token, of steps verifying K tokens; K) pairs. A step of length a accepted tokens
-    1..a-1 and, when a < K, rejected token a (at a = K the rest is unseen)."""
-    reached, accepted = np.zeros(block), np.zeros(block)
-    for lengths, k in runs:
-        a = np.asarray(lengths, np.int64)
-        for j in range(1, min(k, block)):
-            reached[j] += np.sum(a >= j)  # steps where token j was judged (all before it accepted)
-            accepted[j] += np.sum(a >= j + 1)
-    return [float((accepted[j] + PRIOR * PRIOR_WEIGHT) / (reached[j] + PRIOR_WEIGHT)) for j in range(1, block)]
-
-
-def expected_tau(p, block: int) -> float:
-    """Expected acceptance length (bonus included) of a step verifying ``block`` tokens: 1 + sum over k < block
-    of P(tokens 1..k all accepted)."""
-    return 1.0 + float(np.sum(np.cumprod(np.asarray(p[:block - 1], np.float64)))) if block > 1 else 1.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,6 +88,19 @@ def fixed_block_size(args) -> int | None:
     return None if b == "auto" else b
 
 
+def block_policy(args, draft, run_tokens: int | None = None) -> str | None:
+    """The engine's ``block_policy``: "auto" (each bucket of live rows verifies the block of the most expected tokens
+    per second) for ``--block-size auto`` with a draft's chain (no tree, no adaptive verify) and, for a run of
+    ``run_tokens`` new tokens per row, one long enough to pay for the probes; None: a fixed block."""
+    from infer.auto_block import worth_probing
+
+    if draft is None or args.block_size != "auto" or args.tree_budget or args.verify_lengths is not None:
+        return None
+    if run_tokens is not None and not worth_probing(draft.config.block_size, run_tokens):
+        return None
+    return "auto"
+
+
 def resolve_block(args, target, draft, prompts, kw: dict):
     """(block to decode with, ``auto_block.Choice`` or None): ``--block-size`` as given, else auto's choice on
     ``prompts`` (said on stderr); None = the draft's trained block (no draft, tree or adaptive verify, a run

@@ -15,7 +15,7 @@ import sys
 from dflash_jax.launch import launch
 from infer.common import (adaptive_kwargs, add_max_batch_arg, add_model_args, check_overrides, decoding_kwargs, die,
                           encode, exits_on_interrupt, load_models, max_batch, paging_kwargs, param_dtype, read_prompts_file,
-                          requests_of, resolve_block, draft_kwargs, shows_bar)
+                          requests_of, resolve_block, draft_kwargs, shows_bar, block_policy)
 
 DEMO_PROMPT = 'import os\n\n\ndef read_lines(path):\n    """Return the lines of the text file at path."""\n'
 
@@ -145,7 +145,9 @@ def main(argv=None) -> int:
         args.baseline = args.target is None
     args.baseline = args.baseline and draft is not None
     kw = decoding_kwargs(args, target)
-    block, _ = resolve_block(args, target, draft, prompts, kw)
+    # --block-size auto: the engine's block follows its live rows (streamed runs: one block probed beforehand)
+    policy = None if args.stream else block_policy(args, draft, args.max_new_tokens)
+    block = None if policy else resolve_block(args, target, draft, prompts, kw)[0]
     spec_kw = dict(kw, block_size=block, **extra)
     requests = requests_of(prompts, overrides)
     stats = RunStats()
@@ -154,7 +156,7 @@ def main(argv=None) -> int:
         if args.stream:
             results = streamed(args, target, draft, tokenizer, prompts, overrides, spec_kw=spec_kw)
         else:
-            results = _decode(args, target, draft, requests, slots, stats=stats, **spec_kw)
+            results = _decode(args, target, draft, requests, slots, stats=stats, block_policy=policy, **spec_kw)
         baseline = _decode(args, target, None, requests, slots, **kw) if args.baseline else None
     except ValueError as e:
         die(str(e))
@@ -169,6 +171,9 @@ def main(argv=None) -> int:
         print(f"continuous batching: {len(prompts)} prompts through {stats.slots} slots in {stats.wall_time_s:.2f} s, "
               f"{overall_rate(results, stats)}, slot occupancy {stats.occupancy:.2f}, {stats.programs} programs "
               "compiled", file=sys.stderr)
+        if stats.blocks:
+            print(f"--block-size auto: block per bucket of live rows (1 = plain steps): "
+                  + ", ".join(f"{b} rows: {k}" for b, k in stats.blocks.items()), file=sys.stderr)
     for i, r in enumerate(results):
         row = dict(index=i, **r.to_json())
         row["dtype"] = param_dtype(target)

@@ -204,22 +204,31 @@ def serve_both(args, prompts, levels) -> dict:
     max_length = min(args.max_length, target.config.max_position_embeddings)
     options = DecodeOptions(**dict(decoding_kwargs(args, target), max_length=max_length,
                                    block_size=fixed_block_size(args)))
+    auto = args.block_size == "auto"  # the DFlash server's block follows the load (``Engine``'s block_policy)
     first = opening(max(levels), args.shared_prefix) if args.shared_prefix else ""
     lens = [len(encode_prompt({"prompt": first + p}, tokenizer)) for p in prompts]  # as the server encodes them
     if max(lens) >= max_length:
         die(f"a prompt has {max(lens)} tokens, past --max-length {max_length}")
     out = {}
     for kind, d in (("dflash", draft), ("plain", None)):
-        print(f"{kind}: compiling, then serving...", file=sys.stderr)
-        service = Service(target, d, tokenizer, options, Limits(args.max_batch, max_length, 4 * args.num_requests),
+        print(f"{kind}: compiling{', measuring step costs per bucket and block' if d and auto else ''}, then "
+              "serving...", file=sys.stderr)
+        opts = options if d is not None else options.replace(block_size=None)  # the plain server has no block
+        service = Service(target, d, tokenizer, opts, Limits(args.max_batch, max_length, 4 * args.num_requests,
+                                                             block_policy="auto" if d is not None and auto else None),
                           name="bench")
         service.engine.warm(lens, streaming=True)  # every prompt bucket compiled before the clock starts
+        if service.engine.block_policy is not None:
+            print(f"  {service.engine.block_policy.describe()}", file=sys.stderr)
         with Running(service, warm=False) as server:
             asyncio.run(drive(server.url, "bench", prompts[:2], 4, 2))  # the HTTP path once, untimed
             out[kind] = run_levels(server.url, "bench", prompts, levels, args.max_new_tokens, args.num_requests,
                                    args.shared_prefix)
+        if service.engine.block_policy is not None:  # after the levels: the acceptance they taught it
+            out[kind]["blocks"] = service.engine.block_table()
+            print(f"  after the run: {service.engine.block_policy.describe()}", file=sys.stderr)
         ids = [encode_prompt({"prompt": p}, tokenizer) for p in prompts[:args.num_requests]]
-        out[kind]["engine"] = engine_batch1(target, d, ids, options)
+        out[kind]["engine"] = engine_batch1(target, d, ids, opts)
     return out
 
 
@@ -254,6 +263,7 @@ def main(argv=None) -> int:
     else:
         results = serve_both(args, prompts, levels)
     engine = {kind: by.pop("engine") for kind, by in results.items() if "engine" in by}
+    blocks = {kind: by.pop("blocks") for kind, by in results.items() if "blocks" in by}
     rows = [dict(server=kind, **summary) for kind, by in results.items() for summary, _ in by.values()]
     summary = {"load_average_start": load, "load_average_end": os.getloadavg(), "max_new_tokens": args.max_new_tokens,
                "num_requests": args.num_requests}
@@ -265,6 +275,8 @@ def main(argv=None) -> int:
         if 1 in levels:  # one user's share of the engine's own speed
             summary["server_vs_engine"] = {k: results[k][1][0]["output_tokens_per_s"] / e["tokens_per_s"]
                                            for k, e in engine.items()}
+    if blocks:
+        summary["block_per_bucket"] = blocks
     if args.json:
         for r in rows:
             print(json.dumps(r))
@@ -287,6 +299,9 @@ def main(argv=None) -> int:
     for kind, ratio in summary.get("server_vs_engine", {}).items():
         print(f"{kind}: the server at concurrency 1 gives {ratio:.2f}x of the engine's batch-1 speed "
               f"({summary['engine_batch1_tokens_per_s'][kind]:.1f} tokens/s)")
+    for kind, table in blocks.items():
+        print(f"{kind}: block per bucket of live rows at the end (--block-size auto; 1 = plain steps): " +
+              ", ".join(f"{b}: {k}" for b, k in table.items()))
     print(f"load average {load[0]:.2f} at the start, {summary['load_average_end'][0]:.2f} at the end")
     return 0
 

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from dflash_jax.decode import load_policy as lp
 from infer import auto_block as ab
 from pairs import pair_dirs as make_pair_dirs
 
@@ -20,11 +21,11 @@ def test_position_acceptance_counts_censored_steps():
     """Block 4: a length-2 step accepts token 1 and rejects token 2; a length-4 step (the whole block) accepts
     1..3; a block-2 run says nothing past token 1."""
     p = ab.position_acceptance([([2, 4], 4), ([2, 2], 2)], 4)
-    prior = ab.PRIOR * ab.PRIOR_WEIGHT
-    assert p[0] == pytest.approx((4 + prior) / (4 + ab.PRIOR_WEIGHT))  # all 4 steps accepted token 1
-    assert p[1] == pytest.approx((1 + prior) / (2 + ab.PRIOR_WEIGHT))  # 2 judged (block-4 run), 1 accepted
-    assert p[2] == pytest.approx((1 + prior) / (1 + ab.PRIOR_WEIGHT))  # judged once, accepted
-    assert ab.position_acceptance([], 3) == [ab.PRIOR, ab.PRIOR]  # no data: the prior
+    prior = lp.PRIOR * lp.PRIOR_WEIGHT
+    assert p[0] == pytest.approx((4 + prior) / (4 + lp.PRIOR_WEIGHT))  # all 4 steps accepted token 1
+    assert p[1] == pytest.approx((1 + prior) / (2 + lp.PRIOR_WEIGHT))  # 2 judged (block-4 run), 1 accepted
+    assert p[2] == pytest.approx((1 + prior) / (1 + lp.PRIOR_WEIGHT))  # judged once, accepted
+    assert ab.position_acceptance([], 3) == [lp.PRIOR, lp.PRIOR]  # no data: the prior
 
 
 def test_expected_tau_and_choice():
@@ -80,7 +81,7 @@ def test_a_dspark_block_verifies_one_more_token(monkeypatch):
     assert all(tau > k for k, tau in choice.expected_tau.items()), choice.expected_tau
 
 
-def test_generate_block_size_auto_probes_and_stays_lossless(pair_dirs, capsys):
+def test_generate_block_size_auto_follows_the_load_and_stays_lossless(pair_dirs, capsys):
     from infer import generate as g
 
     tdir, ddir, _ = pair_dirs
@@ -89,9 +90,10 @@ def test_generate_block_size_auto_probes_and_stays_lossless(pair_dirs, capsys):
     out = capsys.readouterr()
     row = json.loads(out.out)
     assert code == 0 and row["identical_to_baseline"]
-    line = next(x for x in out.err.splitlines() if x.startswith("--block-size auto chose"))
-    chosen = int(line.split()[3])
-    assert chosen in ab.candidates(8) and max(row["verify_lengths"]) <= chosen  # the pair's draft: block 8
+    # the engine's block policy (one row: bucket 1, one block for the whole run; 1 = plain steps)
+    line = next(x for x in out.err.splitlines() if x.startswith("--block-size auto: block per bucket"))
+    assert line.endswith(f"1 rows: {line.split()[-1]}") and "--block-size auto chose" not in out.err
+    assert len(set(row["verify_lengths"])) == 1 and row["verify_lengths"][0] in lp.candidates(8)  # the draft: 8
     code = g.main(["--target", tdir, "--draft", ddir, "--prompt-ids", "5,17,3", "--max-new-tokens",
                    str(ab.MIN_PROBED_TOKENS - 1), "--ignore-eos", "--json"])
     out = capsys.readouterr()

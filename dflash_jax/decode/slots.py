@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from dflash_jax import sharding
-from dflash_jax.decode import prepare, steps
+from dflash_jax.decode import load_policy, prepare, steps
 from dflash_jax.decode.options import DecodeOptions, Request
 from dflash_jax.decode.pages import PagePool
 from dflash_jax.decode.programs import PROGRAMS, signature
@@ -42,6 +42,8 @@ _ADMISSIONS = itertools.count()  # admission order across engines (only its orde
 LOOKAHEAD_STEPS = 8  # a run gives each running row pages for this many more steps (then returns for more)
 LOOKAHEAD_PAGES = 4  # and at least this many pages more (plain decoding's steps commit one token each)
 PROGRESS_STEPS = 64  # the most steps one ``progress`` read covers (it reads for a power of two of them: few programs)
+PROBE_STEPS = 4  # steps each (bucket, block) program is timed for (``Engine.probe_costs``), best of two
+PROBE_PROMPT = 64  # tokens of the probes' prompts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +79,16 @@ class Engine:
     target and the draft are pages of one pool (``kv_cache_memory`` bytes, default: every row at ``max_length``),
     a row holding pages for its tokens only; ``run`` steps the running rows alone, padded to a power of two (one
     program per bucket), and when the pool runs dry the newest rows are preempted (``take_preempted``: admitted
-    again later, their outputs unchanged). ``page`` = 0: every row owns a cache of ``max_length`` (slots)."""
+    again later, their outputs unchanged). ``page`` = 0: every row owns a cache of ``max_length`` (slots).
+
+    ``block_policy`` (a draft's chain, no adaptive verify): "auto" = the block each ``run`` verifies follows the
+    load (``load_policy.BlockPolicy``: step costs per bucket of live rows and block measured by ``warm``, acceptance
+    observed from every released request; plain steps where drafting does not pay); or any object with
+    ``choose(bucket) -> block`` and ``observe(results)``; None: every step verifies the block."""
 
     def __init__(self, target: Target, draft, options: DecodeOptions, *, max_batch: int, max_length: int | None = None,
                  sampled: bool | None = None, stop_width: int = 8, page: int = PAGE,
-                 kv_cache_memory: int | None = None, prefix_cache: bool = True):
+                 kv_cache_memory: int | None = None, prefix_cache: bool = True, block_policy=None):
         if not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         max_length = max_length or options.max_length
@@ -120,6 +127,21 @@ class Engine:
         self._seen = None  # (finish, lengths) of the current state on the host, while no call has changed them
         self._placed = -1  # the pool's version the current state's block tables hold
         self._admitted_at: dict[int, float] = {}
+        self.block_policy = self._policy(block_policy, options)
+
+    def _policy(self, policy, options: DecodeOptions):
+        """``block_policy`` checked: None, "auto" (kept as such until ``warm`` measures the costs), or a policy."""
+        if policy is None:
+            return None
+        if not (self.spec.speculative and not self.spec.tree_budget and not self.spec.verify_lengths
+                and options.proposer is None):
+            raise ValueError("block_policy needs a draft's chain (block > 1), without tree_budget, verify_lengths "
+                             "or a custom proposer")
+        if policy != "auto" and not (callable(getattr(policy, "choose", None))
+                                     and callable(getattr(policy, "observe", None))):
+            raise ValueError(f"block_policy must be None, 'auto' or an object with choose(bucket) and "
+                             f"observe(results), got {policy!r}")
+        return policy
 
     def _pool(self, kv_cache_memory: int | None) -> PagePool:
         """The page pool: ``kv_cache_memory`` bytes of pages (default: every row at the max length)."""
@@ -191,14 +213,16 @@ class Engine:
                 f"length, more when shorter), up to {self.rows} rows in flight; {sharing}")
 
     # --- programs -------------------------------------------------------------------------------------------
-    def _compiled(self, name: str, fn, *args):
+    def _compiled(self, name: str, fn, *args, spec=None):
         """The executable of ``fn`` for ``args`` (the state first: of one structure for the engine's life, so a
-        program is looked up by its other arguments' signature, cheaply, on every step)."""
-        quick = (name, signature(*args[1:]))
+        program is looked up by its other arguments' signature, cheaply, on every step); ``spec``: the engine's, or
+        a step block's (``EngineSpec.at_block``)."""
+        spec = spec or self.spec
+        quick = (name, spec.load_block, signature(*args[1:]))
         if quick not in self._quick:
-            key = (name, self.spec, self._inputs_signature, signature(*args))
+            key = (name, spec, self._inputs_signature, signature(*args))
             self.used.add(key)
-            self._quick[quick] = self.programs.get(key, lambda: fn.lower(self.spec, self.inputs, *args).compile())
+            self._quick[quick] = self.programs.get(key, lambda: fn.lower(spec, self.inputs, *args).compile())
         return self._quick[quick]
 
     def empty(self) -> DecodeState:
@@ -237,8 +261,9 @@ class Engine:
         so that timings exclude compilation and first-run setup (on CPU a cold first run is several times
         slower). With prefix caching a hit prefills a prompt's tail: ``tails``, the tail lengths hits may prefill
         (None: any length below the longest prompt, a server's case), get their buckets and the cached tokens'
-        writes compiled too. ``streaming``: also every ``progress`` read (a server's). The engine's pages are left
-        as they were."""
+        writes compiled too. ``streaming``: also every ``progress`` read (a server's). ``block_policy="auto"``: the
+        step costs of every bucket up to ``most_rows`` at every candidate block are measured here
+        (``probe_costs``), which makes the policy. The engine's pages are left as they were."""
         lengths = list(prompt_lengths)
         tails = list(range(1, max(lengths)) if tails is None else tails) if self.prefix_cache else []
         buckets = sorted({prepare.prompt_bucket(n, self.spec.cache_len) for n in lengths + tails})
@@ -260,6 +285,57 @@ class Engine:
                 state = self._put_prefix(state, [self.rows], [Request([0] * b)], [b])
         finally:
             self._bookkeeping(kept)
+        if self.block_policy == "auto":
+            self.block_policy = load_policy.BlockPolicy(self.probe_costs(most_rows),
+                                                        load_policy.Acceptance(self.spec.block_size))
+
+    def probe_costs(self, most_rows: int | None = None, blocks: Sequence[int] | None = None,
+                    on_probe=None) -> dict:
+        """(bucket, block) -> seconds of one engine step of ``bucket`` running rows verifying ``block`` tokens, for
+        every row bucket up to ``most_rows`` and every block of ``blocks`` (default: ``load_policy.candidates``):
+        the bucket's rows of a ``PROBE_PROMPT``-token dummy prompt, its program compiled and run one step, then
+        ``PROBE_STEPS`` steps timed, best of two admissions. A bucket whose rows the pool cannot hold is left out.
+        Greedy rows: a sampled row's draws are not in the cost. ``on_probe(bucket, block, seconds)`` after each.
+        The engine's pages are left as they were."""
+        blocks = list(blocks or load_policy.candidates(self.spec.block_size))
+        every = self.buckets()
+        top = every[-1] if most_rows is None else next((b for b in every if b >= most_rows), every[-1])
+        buckets = [b for b in every if b <= top]
+        length = min(PROBE_PROMPT, self.max_length // 2)
+        budget = self.max_length - length
+        kept, policy = self._bookkeeping(), self.block_policy
+        self.prefix_cache, self.block_policy = False, None  # the dummy prompts repeat; their steps teach nothing
+        out = {}
+        try:
+            for b in buckets:
+                requests = [Request([0] * length, max_new_tokens=budget, stop_token_ids=[])] * b
+                for k in blocks:
+                    best = None
+                    for _ in range(2):
+                        state = self.empty()
+                        if not self.can_admit(requests):
+                            break
+                        state, rows = self.admit(state, requests)
+                        state, _ = self.run(state, 1, block=k)
+                        jax.block_until_ready(state.finish)
+                        t = time.perf_counter()
+                        state, taken = self.run(state, PROBE_STEPS, block=k)
+                        jax.block_until_ready(state.finish)
+                        if taken:
+                            seconds = (time.perf_counter() - t) / taken
+                            best = seconds if best is None else min(best, seconds)
+                        self.release(state, rows)
+                    if best is not None:
+                        out[b, k] = best
+                        if on_probe is not None:
+                            on_probe(b, k, best)
+        finally:
+            self._bookkeeping(kept)
+            self.block_policy = policy
+        if not out:
+            raise ValueError("probe_costs: the page pool holds no probe row (a prompt of "
+                             f"{length} tokens and a budget of {budget})")
+        return out
 
     def _warm_run(self, requests: list[Request]) -> None:
         """Admit ``requests`` into an empty state, one step, release: unless the pool could never hold them (a
@@ -427,15 +503,20 @@ class Engine:
         """One draft + verify + commit of every running row."""
         if self.paged:
             return self.run(state, 1)[0]
-        return self._compiled("step", steps.step_jit, state)(self.inputs, state)
+        spec = self._step_spec(self.rows, None)
+        return self._compiled("step", steps.step_jit, state, spec=spec)(self.inputs, state)
 
-    def run(self, state: DecodeState, max_steps: int = FOREVER) -> tuple[DecodeState, int]:
+    def run(self, state: DecodeState, max_steps: int = FOREVER, *, block: int | None = None
+            ) -> tuple[DecodeState, int]:
         """Steps on the device until a running row finishes, none runs, or ``max_steps`` steps -> (state, steps).
         Paged: the running rows only (padded to a power of two), after giving each pages for its next steps; rows
-        the pool cannot hold are preempted first (``take_preempted``); a row short of pages also returns."""
+        the pool cannot hold are preempted first (``take_preempted``); a row short of pages also returns. Each step
+        verifies ``block`` tokens (1: plain steps; default: the block policy's choice for the bucket, else the
+        engine's block)."""
         n = np.int32(max_steps)
         if not self.paged:
-            state, taken = self._compiled("run", steps.run_jit, state, n)(self.inputs, state, n)
+            spec = self._step_spec(self.rows, block)
+            state, taken = self._compiled("run", steps.run_jit, state, n, spec=spec)(self.inputs, state, n)
             return state, int(taken)
         state, live = self._reserve(state)
         self._seen = None
@@ -444,8 +525,22 @@ class Engine:
         at = np.full((next(b for b in self.buckets() if b >= len(live)),), self.rows, np.int32)
         at[:len(live)] = live
         state = self._tables(state)
-        state, taken = self._compiled("run_rows", steps.run_rows_jit, state, at, n)(self.inputs, state, at, n)
+        spec = self._step_spec(len(at), block)
+        state, taken = self._compiled("run_rows", steps.run_rows_jit, state, at, n, spec=spec)(self.inputs, state,
+                                                                                              at, n)
         return state, int(taken)
+
+    def _step_spec(self, bucket: int, block: int | None):
+        """The spec of a run of ``bucket`` rows: verifying ``block`` tokens, else the policy's choice."""
+        policy = self.block_policy
+        if block is None and policy is not None and policy != "auto":
+            block = policy.choose(bucket)
+        return self.spec if block is None or block == self.spec.block_size else self.spec.at_block(block)
+
+    def block_table(self) -> dict:
+        """Bucket of live rows -> the block its steps verify now (the policy's; else every bucket the block)."""
+        policy = self.block_policy
+        return {b: policy.choose(b) if policy not in (None, "auto") else self.spec.block_size for b in self.buckets()}
 
     def _reserve(self, state: DecodeState) -> tuple[DecodeState, list[int]]:
         """Pages for the next ``LOOKAHEAD_STEPS`` steps (``LOOKAHEAD_PAGES`` pages at least) of every running row,
@@ -522,6 +617,8 @@ class Engine:
         free[:len(rows)] = rows
         for r in rows:
             self._forget(r)
+        if self.block_policy not in (None, "auto"):
+            self.block_policy.observe(results)
         return steps.release_jit(self.spec, state, free), results
 
 
@@ -538,6 +635,7 @@ class RunStats:
     programs: int = 0
     wall_time_s: float = 0.0
     admit_time_s: float = 0.0
+    blocks: dict = dataclasses.field(default_factory=dict)  # a block policy's bucket -> block at the end
 
     @property
     def occupancy(self) -> float:
@@ -611,6 +709,8 @@ def _stream(engine: Engine, requests: Iterable[Request], stats: RunStats,
             yield active.pop(row), dataclasses.replace(result, queue_time_s=queued.pop(row))
     stats.wall_time_s = time.perf_counter() - start
     stats.programs = len(engine.used)
+    if engine.block_policy not in (None, "auto"):
+        stats.blocks = engine.block_table()
 
 
 def _hit_tails(requests: Sequence[Request], page: int) -> list[int]:
@@ -627,7 +727,7 @@ def _hit_tails(requests: Sequence[Request], page: int) -> list[int]:
 def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequence[int]], *, max_batch: int,
                         max_new_tokens: int | None = None, stats: RunStats | None = None, warm: bool = True,
                         policy: str = "continuous", on_result=None, page: int = PAGE,
-                        kv_cache_memory: int | None = None, prefix_cache: bool = True,
+                        kv_cache_memory: int | None = None, prefix_cache: bool = True, block_policy=None,
                         **options) -> list[GenerationResult]:
     """Decode ``requests`` (``Request``s, or prompts as lists of ids) through ``max_batch`` slots, continuously
     batched -> one ``GenerationResult`` per request, in input order. ``options``: ``DecodeOptions``' (the defaults a
@@ -636,8 +736,9 @@ def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequ
     the longest prompt + budget of the requests. ``warm``: compile and run every program once before the clock
     starts (``Engine.warm``), so that timings exclude compilation. ``policy``: ``stream_requests``'.
     ``on_result(index, result)``, if given, is called as each request finishes (a progress bar, early writes).
-    ``page``, ``kv_cache_memory``, ``prefix_cache``: ``Engine``'s (paged caches; the pool's bytes; shared prompt
-    prefixes)."""
+    ``page``, ``kv_cache_memory``, ``prefix_cache``, ``block_policy``: ``Engine``'s (paged caches; the pool's bytes;
+    shared prompt prefixes; the block each bucket of live rows verifies: "auto" measures it in the warm-up, which
+    ``warm=False`` leaves out, so the run verifies the block until a policy exists)."""
     requests = [r if isinstance(r, Request) else Request(list(r), stream=i) for i, r in enumerate(requests)]
     if not requests:
         raise ValueError("requests must be a non-empty list")
@@ -656,7 +757,7 @@ def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequ
     engine = Engine(target, draft, opts, max_batch=max_batch, max_length=int(max(np.add(lens, budget))),
                     sampled=any(s.temperature > 0 for s in settings),
                     stop_width=prepare.stop_width(settings), page=page, kv_cache_memory=kv_cache_memory,
-                    prefix_cache=prefix_cache)
+                    prefix_cache=prefix_cache, block_policy=block_policy)
     engine.check(requests)
     stream = stream_requests(engine, requests, stats, policy)  # checks the policy; its clock starts at the first row
     if warm:

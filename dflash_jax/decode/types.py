@@ -41,6 +41,9 @@ class EngineSpec:
     cache_len: int = 0  # cache slots per row (positions 0..cache_len-1)
     stop_width: int = 8  # stop ids per row (padded with -1)
     page: int = 0  # > 0: full-attention caches paged, pages of this many tokens (``state.PagedKV``); 0: per row
+    # the tokens this program's steps verify, in [1, block_size] (``decode.load_policy``'s choice for a bucket of rows;
+    # 1: plain steps that still write the draft's context); 0: block_size. Caches are sized by block_size either way
+    load_block: int = 0
 
     def place(self, state: "DecodeState") -> "DecodeState":
         """Pin the decode state's layout on the mesh (rows over data*fsdp, KV heads over tensor)."""
@@ -60,6 +63,22 @@ class EngineSpec:
         return self.draft_config is not None and self.block_size > 1
 
     @property
+    def step_block(self) -> int:
+        """The tokens a step of this program verifies (``load_block``, else the block)."""
+        return self.load_block or self.block_size
+
+    @property
+    def drafting(self) -> bool:
+        """Steps propose tokens: a draft and a step block > 1 (a draft's plain steps still write its context)."""
+        return self.speculative and self.step_block > 1
+
+    def at_block(self, k: int) -> "EngineSpec":
+        """This spec with steps verifying ``k`` tokens (same caches, same state: one program per k)."""
+        if not self.speculative or self.tree_budget or self.verify_lengths or not 1 <= k <= self.block_size:
+            raise ValueError(f"steps of {k} tokens need a chain draft of block >= {k} without adaptive verify")
+        return dataclasses.replace(self, load_block=0 if k == self.block_size else int(k))
+
+    @property
     def draft_block(self) -> int:
         """The block as the draft's ``block_size`` counts it: the tokens verified, or a DSpark draft's input
         slots (one fewer: every slot drafts the token after it)."""
@@ -68,12 +87,12 @@ class EngineSpec:
 
     @property
     def rejection(self) -> bool:
-        return self.speculative and not self.greedy and self.acceptance == "rejection" and not self.tree_budget
+        return self.drafting and not self.greedy and self.acceptance == "rejection" and not self.tree_budget
 
     @property
     def lengths(self) -> tuple[int, ...]:
         """The verify lengths a step chooses from (one static forward each)."""
-        return self.verify_lengths or (self.block_size,)
+        return self.verify_lengths or (self.step_block,)
 
     @property
     def max_block(self) -> int:

@@ -87,7 +87,7 @@ def _verify_chosen(spec: EngineSpec, choice, tparams, dparams, tcache, dcache, b
 
 def _view(spec: EngineSpec, inp: Inputs, state: DecodeState, keys) -> StepView:
     """The proposer's view of this step: the block [pending token, MASK...] at each row's committed length."""
-    b, k = state.tokens.shape[0], spec.block_size
+    b, k = state.tokens.shape[0], spec.step_block
     n = state.tcache.lengths
     pending = state.tokens[jnp.arange(b), n]
     block = jnp.concatenate([pending[:, None], jnp.full((b, k - 1), inp.mask_token_id, jnp.int32)], axis=1)
@@ -98,12 +98,13 @@ def _view(spec: EngineSpec, inp: Inputs, state: DecodeState, keys) -> StepView:
 
 
 def chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_target):
-    """Draft a chain d_1..d_{K-1} and verify it -> (p_0..p_{K-1}, accepted drafts a [B], verify length, caches)."""
-    b, k = state.tokens.shape[0], spec.block_size
+    """Draft a chain d_1..d_{K-1} and verify it -> (p_0..p_{K-1}, accepted drafts a [B], verify length, caches).
+    K is the step's block (``spec.step_block``); at K = 1 with a draft, a plain step that writes the draft's context."""
+    b, k = state.tokens.shape[0], spec.step_block
     n = state.tcache.lengths
     active = ~state.done
     choice = jnp.int32(0)
-    if spec.speculative:
+    if spec.drafting:
         view = _view(spec, inp, state, k_draft)
         proposal = spec.proposer.propose(spec, view)
         block = view.block.at[:, 1:].set(proposal.tokens)
@@ -121,7 +122,7 @@ def chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_t
     posterior = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if spec.rejection
                  else choose(logits, k_target, *state.sampling, greedy=spec.greedy))
     verified = length - 1  # drafts the target verifies: the verify length's, or fewer where a proposal was cut
-    if spec.speculative and proposal.length is not None:
+    if spec.drafting and proposal.length is not None:
         verified = jnp.minimum(verified, proposal.length)
         length = verified + 1  # recorded per row: the tokens whose verification counted
     a = jnp.minimum(accepted_length(block[:, 1:], posterior), verified) if k > 1 else jnp.zeros((b,), jnp.int32)

@@ -7,7 +7,9 @@ Routes: POST /v1/completions, POST /v1/chat/completions (stream: true gives serv
 set its own, as vLLM's: temperature / top_p / top_k from the target's generation_config.json, else 1 / 1 / off
 (--temperature, --top-p, --top-k given: those; --temperature 0 serves greedy by default); max_tokens: 16 for
 completions and the rest of the context for chat (--max-new-tokens given: that, for both). --block-size
-auto serves with the draft's trained block (there are no prompts to probe). SIGTERM / Ctrl-C: the server stops
+auto (the default): the block follows the load, each bucket of live rows verifying the block of the most expected
+tokens per second (plain steps where drafting does not pay), from step costs measured at start-up and the
+acceptance of finished requests (printed at start-up, in /metrics as dflash_block_size). SIGTERM / Ctrl-C: the server stops
 listening, lets the requests in flight finish for up to --shutdown-timeout seconds, cancels the rest, exits 0.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 
 from infer.serve.protocol import DEFAULT_MAX_BODY
 from infer.common import (DEFAULT_MAX_BATCH, adaptive_kwargs, add_max_batch_arg, add_model_args, decoding_kwargs, die,
-                          fixed_block_size, load_models, paging_kwargs, slots_that_fit, draft_kwargs)
+                          fixed_block_size, load_models, paging_kwargs, slots_that_fit, draft_kwargs, block_policy)
 
 from dflash_jax.launch import launch
 from dflash_jax.decode.slots import PROGRESS_STEPS
@@ -139,7 +141,8 @@ def build_service(args):
         name, aliases = model_name(args.target, target.path)
         service = Service(target, draft, tokenizer, options,
                           Limits(slots, max_length, args.queue_size, **paging_kwargs(args),
-                                 steps_per_turn=args.steps_per_turn, turn_ms=args.turn_ms),
+                                 steps_per_turn=args.steps_per_turn, turn_ms=args.turn_ms,
+                                 block_policy=block_policy(args, draft)),
                           name=args.served_model_name or name, aliases=aliases,
                           default_max_tokens=default_max_tokens)
     except ValueError as e:
@@ -169,6 +172,11 @@ def main(argv=None) -> int:
           f"{o.top_p}, top_k {o.top_k or 'off'}" + ("" if args.no_warm else "; compiling the short-prompt programs..."),
           file=sys.stderr)
     service.start(warm=not args.no_warm)
+    policy = service.engine.block_policy
+    if policy == "auto":
+        print("--block-size auto: not measured (--no-warm), every step verifies the block", file=sys.stderr)
+    elif policy is not None:
+        print(policy.describe(), file=sys.stderr)
     AppStatus.disable_automatic_graceful_drain()  # SIGTERM: let streams in flight finish (--shutdown-timeout)
     logging.basicConfig(level=args.log_level.upper())
     app = create_app(service, max_body=args.max_body_bytes, access_log=not args.no_access_log)

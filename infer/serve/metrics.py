@@ -62,7 +62,14 @@ class Metrics:
                                      "token left out)", registry=r)
         self.vllm_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
                                              "accepted at each draft position", ["position"], registry=r)
+        self.block = Gauge("dflash_block_size", "Tokens each decode step verifies, by the bucket of live rows it "
+                           "runs in (--block-size auto follows the load; 1: plain steps)", ["bucket"], registry=r)
         self._accepted = self._verify_steps = 0
+
+    def follow_blocks(self, buckets, table) -> None:
+        """``dflash_block_size`` of each bucket read from ``table()`` (bucket -> block) at every scrape."""
+        for b in buckets:
+            self.block.labels(str(b)).set_function(lambda b=b: table()[b])
 
     def _tau(self) -> float:
         return self._accepted / self._verify_steps if self._verify_steps else 0.0
@@ -78,8 +85,10 @@ class Metrics:
     def drafts(self, acceptance_lengths, verify_lengths) -> None:
         """A request's verify steps, when it leaves its row: vLLM's counters (a step that verified v tokens, the
         pending one first, and committed a: v - 1 draft tokens, a - 1 of them accepted, positions 0..a-2)."""
-        if not len(acceptance_lengths):
+        drafted = [(int(a), int(v)) for a, v in zip(acceptance_lengths, verify_lengths) if int(v) > 1]
+        if not drafted:  # plain steps (the block policy's) drafted nothing
             return
+        acceptance_lengths, verify_lengths = zip(*drafted)
         self.vllm_drafts.inc(len(acceptance_lengths))
         self.vllm_draft_tokens.inc(sum(max(int(v) - 1, 0) for v in verify_lengths))
         accepted = [max(int(a) - 1, 0) for a in acceptance_lengths]

@@ -28,6 +28,7 @@ class Limits:
     steps_per_turn: int | None = None  # decode steps between two reads of the rows' new tokens (None: paced)
     turn_ms: float = TURN_MS  # paced: a turn runs the steps that fit in about this many milliseconds
     prefix_cache: bool = True  # share the pages of common prompt prefixes (where every layer is paged)
+    block_policy: str | None = None  # "auto": the block follows the load (``Engine``'s; measured by the warm-up)
 
 
 class Service:
@@ -43,8 +44,9 @@ class Service:
         self.default_max_tokens = default_max_tokens
         self.engine = Engine(target, draft, options, max_batch=limits.max_batch, max_length=limits.max_length,
                              sampled=True, page=limits.page, kv_cache_memory=limits.kv_cache_memory,
-                             prefix_cache=limits.prefix_cache)
+                             prefix_cache=limits.prefix_cache, block_policy=limits.block_policy)
         self.metrics = Metrics(self.engine.rows, self.engine.spec.max_block)
+        self.metrics.follow_blocks(self.engine.buckets(), self.engine.block_table)
         self.scheduler = Scheduler(self.engine, self.metrics, limits.queue_size, limits.steps_per_turn,
                                    limits.turn_ms)
         self.created = int(time.time())

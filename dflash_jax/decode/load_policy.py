@@ -1,0 +1,134 @@
+"""Speculation that follows the load: each ``Engine.run`` verifies, for its bucket of live rows, the block of the
+most expected committed tokens per second (``BlockPolicy``), from step costs measured per (bucket, block) at start-up
+and a running estimate of the draft's per-position acceptance (``Acceptance``, one per engine: every request's
+steps). Block 1 is plain decoding that still writes the draft's context, so the next drafting step drafts from every
+committed token. Any block is lossless, so switching between steps keeps the output exact (greedy: plain decoding's
+tokens; sampled: the target's law).
+
+Why: verifying a block of K tokens costs up to K plain steps where a step is compute-bound (a CPU at any batch, an
+accelerator at many rows), so the block that wins at one row can lose to plain decoding at 64."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+# A weak prior on each position's acceptance (PRIOR, worth PRIOR_WEIGHT steps): a strong one compounds over a
+# long block's positions, each seen in few steps, and biases the choice toward short blocks.
+PRIOR, PRIOR_WEIGHT = 0.5, 0.1
+MEMORY_STEPS = 2048  # the running acceptance forgets with this time constant (in observed verify steps)
+
+
+def candidates(block: int) -> tuple[int, ...]:
+    """The blocks a policy chooses from: 1 (plain steps), 4, 8, 16, 32 below ``block``, and ``block``."""
+    return tuple(sorted({1, block} | {k for k in (4, 8, 16, 32) if k < block}))
+
+
+def position_acceptance(runs, block: int) -> list[float]:
+    """P(draft token k is accepted | tokens 1..k-1 were), k = 1..block-1, from ``runs``: (acceptance lengths,
+    each counting the bonus token, of steps verifying K tokens; K) pairs. A step of length a accepted tokens
+    1..a-1 and, when a < K, rejected token a (at a = K the rest is unseen)."""
+    reached, accepted = np.zeros(block), np.zeros(block)
+    for lengths, k in runs:
+        r, a = _counts(np.asarray(lengths, np.int64), np.full(len(lengths), k), block)
+        reached, accepted = reached + r, accepted + a
+    return [float(x) for x in _posterior(reached, accepted)]
+
+
+def _counts(lengths, verified, block: int):
+    """(steps where token j was judged, steps where it was accepted), j = 0..block-1 (j = 0 unused), from steps of
+    acceptance ``lengths`` verifying ``verified`` tokens each."""
+    j = np.arange(block)[None]
+    judged = (lengths[:, None] >= j) & (j < verified[:, None]) & (j >= 1)
+    return judged.sum(0).astype(np.float64), (judged & (lengths[:, None] >= j + 1)).sum(0).astype(np.float64)
+
+
+def _posterior(reached, accepted):
+    return ((accepted + PRIOR * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT))[1:]
+
+
+def expected_tau(p, block: int) -> float:
+    """Expected acceptance length (bonus included) of a step verifying ``block`` tokens: 1 + sum over k < block
+    of P(tokens 1..k all accepted)."""
+    return 1.0 + float(np.sum(np.cumprod(np.asarray(p[:block - 1], np.float64)))) if block > 1 else 1.0
+
+
+class Acceptance:
+    """The draft's running per-position acceptance over every request's verify steps: counts that forget with a time
+    constant of ``memory`` steps, so the estimate follows the traffic."""
+
+    def __init__(self, block: int, memory: int = MEMORY_STEPS):
+        self.block, self.memory = block, memory
+        self.reached, self.accepted = np.zeros(block), np.zeros(block)
+        self.steps = 0
+
+    def observe(self, acceptance_lengths, verify_lengths) -> None:
+        """One request's steps: acceptance lengths and the tokens each verified (plain steps: nothing to learn).
+        Its last step is left out (cut by the budget or a stop token, it would read as a rejection)."""
+        a = np.asarray(acceptance_lengths, np.int64)[:-1]
+        v = np.asarray(verify_lengths, np.int64)[:len(a)]
+        a, v = a[v > 1], v[v > 1]
+        if not len(a):
+            return
+        keep = np.exp(-len(a) / self.memory)
+        r, acc = _counts(a, v, self.block)
+        self.reached, self.accepted = self.reached * keep + r, self.accepted * keep + acc
+        self.steps += len(a)
+
+    def p(self) -> np.ndarray:
+        """P(token j accepted | 1..j-1 were), j = 1..block-1 (the prior where no step judged it)."""
+        return _posterior(self.reached, self.accepted)
+
+
+@dataclasses.dataclass
+class BlockPolicy:
+    """The block each bucket of live rows verifies: of the ``candidates``, the one of the most expected tokens per
+    second, expected_tau(p, k) / step_s[bucket, k] (k = 1: one token per plain step), so a step never costs more than
+    its expected gain allows. No cliff: a bucket's block is at most one candidate longer than the next larger
+    bucket's (the choice moves one block size at a time as rows are added; with a rate that rises then falls in k,
+    each capped choice is still at least plain decoding's rate). ``step_s``: (bucket, k) -> seconds of one engine
+    step (``Engine.probe_costs``); a bucket not measured takes the choice of the largest measured one below it."""
+
+    step_s: dict
+    acceptance: Acceptance
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return tuple(sorted({k for _, k in self.step_s}))
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return tuple(sorted({b for b, _ in self.step_s}))
+
+    def rates(self, bucket: int) -> dict:
+        """Block -> expected committed tokens per second of one row at ``bucket`` rows."""
+        p = self.acceptance.p()
+        return {k: expected_tau(p, k) / self.step_s[bucket, k] for k in self.blocks if (bucket, k) in self.step_s}
+
+    def table(self) -> dict:
+        """Bucket -> the block its steps verify (measured buckets)."""
+        blocks, out, cap = self.blocks, {}, None
+        for b in sorted(self.buckets, reverse=True):
+            rates = self.rates(b)
+            best = blocks.index(max(sorted(rates), key=rates.get))  # ties: the shorter block
+            cap = best if cap is None else min(best, cap + 1)
+            out[b] = blocks[cap]
+        return dict(sorted(out.items()))
+
+    def choose(self, bucket: int) -> int:
+        """The block a run of ``bucket`` rows verifies."""
+        table = self.table()
+        below = [b for b in table if b <= bucket]
+        return table[below[-1] if below else min(table)]
+
+    def observe(self, results) -> None:
+        """Finished requests' steps (``GenerationResult``s) into the running acceptance."""
+        for r in results:
+            self.acceptance.observe(r.acceptance_lengths, r.verify_lengths)
+
+    def describe(self) -> str:
+        """One line: the block per bucket and what chose it."""
+        table = ", ".join(f"{b} rows: {'plain' if k == 1 else k}" for b, k in self.table().items())
+        p = self.acceptance.p()
+        return (f"block per bucket of live rows (--block-size auto): {table} (expected tau at the full block "
+                f"{expected_tau(p, max(self.blocks)):.2f} over {self.acceptance.steps} observed steps)")
