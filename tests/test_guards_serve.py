@@ -155,3 +155,24 @@ def test_a_request_cancelled_in_the_queue_is_never_admitted(served):
     assert [done[k].finish_reason for k in (0, 1)] == ["length", "length"] and len(done[0].ids) == 40
     assert not any(r is jobs[2].request for r in admitted)
     assert any(r is jobs[0].request for r in admitted) and any(r is jobs[1].request for r in admitted)
+
+
+def test_block_size_auto_measures_at_start_and_serves_plain_decodings_tokens(pair):
+    """A server with the load-following block (``--block-size auto``'s ``Limits.block_policy``): its warm-up
+    measures a step cost for every bucket of live rows and block (1 = plain steps, and the draft's 4), /metrics
+    gives the block of every bucket, and greedy answers at any concurrency equal plain decoding. Bug caught: the
+    probes' dummy rows taught to the acceptance estimate (their steps are counted before any request)."""
+    target, draft, _ = pair
+    options = DecodeOptions(max_new_tokens=16, stop_token_ids=[])
+    service = Service(target, draft, None, options, Limits(SLOTS, MAX_LENGTH, 16, block_policy="auto"), name=MODEL)
+    with Running(service, warm=True) as running:
+        policy = service.engine.block_policy
+        assert set(policy.step_s) == {(b, k) for b in (1, 2) for k in (1, 4)} and policy.acceptance.steps == 0
+        client = openai.OpenAI(base_url=running.url, api_key="none", max_retries=0, timeout=300)
+        both = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=12, temperature=0)
+        want = decode.generate(target, PROMPTS[:2], max_new_tokens=12, stop_token_ids=[])
+        assert [_ids(c) for c in sorted(both.choices, key=lambda c: c.index)] == [w.generated_ids for w in want]
+        families = text_string_to_metric_families(httpx.get(running.url.removesuffix("/v1") + "/metrics").text)
+        blocks = {s.labels["bucket"]: s.value for f in families if f.name == "dflash_block_size" for s in f.samples}
+    assert set(blocks) == {"1", "2"} and set(blocks.values()) <= {1, 4}
+    assert policy.acceptance.steps > 0 or set(blocks.values()) == {1}  # the requests' drafted steps, if any

@@ -212,11 +212,26 @@ def test_joint_law_of_first_three_tokens_is_the_targets(peaked, temperature, top
     assert accepted > 0.1  # drafts were accepted often, not just bonus tokens
 
 
+class Alternate:
+    """A block policy alternating plain steps and block 4 at every run."""
+
+    calls = 0
+
+    def choose(self, bucket):
+        self.calls += 1
+        return 1 + 3 * (self.calls % 2)
+
+    def observe(self, results):
+        pass
+
+
 def test_mixed_settings_in_one_batch_keep_each_rows_law(peaked):
     """Continuous batching: rows of two sampling settings and greedy rows, interleaved in one batch of slots (the
     rejection rule): each setting's rows follow the exact law of that setting, and the greedy rows equal greedy
     decoding. Per-row temperature / top-k / top-p must not leak between rows (a batch-wide setting fails one
-    group's statistic: the two laws differ far beyond the threshold, checked below)."""
+    group's statistic: the two laws differ far beyond the threshold, checked below). The block changes between
+    the engine's runs (a block policy alternating plain steps and block 4, as the load-following policy may): a
+    row's plain step samples from the target, its block-4 step by the rejection rule, and the law holds."""
     target, (draft, _, _), logits = peaked
     a, b = CASES[0], CASES[2]
     want = {case: exact_joint(logits, *case) for case in (a, b)}
@@ -225,8 +240,10 @@ def test_mixed_settings_in_one_batch_keep_each_rows_law(peaked):
     cases = [a, b] * N + [None] * 8  # greedy rows at the end: admitted as sampled rows finish
     requests = [S.Request(PROMPT, stream=i, **({} if c is None else dict(zip(("temperature", "top_k", "top_p"), c))))
                 for i, c in enumerate(cases)]
+    policy = Alternate()
     out = S.continuous_generate(target, draft, requests, max_batch=N, max_new_tokens=NEW, block_size=4, seed=11,
-                                stop_token_ids=[])
+                                stop_token_ids=[], block_policy=policy, warm=False)
+    assert policy.calls > 2 and any(set(r.verify_lengths) == {1, 4} for r in out)  # switched inside rows
     greedy = S.generate(target, [PROMPT], max_new_tokens=NEW, stop_token_ids=[])[0]
     assert all(r.output_ids == greedy.output_ids for r, c in zip(out, cases) if c is None)
     for case in (a, b):

@@ -32,8 +32,9 @@ PROMPTS = ["def add(a, b):\n", "import os\n\n\ndef read_lines(path):\n", "class 
 def server(tmp_path_factory):
     """(process, base URL, its log file)."""
     log = tmp_path_factory.mktemp("serve") / "server.log"
+    # a fixed block: --block-size auto's start-up probes (every bucket x block) are tested in test_guards_serve.py
     with serve_cli(["--max-batch", str(SLOTS), "--queue-size", str(QUEUE), "--max-length", str(MAX_LENGTH),
-                    "--max-new-tokens", "24", "--log-level", "warning"], log) as (proc, base):
+                    "--max-new-tokens", "24", "--log-level", "warning", "--block-size", "16"], log) as (proc, base):
         yield proc, base, log
 
 
@@ -260,6 +261,8 @@ def test_metrics_are_prometheus_text(server):
     assert m[("dflash_slots_total", ())] == SLOTS
     assert m[("dflash_mean_acceptance_length", ())] > 1.5  # the demo draft accepts several tokens a step
     assert m[("dflash_requests_total", (("endpoint", "completions"), ("outcome", "ok")))] >= 32
+    blocks = {int(dict(k[1])["bucket"]): v for k, v in m.items() if k[0] == "dflash_block_size"}
+    assert blocks == {1: 16, 2: 16, 4: 16}  # --block-size 16: every bucket of live rows
 
 
 def test_sigterm_finishes_the_stream_in_flight_and_exits_0(server):
@@ -281,14 +284,22 @@ def test_sigterm_finishes_the_stream_in_flight_and_exits_0(server):
     assert "server stopped" in log.read_text()
 
 
-def test_bad_options_are_refused_before_loading():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    for argv, says in [(["--port", "70000"], "--port"), (["--queue-size", "0"], "--queue-size"),
-                       (["--plain", "--draft", "x"], "--plain"), (["--steps-per-turn", "0"], "--steps-per-turn"),
-                       (["--turn-ms", "0"], "--turn-ms"), (["--kv-cache-memory", "lots"], "--kv-cache-memory")]:
-        r = subprocess.run([sys.executable, "-m", "infer.serve", *argv], capture_output=True, text=True, env=env,
-                           timeout=120)
-        assert r.returncode == 2 and says in r.stderr, r.stderr
+def test_bad_options_are_refused_before_loading(capsys):
+    """Exit status 2 and the option named, before any model loads: the first as a user runs it (a process of its
+    own), the rest through the same ``main`` in this process (a process each cost 4 s of start-up)."""
+    from infer.serve.__main__ import main
+
+    cases = [(["--port", "70000"], "--port"), (["--queue-size", "0"], "--queue-size"),
+             (["--plain", "--draft", "x"], "--plain"), (["--steps-per-turn", "0"], "--steps-per-turn"),
+             (["--turn-ms", "0"], "--turn-ms"), (["--kv-cache-memory", "lots"], "--kv-cache-memory")]
+    r = subprocess.run([sys.executable, "-m", "infer.serve", *cases[0][0]], capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+    assert r.returncode == 2 and cases[0][1] in r.stderr, r.stderr
+    for argv, says in cases[1:]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err, err
 
 
 def test_a_turn_runs_the_steps_that_fit_its_time():
