@@ -52,16 +52,33 @@ def test_no_cliff_the_block_moves_one_size_per_bucket():
 
 
 def test_acceptance_follows_observed_steps():
-    """Plain steps teach nothing, the last step of a request (cut by its budget) is left out, and older steps
-    are forgotten: a draft that stops being accepted lowers the estimate."""
+    """Plain steps teach nothing, the last step of a request (cut by its budget) is left out, one rejected step
+    does not turn drafting off (the start is worth ``START_WEIGHT`` steps), and older steps are forgotten: a
+    draft that stops being accepted lowers the estimate."""
     acc = lp.Acceptance(4, memory=8)
     acc.observe([1, 1, 1, 3], [1, 1, 1, 4])  # plain steps, then a cut last step: nothing
-    assert acc.steps == 0 and acc.p().tolist() == [lp.PRIOR] * 3
-    acc.observe([4] * 50 + [1], [4] * 51)
-    assert acc.p()[0] > 0.99
-    acc.observe([1] * 50 + [1], [4] * 51)
-    assert acc.p()[0] < 0.01
+    assert acc.steps == 0 and acc.p().tolist() == [lp.START] * 3
+    acc.observe([1, 1], [4, 4])  # one rejected step (and the cut last one)
+    assert acc.p()[0] > 0.6
+    acc.observe([4] * 200 + [1], [4] * 201)
+    assert acc.p()[0] > 0.98
+    acc.observe([1] * 200 + [1], [4] * 201)
+    assert acc.p()[0] < 0.03
     assert lp.candidates(16) == BLOCKS and lp.candidates(4) == (1, 4)
+
+
+def test_plain_buckets_explore_after_many_plain_steps():
+    """Plain steps teach nothing: after ``EXPLORE_EVERY`` of them a run drafts (the bucket's best drafting block)
+    to learn, and any drafting run resets the count."""
+    pol = policy(lambda b, k: 1e-3 * k, p=0.5)  # every bucket plain
+    assert pol.choose(8) == 1 and not pol.exploring
+    pol.ran(1, lp.EXPLORE_EVERY - 1)
+    assert pol.choose(8) == 1 and not pol.exploring
+    pol.ran(1, 1)
+    k = pol.choose(8)
+    assert pol.exploring and k == max((x for x in BLOCKS if x > 1), key=pol.rates(8).get)
+    pol.ran(k, 2)
+    assert pol.choose(8) == 1 and not pol.exploring and pol.plain_steps == 0
 
 
 class EveryStep:

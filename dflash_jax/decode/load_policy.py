@@ -17,6 +17,13 @@ import numpy as np
 # long block's positions, each seen in few steps, and biases the choice toward short blocks.
 PRIOR, PRIOR_WEIGHT = 0.5, 0.1
 MEMORY_STEPS = 2048  # the running acceptance forgets with this time constant (in observed verify steps)
+# The running acceptance starts from P(accepted) = START at every position, worth START_WEIGHT steps: hopeful
+# enough that a server drafts before it has seen a request (plain steps teach nothing), firm enough that one
+# rejected step (the first request's) does not turn it off (measured: a prior worth 0.1 steps did, for good).
+START, START_WEIGHT = 0.7, 8.0
+# Plain steps teach nothing, so after this many of them in a row a policy drafts for one short run (at the
+# bucket's best drafting block, at most EXPLORE_RUN_STEPS steps): the estimate follows traffic that changed.
+EXPLORE_EVERY, EXPLORE_RUN_STEPS = 512, 2
 
 
 def candidates(block: int) -> tuple[int, ...]:
@@ -43,8 +50,8 @@ def _counts(lengths, verified, block: int):
     return judged.sum(0).astype(np.float64), (judged & (lengths[:, None] >= j + 1)).sum(0).astype(np.float64)
 
 
-def _posterior(reached, accepted):
-    return ((accepted + PRIOR * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT))[1:]
+def _posterior(reached, accepted, prior: float = PRIOR, weight: float = PRIOR_WEIGHT):
+    return ((accepted + prior * weight) / (reached + weight))[1:]
 
 
 def expected_tau(p, block: int) -> float:
@@ -76,21 +83,25 @@ class Acceptance:
         self.steps += len(a)
 
     def p(self) -> np.ndarray:
-        """P(token j accepted | 1..j-1 were), j = 1..block-1 (the prior where no step judged it)."""
-        return _posterior(self.reached, self.accepted)
+        """P(token j accepted | 1..j-1 were), j = 1..block-1 (``START`` where no step judged it)."""
+        return _posterior(self.reached, self.accepted, START, START_WEIGHT)
 
 
 @dataclasses.dataclass
 class BlockPolicy:
     """The block each bucket of live rows verifies: of the ``candidates``, the one of the most expected tokens per
     second, expected_tau(p, k) / step_s[bucket, k] (k = 1: one token per plain step), so a step never costs more than
-    its expected gain allows. No cliff: a bucket's block is at most one candidate longer than the next larger
-    bucket's (the choice moves one block size at a time as rows are added; with a rate that rises then falls in k,
-    each capped choice is still at least plain decoding's rate). ``step_s``: (bucket, k) -> seconds of one engine
-    step (``Engine.probe_costs``); a bucket not measured takes the choice of the largest measured one below it."""
+    its expected gain allows. Never longer at more rows, and no cliff: a bucket's block is at most one candidate
+    longer than the next larger bucket's (the choice moves one block size at a time as rows are added; with a rate
+    that rises then falls in k, each capped choice is still at least plain decoding's rate). ``step_s``:
+    (bucket, k) -> seconds of one engine step (``Engine.probe_costs``); a bucket not measured takes the choice of
+    the largest measured one below it. After ``EXPLORE_EVERY`` plain steps in a row one short run drafts
+    (``exploring``; the engine cuts it to ``EXPLORE_RUN_STEPS`` steps and reports every run to ``ran``)."""
 
     step_s: dict
     acceptance: Acceptance
+    plain_steps: int = 0  # plain steps since the last drafting one
+    exploring: bool = False  # the last ``choose`` drafts only to learn
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -107,19 +118,32 @@ class BlockPolicy:
 
     def table(self) -> dict:
         """Bucket -> the block its steps verify (measured buckets)."""
-        blocks, out, cap = self.blocks, {}, None
-        for b in sorted(self.buckets, reverse=True):
+        blocks, best, top = self.blocks, {}, None
+        for b in self.buckets:  # each bucket's best (ties: the shorter block), never longer than a smaller bucket's
             rates = self.rates(b)
-            best = blocks.index(max(sorted(rates), key=rates.get))  # ties: the shorter block
-            cap = best if cap is None else min(best, cap + 1)
+            i = blocks.index(max(sorted(rates), key=rates.get))
+            best[b] = top = i if top is None else min(i, top)
+        out, cap = {}, None
+        for b in sorted(best, reverse=True):  # at most one size longer than the next larger bucket's
+            cap = best[b] if cap is None else min(best[b], cap + 1)
             out[b] = blocks[cap]
         return dict(sorted(out.items()))
 
     def choose(self, bucket: int) -> int:
-        """The block a run of ``bucket`` rows verifies."""
+        """The block a run of ``bucket`` rows verifies (a drafting one when exploring is due)."""
         table = self.table()
         below = [b for b in table if b <= bucket]
-        return table[below[-1] if below else min(table)]
+        at = below[-1] if below else min(table)
+        block = table[at]
+        self.exploring = block == 1 and self.plain_steps >= EXPLORE_EVERY and len(self.blocks) > 1
+        if self.exploring:
+            rates = self.rates(at)
+            block = max(sorted(k for k in rates if k > 1), key=rates.get)
+        return block
+
+    def ran(self, block: int, steps: int) -> None:
+        """A run of ``steps`` steps at ``block`` happened (plain ones count toward exploring)."""
+        self.plain_steps = self.plain_steps + steps if block == 1 else 0
 
     def observe(self, results) -> None:
         """Finished requests' steps (``GenerationResult``s) into the running acceptance."""

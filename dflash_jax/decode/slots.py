@@ -42,7 +42,7 @@ _ADMISSIONS = itertools.count()  # admission order across engines (only its orde
 LOOKAHEAD_STEPS = 8  # a run gives each running row pages for this many more steps (then returns for more)
 LOOKAHEAD_PAGES = 4  # and at least this many pages more (plain decoding's steps commit one token each)
 PROGRESS_STEPS = 64  # the most steps one ``progress`` read covers (it reads for a power of two of them: few programs)
-PROBE_STEPS = 4  # steps each (bucket, block) program is timed for (``Engine.probe_costs``), best of two
+PROBE_STEPS = 8  # steps each (bucket, block) program is timed for (``Engine.probe_costs``), best of two
 PROBE_PROMPT = 64  # tokens of the probes' prompts
 
 
@@ -503,7 +503,7 @@ class Engine:
         """One draft + verify + commit of every running row."""
         if self.paged:
             return self.run(state, 1)[0]
-        spec = self._step_spec(self.rows, None)
+        spec, _ = self._step_spec(self.rows, None, 1)
         return self._compiled("step", steps.step_jit, state, spec=spec)(self.inputs, state)
 
     def run(self, state: DecodeState, max_steps: int = FOREVER, *, block: int | None = None
@@ -513,11 +513,10 @@ class Engine:
         the pool cannot hold are preempted first (``take_preempted``); a row short of pages also returns. Each step
         verifies ``block`` tokens (1: plain steps; default: the block policy's choice for the bucket, else the
         engine's block)."""
-        n = np.int32(max_steps)
         if not self.paged:
-            spec = self._step_spec(self.rows, block)
+            spec, n = self._step_spec(self.rows, block, max_steps)
             state, taken = self._compiled("run", steps.run_jit, state, n, spec=spec)(self.inputs, state, n)
-            return state, int(taken)
+            return state, self._ran(spec, int(taken))
         state, live = self._reserve(state)
         self._seen = None
         if not live:
@@ -525,17 +524,27 @@ class Engine:
         at = np.full((next(b for b in self.buckets() if b >= len(live)),), self.rows, np.int32)
         at[:len(live)] = live
         state = self._tables(state)
-        spec = self._step_spec(len(at), block)
+        spec, n = self._step_spec(len(at), block, max_steps)
         state, taken = self._compiled("run_rows", steps.run_rows_jit, state, at, n, spec=spec)(self.inputs, state,
                                                                                               at, n)
-        return state, int(taken)
+        return state, self._ran(spec, int(taken))
 
-    def _step_spec(self, bucket: int, block: int | None):
-        """The spec of a run of ``bucket`` rows: verifying ``block`` tokens, else the policy's choice."""
+    def _step_spec(self, bucket: int, block: int | None, max_steps: int):
+        """(the spec of a run of ``bucket`` rows: verifying ``block`` tokens, else the policy's choice; its step
+        limit, cut to ``EXPLORE_RUN_STEPS`` when the policy drafts only to learn)."""
         policy = self.block_policy
         if block is None and policy is not None and policy != "auto":
             block = policy.choose(bucket)
-        return self.spec if block is None or block == self.spec.block_size else self.spec.at_block(block)
+            if getattr(policy, "exploring", False):
+                max_steps = min(max_steps, load_policy.EXPLORE_RUN_STEPS)
+        spec = self.spec if block is None or block == self.spec.block_size else self.spec.at_block(block)
+        return spec, np.int32(max_steps)
+
+    def _ran(self, spec, taken: int) -> int:
+        """``taken`` steps ran at ``spec``'s block: told to a policy that counts them."""
+        if self.block_policy not in (None, "auto") and hasattr(self.block_policy, "ran"):
+            self.block_policy.ran(spec.step_block, taken)
+        return taken
 
     def block_table(self) -> dict:
         """Bucket of live rows -> the block its steps verify now (the policy's; else every bucket the block)."""
