@@ -189,7 +189,8 @@ def prompts_of(args) -> list[str]:
 
 
 def serve_both(args, prompts, levels) -> dict:
-    """DFlash, then plain decoding, each served here and driven at every level -> {kind: levels' results}."""
+    """DFlash and plain decoding, both served here and driven level by level side by side (each level's two runs
+    back to back, the order alternating, so that the machine's drift lands on both) -> {kind: levels' results}."""
     from infer.common import decoding_kwargs, fixed_block_size, load_models
     from infer.serve.launch import Running
     from infer.serve.service import Limits, Service
@@ -209,10 +210,10 @@ def serve_both(args, prompts, levels) -> dict:
     lens = [len(encode_prompt({"prompt": first + p}, tokenizer)) for p in prompts]  # as the server encodes them
     if max(lens) >= max_length:
         die(f"a prompt has {max(lens)} tokens, past --max-length {max_length}")
-    out = {}
+    services = {}
     for kind, d in (("dflash", draft), ("plain", None)):
-        print(f"{kind}: compiling{', measuring step costs per bucket and block' if d and auto else ''}, then "
-              "serving...", file=sys.stderr)
+        print(f"{kind}: compiling{', measuring step costs per bucket and block' if d and auto else ''}...",
+              file=sys.stderr)
         opts = options if d is not None else options.replace(block_size=None)  # the plain server has no block
         service = Service(target, d, tokenizer, opts, Limits(args.max_batch, max_length, 4 * args.num_requests,
                                                              block_policy="auto" if d is not None and auto else None),
@@ -220,13 +221,21 @@ def serve_both(args, prompts, levels) -> dict:
         service.engine.warm(lens, streaming=True)  # every prompt bucket compiled before the clock starts
         if service.engine.block_policy is not None:
             print(f"  {service.engine.block_policy.describe()}", file=sys.stderr)
-        with Running(service, warm=False) as server:
+        services[kind] = (service, d, opts)
+    out = {kind: {} for kind in services}
+    with Running(services["dflash"][0], warm=False) as a, Running(services["plain"][0], warm=False) as b:
+        servers = {"dflash": a, "plain": b}
+        for server in servers.values():
             asyncio.run(drive(server.url, "bench", prompts[:2], 4, 2))  # the HTTP path once, untimed
-            out[kind] = run_levels(server.url, "bench", prompts, levels, args.max_new_tokens, args.num_requests,
-                                   args.shared_prefix)
+        for i, c in enumerate(levels):  # side by side: each level's two runs back to back, in alternating order
+            for kind in (("dflash", "plain") if i % 2 == 0 else ("plain", "dflash")):
+                print(f"{kind}:", file=sys.stderr)
+                out[kind].update(run_levels(servers[kind].url, "bench", prompts, [c], args.max_new_tokens,
+                                            args.num_requests, args.shared_prefix))
+    for kind, (service, d, opts) in services.items():
         if service.engine.block_policy is not None:  # after the levels: the acceptance they taught it
             out[kind]["blocks"] = service.engine.block_table()
-            print(f"  after the run: {service.engine.block_policy.describe()}", file=sys.stderr)
+            print(f"{kind} after the run: {service.engine.block_policy.describe()}", file=sys.stderr)
         ids = [encode_prompt({"prompt": p}, tokenizer) for p in prompts[:args.num_requests]]
         out[kind]["engine"] = engine_batch1(target, d, ids, opts)
     return out

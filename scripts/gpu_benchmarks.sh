@@ -18,13 +18,17 @@
 #                nodes, forward + commit (scripts/gdn_verify_cost.py)
 #   serve        the demo pair served with --max-batch 64: output tokens/s at concurrency 1 and 16 beside the
 #                engine's own batch-1 speed, plain and DFlash (server_vs_engine: one user's share)
+#   load         the demo pair served with --max-batch 64 at concurrency 1, 4, 16, 64: DFlash whose block follows the
+#                load (--block-size auto: block per bucket of live rows, block_per_bucket) vs plain decoding
 #   paged        the demo pair, 64 requests of 16-900 new tokens (its context is 1024) through 32 rows at one cache
 #                budget (64 MB): the paged engine vs unpaged max-length rows in the same memory (paged_vs_slots)
+#   prefix       the demo pair served, every prompt opening with the same ~200 words: first vs second wave's TTFT
+#   group        sample groups (32 prompts x 8 samples) with vs without prefix caching
 #   cacheplan    Qwen3-8B + draft at 8K context: rows that fit 16 / 32 / 80 / 141 GB, slots vs paged (shapes only)
 set -u
 OUT=${1:-gpu_results}
 shift || true
-STEPS=${*:-kernel synthetic context train adaptive tree16 tree64 tree256 gdntree serve paged cacheplan}
+STEPS=${*:-kernel synthetic context train adaptive tree16 tree64 tree256 gdntree serve load paged prefix group cacheplan}
 mkdir -p "$OUT"
 python - <<'EOF' > "$OUT/devices.txt" 2>&1
 import jax
@@ -57,6 +61,8 @@ step tree64 150 python -m infer.benchmark --tree-budget 64 --json
 step tree256 200 python -m infer.benchmark --tree-budget 256 --json
 step gdntree 120 python scripts/gdn_verify_cost.py
 step serve 300 python -m infer.serve_benchmark --max-batch 64 --concurrency 1,16 --num-requests 16 \
+  --max-new-tokens 128 --json
+step load 400 python -m infer.serve_benchmark --max-batch 64 --concurrency 1,4,16,64 --num-requests 64 \
   --max-new-tokens 128 --json
 step paged 400 python -m infer.benchmark --max-batch 32 --num-prompts 64 --mixed-budgets 16,900 \
   --kv-cache-memory 64MB --ignore-eos --json

@@ -67,7 +67,13 @@ def test_gpu_script_commands_parse():
             args = parse[cmd[2]](cmd[3:])
             assert getattr(args, "synthetic", None) in (None, *PRESETS), cmd
             seen.add(cmd[2])
-    assert seen == set(parse) | {"scripts/gdn_verify_cost.py"} and len(commands) == 14
+    assert seen == set(parse) | {"scripts/gdn_verify_cost.py"} and len(commands) == 15
+    # every step runs by default and is described in the header (prefix and group once were in neither)
+    names = [line.split()[1] for line in text.splitlines() if line.startswith("step ")]
+    default = re.search(r"STEPS=\$\{\*:-([^}]*)\}", text).group(1).split()
+    header = [line for line in text.splitlines() if re.match(r"#   \w", line)]
+    described = {n for line in header for n in re.findall(r"(?:^#   |, )(\w+)", line)}
+    assert default == names and set(names) <= described, (default, names, described)
 
 
 def _demo_stage(stage: str):

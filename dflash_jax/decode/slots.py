@@ -42,7 +42,8 @@ _ADMISSIONS = itertools.count()  # admission order across engines (only its orde
 LOOKAHEAD_STEPS = 8  # a run gives each running row pages for this many more steps (then returns for more)
 LOOKAHEAD_PAGES = 4  # and at least this many pages more (plain decoding's steps commit one token each)
 PROGRESS_STEPS = 64  # the most steps one ``progress`` read covers (it reads for a power of two of them: few programs)
-PROBE_STEPS = 8  # steps each (bucket, block) program is timed for (``Engine.probe_costs``), best of two
+PROBE_STEPS = 8  # steps each (bucket, block) program is timed for (``Engine.probe_costs``),
+PROBE_ROUNDS = 3  # best of this many rounds over the blocks
 PROBE_PROMPT = 64  # tokens of the probes' prompts
 
 
@@ -294,7 +295,7 @@ class Engine:
         """(bucket, block) -> seconds of one engine step of ``bucket`` running rows verifying ``block`` tokens, for
         every row bucket up to ``most_rows`` and every block of ``blocks`` (default: ``load_policy.candidates``):
         the bucket's rows of a ``PROBE_PROMPT``-token dummy prompt, its program compiled and run one step, then
-        ``PROBE_STEPS`` steps timed, best of two admissions. A bucket whose rows the pool cannot hold is left out.
+        ``PROBE_STEPS`` steps timed, best of ``PROBE_ROUNDS`` rounds over the blocks in turn. A bucket whose rows the pool cannot hold is left out.
         Greedy rows: a sampled row's draws are not in the cost. ``on_probe(bucket, block, seconds)`` after each.
         The engine's pages are left as they were."""
         blocks = list(blocks or load_policy.candidates(self.spec.block_size))
@@ -309,9 +310,9 @@ class Engine:
         try:
             for b in buckets:
                 requests = [Request([0] * length, max_new_tokens=budget, stop_token_ids=[])] * b
-                for k in blocks:
-                    best = None
-                    for _ in range(2):
+                best = {}
+                for _ in range(PROBE_ROUNDS):  # the blocks in turn, so that the machine's drift lands on each
+                    for k in blocks:
                         state = self.empty()
                         if not self.can_admit(requests):
                             break
@@ -322,13 +323,12 @@ class Engine:
                         state, taken = self.run(state, PROBE_STEPS, block=k)
                         jax.block_until_ready(state.finish)
                         if taken:
-                            seconds = (time.perf_counter() - t) / taken
-                            best = seconds if best is None else min(best, seconds)
+                            best[k] = min(best.get(k, np.inf), (time.perf_counter() - t) / taken)
                         self.release(state, rows)
-                    if best is not None:
-                        out[b, k] = best
-                        if on_probe is not None:
-                            on_probe(b, k, best)
+                for k, seconds in best.items():
+                    out[b, k] = seconds
+                    if on_probe is not None:
+                        on_probe(b, k, seconds)
         finally:
             self._bookkeeping(kept)
             self.block_policy = policy
