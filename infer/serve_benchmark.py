@@ -1,8 +1,10 @@
 """Serving benchmark: ``python -m infer.serve_benchmark [--target T --draft D] [--concurrency 1,4,16]``.
 
-Starts the server in this process twice, DFlash and then plain decoding of the same target (``--plain``), each on
-a free localhost port, and drives both with the same streamed greedy completions through the official ``openai``
-client at each concurrency (a fixed number of requests, at most C in flight). Reported per concurrency and
+Starts two servers in this process, DFlash and plain decoding of the same target (``--plain``), each on a free
+localhost port, and drives both with the same streamed greedy completions through the official ``openai`` client at
+each concurrency (a fixed number of requests, at most C in flight), level by level side by side (each level's two
+runs back to back, their order alternating) so that the machine's drift lands on both. With ``--block-size auto``
+(the default) the DFlash server's block follows the load; the block per bucket of live rows is reported. Reported per concurrency and
 server: output tokens/s (all requests' tokens over the level's wall time), time to first token and time per output
 token after it (p50 / p90), the mean acceptance length, DFlash's speedup over plain, and whether every answer is
 identical between the two. Every response is checked (complete, a finish reason, usage equal to its tokens).
