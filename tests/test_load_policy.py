@@ -190,3 +190,32 @@ def test_bad_policies_are_refused(trained):
         Engine(target, None, opts, max_batch=2, max_length=64, block_policy="auto")
     with pytest.raises(ValueError, match="needs a draft's chain"):
         Engine(target, draft, opts.replace(tree_budget=6), max_batch=2, max_length=64, block_policy="auto")
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash2"])
+def test_other_draft_formats_switch_blocks_exactly(kind):
+    """A DSpark draft (block 7 slots: 8 tokens verified; a k-token step drafts k - 1 slots) with its confidence cut,
+    and a DFlash2 draft (its selector over the block): the block switched at every step (plain steps among them),
+    greedy output equal to plain decoding."""
+    from pairs import tiny_target_config
+    from dflash_jax.target import Target, init_params
+    from test_draft import make_draft
+    from test_draft_formats import DFLASH2
+    from test_dspark import make_dspark
+
+    tcfg = tiny_target_config(16, layers=2)
+    params = init_params(tcfg, 0)
+    target = Target(tcfg, dict(params, lm_head={"kernel": params["lm_head"]["kernel"] * 8}))
+    if kind == "dspark":
+        draft, blocks, opts = make_dspark(target, head="rnn", rank=6, block=7), (1, 8, 4), dict(confidence_threshold=0.3)
+    else:
+        draft = make_draft(tcfg, layers=1, block=4, ids=(0, 1), seed=3, dflash2_scale=0.6, **DFLASH2)
+        blocks, opts = (1, 4, 2), {}
+    prompts = [[3, 5, 7, 2], [1, 9], [4, 4, 6, 8, 10]]
+    plain = generate(target, prompts, max_new_tokens=24, stop_token_ids=[])
+    pol = EveryStep(blocks)
+    engine = Engine(target, draft, DecodeOptions(max_new_tokens=24, stop_token_ids=(), **opts), max_batch=2,
+                    max_length=40, block_policy=pol)
+    out = stepped(engine, prompts, admit_every=2)
+    assert [r.output_ids for r in out] == [p.output_ids for p in plain]
+    assert 1 in {v for r in out for v in r.verify_lengths} and max(v for r in out for v in r.verify_lengths) > 2
