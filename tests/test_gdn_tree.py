@@ -322,6 +322,8 @@ def test_tree_tau_above_chain_with_a_trained_draft(tmp_path):
     assert tau[64] >= tau[16] > tau["chain"] > 1.2
 
 
+@pytest.mark.slow  # 30 s; the fast suite keeps its parts: qwen3_5 trees of 64 (test_greedy_tree_equals_plain_decoding),
+# the tree CLI (tests/test_tree_cli.py), saved hybrid checkpoints (tests/test_qwen3_5.py)
 def test_generate_cli_tree_budget_64_on_a_saved_hybrid_pair(tmp_path, capsys):
     """``python -m infer.generate --tree-budget 64`` on a qwen3_5 checkpoint and draft written in the Hugging Face
     layouts: every output equals plain decoding, 65 tokens verified per step."""
