@@ -4,9 +4,9 @@ Starts two servers in this process, DFlash and plain decoding of the same target
 localhost port, and drives both with the same streamed greedy completions through the official ``openai`` client at
 each concurrency (a fixed number of requests, at most C in flight), level by level side by side (each level's two
 runs back to back, their order alternating) so that the machine's drift lands on both. With ``--block-size auto``
-(the default) the DFlash server's block follows the load; the block per bucket of live rows is reported. Reported per concurrency and
-server: output tokens/s (all requests' tokens over the level's wall time), time to first token and time per output
-token after it (p50 / p90), the mean acceptance length, DFlash's speedup over plain, and whether every answer is
+(the default) the DFlash server's block follows the load; the block per bucket of live rows is reported.
+Reported per concurrency and server: output tokens/s (all requests' tokens over the level's wall time), time to
+first token and time per output token after it (p50 / p90), the mean acceptance length, DFlash's speedup over plain, and whether every answer is
 identical between the two. Every response is checked (complete, a finish reason, usage equal to its tokens).
 Beside each server, the engine itself decodes the same prompts one at a time in this process (what
 ``infer.benchmark`` measures at batch 1): the server's concurrency-1 output tokens/s over the engine's batch-1

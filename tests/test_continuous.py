@@ -83,7 +83,7 @@ def test_every_cache_kind_admits_rows_beside_running_ones(kind):
     vocab = target.config.vocab_size
     prompts, budgets = _prompts(5, vocab, seed=1), [9, 3, 12, 6, 10]
     requests = [Request(p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
-    out = decode.continuous_generate(target, draft, requests, max_batch=2, stop_token_ids=[])
+    out = decode.continuous_generate(target, draft, requests, max_batch=2, stop_token_ids=[], warm=False)
     for i, (p, b) in enumerate(zip(prompts, budgets)):
         alone = solo(target, None, p, b, stop_token_ids=[])
         assert out[i].output_ids == alone.output_ids, (kind, i)
@@ -125,13 +125,13 @@ def test_a_seeded_request_draws_the_same_tokens_in_any_batch(trained):
               Request(prompts[2], max_new_tokens=20),
               Request(prompts[3], max_new_tokens=2, temperature=0.5, top_p=0.7, seed=2)]
     # 2 slots throughout: one engine (and its programs) for the alone and the mixed runs
-    alone = decode.continuous_generate(target, draft, [mine], max_batch=2, stop_token_ids=[])[0]
-    mixed = decode.continuous_generate(target, draft, others + [mine], max_batch=2, stop_token_ids=[])
+    alone = decode.continuous_generate(target, draft, [mine], max_batch=2, stop_token_ids=[], warm=False)[0]
+    mixed = decode.continuous_generate(target, draft, others + [mine], max_batch=2, stop_token_ids=[], warm=False)
     assert mixed[-1].output_ids == alone.output_ids
     assert mixed[1].output_ids == solo(target, None, prompts[2], 20, stop_token_ids=[]).output_ids  # greedy row
     batch_row = decode.speculative_generate(target, draft, [prompts[1], prompts[0]], max_new_tokens=16,
                                             temperature=0.8, top_k=20, seed=7, stop_token_ids=[])[1]
-    as_stream = decode.continuous_generate(target, draft, [Request(prompts[0], stream=1)], max_batch=2,
+    as_stream = decode.continuous_generate(target, draft, [Request(prompts[0], stream=1)], max_batch=2, warm=False,
                                            max_new_tokens=16, temperature=0.8, top_k=20, seed=7, stop_token_ids=[])
     assert as_stream[0].output_ids == batch_row.output_ids  # row i of a batch call is the stream (seed, i)
 

@@ -129,15 +129,21 @@ class BlockPolicy:
             out[b] = blocks[cap]
         return dict(sorted(out.items()))
 
+    def measured(self, bucket: int) -> int:
+        """The measured bucket whose choice a run of ``bucket`` rows takes (the largest at or below it)."""
+        below = [b for b in self.buckets if b <= bucket]
+        return below[-1] if below else min(self.buckets)
+
+    def block_for(self, bucket: int) -> int:
+        """The table's block for a run of ``bucket`` rows (what ``/metrics`` shows; no exploring, no state)."""
+        return self.table()[self.measured(bucket)]
+
     def choose(self, bucket: int) -> int:
-        """The block a run of ``bucket`` rows verifies (a drafting one when exploring is due)."""
-        table = self.table()
-        below = [b for b in table if b <= bucket]
-        at = below[-1] if below else min(table)
-        block = table[at]
+        """The block a run of ``bucket`` rows verifies: ``block_for``, or a drafting one when exploring is due."""
+        block = self.block_for(bucket)
         self.exploring = block == 1 and self.plain_steps >= EXPLORE_EVERY and len(self.blocks) > 1
         if self.exploring:
-            rates = self.rates(at)
+            rates = self.rates(self.measured(bucket))
             block = max(sorted(k for k in rates if k > 1), key=rates.get)
         return block
 

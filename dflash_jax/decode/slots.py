@@ -42,8 +42,8 @@ _ADMISSIONS = itertools.count()  # admission order across engines (only its orde
 LOOKAHEAD_STEPS = 8  # a run gives each running row pages for this many more steps (then returns for more)
 LOOKAHEAD_PAGES = 4  # and at least this many pages more (plain decoding's steps commit one token each)
 PROGRESS_STEPS = 64  # the most steps one ``progress`` read covers (it reads for a power of two of them: few programs)
-PROBE_STEPS = 8  # steps each (bucket, block) program is timed for (``Engine.probe_costs``),
-PROBE_ROUNDS = 3  # best of this many rounds over the blocks
+PROBE_STEPS = 8  # steps each (bucket, block) program is timed for (``Engine.probe_costs``)
+PROBE_ROUNDS = 3  # the best of this many rounds over the blocks
 PROBE_PROMPT = 64  # tokens of the probes' prompts
 
 
@@ -295,9 +295,9 @@ class Engine:
         """(bucket, block) -> seconds of one engine step of ``bucket`` running rows verifying ``block`` tokens, for
         every row bucket up to ``most_rows`` and every block of ``blocks`` (default: ``load_policy.candidates``):
         the bucket's rows of a ``PROBE_PROMPT``-token dummy prompt, its program compiled and run one step, then
-        ``PROBE_STEPS`` steps timed, best of ``PROBE_ROUNDS`` rounds over the blocks in turn. A bucket whose rows the pool cannot hold is left out.
-        Greedy rows: a sampled row's draws are not in the cost. ``on_probe(bucket, block, seconds)`` after each.
-        The engine's pages are left as they were."""
+        ``PROBE_STEPS`` steps timed, the best of ``PROBE_ROUNDS`` rounds over the blocks in turn. A bucket whose
+        rows the pool cannot hold is left out. Greedy rows: a sampled row's draws are not in the cost.
+        ``on_probe(bucket, block, seconds)`` after each. The engine's pages are left as they were."""
         blocks = list(blocks or load_policy.candidates(self.spec.block_size))
         every = self.buckets()
         top = every[-1] if most_rows is None else next((b for b in every if b >= most_rows), every[-1])
@@ -547,9 +547,14 @@ class Engine:
         return taken
 
     def block_table(self) -> dict:
-        """Bucket of live rows -> the block its steps verify now (the policy's; else every bucket the block)."""
+        """Bucket of live rows -> the block its steps verify now (the policy's ``block_for``, else ``choose``; no
+        policy: the block). Read from other threads (``/metrics``), so it changes no policy state of a
+        ``BlockPolicy``."""
         policy = self.block_policy
-        return {b: policy.choose(b) if policy not in (None, "auto") else self.spec.block_size for b in self.buckets()}
+        if policy in (None, "auto"):
+            return {b: self.spec.block_size for b in self.buckets()}
+        read = getattr(policy, "block_for", policy.choose)
+        return {b: read(b) for b in self.buckets()}
 
     def _reserve(self, state: DecodeState) -> tuple[DecodeState, list[int]]:
         """Pages for the next ``LOOKAHEAD_STEPS`` steps (``LOOKAHEAD_PAGES`` pages at least) of every running row,

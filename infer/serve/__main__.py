@@ -9,8 +9,9 @@ set its own, as vLLM's: temperature / top_p / top_k from the target's generation
 completions and the rest of the context for chat (--max-new-tokens given: that, for both). --block-size
 auto (the default): the block follows the load, each bucket of live rows verifying the block of the most expected
 tokens per second (plain steps where drafting does not pay), from step costs measured at start-up and the
-acceptance of finished requests (printed at start-up, in /metrics as dflash_block_size). SIGTERM / Ctrl-C: the server stops
-listening, lets the requests in flight finish for up to --shutdown-timeout seconds, cancels the rest, exits 0.
+acceptance of finished requests (printed at start-up, in /metrics as dflash_block_size). SIGTERM / Ctrl-C: the
+server stops listening, lets the requests in flight finish for up to --shutdown-timeout seconds, cancels the rest,
+exits 0.
 """
 from __future__ import annotations
 
