@@ -16,6 +16,7 @@ import functools
 
 import numpy as np
 
+from dflash_jax.decode.load_policy import drafting_blocks as candidates  # --block-size 1 is asked for by name
 from dflash_jax.decode.load_policy import expected_tau, position_acceptance
 
 PROBE_TOKENS = 96  # tokens per row of each probe run (fewer steps: costs and acceptance too noisy to choose by)
@@ -25,12 +26,6 @@ MIN_PROBED_TOKENS = PROBE_TOKENS // 2
 # Prompts per probe batch: a few rows estimate a step's cost and the acceptance (200 prompts probed as one batch
 # took most of a 17-minute run).
 PROBE_ROWS = 4
-
-
-def candidates(trained: int) -> tuple[int, ...]:
-    """4, 8, 16, ... below the trained block, and that block (``--block-size 1`` is plain decoding: asked for
-    by name, never chosen for a run given a draft)."""
-    return tuple(sorted({trained} | {k for k in (4, 8, 16, 32) if k < trained}))
 
 
 def probe_prompts(prompts: list, rows: int = PROBE_ROWS) -> list:

@@ -107,10 +107,9 @@ def resolve_block(args, target, draft, prompts, kw: dict):
     too short to probe)."""
     if args.block_size != "auto":
         return args.block_size, None
-    from infer.auto_block import choose_block_size, worth_probing
+    from infer.auto_block import choose_block_size
 
-    if (draft is None or args.tree_budget or args.verify_lengths is not None
-            or not worth_probing(draft.config.block_size, args.max_new_tokens)):
+    if block_policy(args, draft, args.max_new_tokens) is None:  # the same cases the engine's policy leaves out
         return None, None
     if args.confidence_threshold:  # the probes decode as the run will: with its confidence cut
         kw = dict(kw, confidence_threshold=args.confidence_threshold)

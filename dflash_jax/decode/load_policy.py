@@ -26,9 +26,15 @@ START, START_WEIGHT = 0.7, 8.0
 EXPLORE_EVERY, EXPLORE_RUN_STEPS = 512, 2
 
 
+def drafting_blocks(block: int) -> tuple[int, ...]:
+    """4, 8, 16, 32 below ``block``, and ``block``: the drafting blocks an automatic choice considers (block 1, plain
+    decoding, only where a policy may step plainly: ``candidates``)."""
+    return tuple(sorted({block} | {k for k in (4, 8, 16, 32) if k < block}))
+
+
 def candidates(block: int) -> tuple[int, ...]:
-    """The blocks a policy chooses from: 1 (plain steps), 4, 8, 16, 32 below ``block``, and ``block``."""
-    return tuple(sorted({1, block} | {k for k in (4, 8, 16, 32) if k < block}))
+    """The blocks a policy chooses from: 1 (plain steps) and ``drafting_blocks``."""
+    return tuple(sorted({1, *drafting_blocks(block)}))
 
 
 def position_acceptance(runs, block: int) -> list[float]:

@@ -144,6 +144,11 @@ class Engine:
                              f"observe(results), got {policy!r}")
         return policy
 
+    @property
+    def _chooser(self):
+        """The block policy in force: None without one, or while "auto" has not measured its costs (``warm``)."""
+        return None if self.block_policy in (None, "auto") else self.block_policy
+
     def _pool(self, kv_cache_memory: int | None) -> PagePool:
         """The page pool: ``kv_cache_memory`` bytes of pages (default: every row at the max length)."""
         columns = self.spec.cache_len // self.spec.page
@@ -532,8 +537,8 @@ class Engine:
     def _step_spec(self, bucket: int, block: int | None, max_steps: int):
         """(the spec of a run of ``bucket`` rows: verifying ``block`` tokens, else the policy's choice; its step
         limit, cut to ``EXPLORE_RUN_STEPS`` when the policy drafts only to learn)."""
-        policy = self.block_policy
-        if block is None and policy is not None and policy != "auto":
+        policy = self._chooser
+        if block is None and policy is not None:
             block = policy.choose(bucket)
             if getattr(policy, "exploring", False):
                 max_steps = min(max_steps, load_policy.EXPLORE_RUN_STEPS)
@@ -542,16 +547,16 @@ class Engine:
 
     def _ran(self, spec, taken: int) -> int:
         """``taken`` steps ran at ``spec``'s block: told to a policy that counts them."""
-        if self.block_policy not in (None, "auto") and hasattr(self.block_policy, "ran"):
-            self.block_policy.ran(spec.step_block, taken)
+        if hasattr(self._chooser, "ran"):
+            self._chooser.ran(spec.step_block, taken)
         return taken
 
     def block_table(self) -> dict:
         """Bucket of live rows -> the block its steps verify now (the policy's ``block_for``, else ``choose``; no
         policy: the block). Read from other threads (``/metrics``), so it changes no policy state of a
         ``BlockPolicy``."""
-        policy = self.block_policy
-        if policy in (None, "auto"):
+        policy = self._chooser
+        if policy is None:
             return {b: self.spec.block_size for b in self.buckets()}
         read = getattr(policy, "block_for", policy.choose)
         return {b: read(b) for b in self.buckets()}
@@ -631,8 +636,8 @@ class Engine:
         free[:len(rows)] = rows
         for r in rows:
             self._forget(r)
-        if self.block_policy not in (None, "auto"):
-            self.block_policy.observe(results)
+        if self._chooser is not None:
+            self._chooser.observe(results)
         return steps.release_jit(self.spec, state, free), results
 
 
@@ -723,7 +728,7 @@ def _stream(engine: Engine, requests: Iterable[Request], stats: RunStats,
             yield active.pop(row), dataclasses.replace(result, queue_time_s=queued.pop(row))
     stats.wall_time_s = time.perf_counter() - start
     stats.programs = len(engine.used)
-    if engine.block_policy not in (None, "auto"):
+    if engine._chooser is not None:
         stats.blocks = engine.block_table()
 
 
