@@ -51,6 +51,8 @@ Mutations run by hand once each, one at a time (never committed); statistic / th
       distribution) instead of the walk's: CAUGHT at T = 0.5, 14.7x.
   (l) DSpark: the rejection rule's q taken from the base logits, before the Markov correction (the draws still from
       the corrected law): CAUGHT, 17x at T = 0.5, 37x at T = 1.5 with top-k + top-p.
+  (m) the load policy's plain steps (block 1 on a draft's engine, the mixed-settings test alternates them with block
+      4) sampling at temperature 1 instead of the row's: CAUGHT, 675 / 80 at T = 0.5 (8.4x).
   Not a law bug, so not caught here: DSpark drafting from slots 1.. as DFlash does (the anchor slot's prediction
       dropped), with q still the law of what was drawn: any such proposal stays exact; it loses acceptance, which
       tests/test_dspark.py's comparison with DeepSpec's loop catches (every case).
