@@ -114,7 +114,7 @@ def test_update_params_then_plain_decoding_of_the_new_target(rollout, pair):
         rollout.update_params(to_tunix_qwen3(target.params, target.config))
     assert np.asarray(rollout.generate(PROMPTS, _greedy()).tokens).tolist() == [
         c + [PAD] * (BUDGET - len(c)) for c in _plain(target, PROMPTS, rollout.eos_id())]
-    with pytest.raises(NotImplementedError, match="filter_types"):
+    with pytest.raises(NotImplementedError, match="LoRA states are not supported"):
         rollout.update_params(target.params, filter_types=(object,))
 
 
@@ -167,7 +167,9 @@ def test_seed_and_interface_without_tunix():
 def test_tunix_accepts_the_rollout(rollout, pair):
     """With google-tunix: the engine is a Tunix ``BaseRollout``; Tunix's Qwen3 holding the target's weights
     (``to_tunix_qwen3``) gives, through Tunix's own ``compute_per_token_logps`` and completion mask, the rollout's
-    log-probabilities (1e-4); its NNX state given to ``update_params`` decodes as the target."""
+    log-probabilities (1e-4); its NNX state given to ``update_params`` as ``RLCluster.sync_weights`` gives it
+    (``filter_types`` nnx.Param), after new weights were loaded into it, decodes as those weights; a LoRA state is
+    refused."""
     pytest.importorskip("tunix")
     from flax import nnx
     from tunix.models.qwen3 import model as qwen3
@@ -192,6 +194,14 @@ def test_tunix_accepts_the_rollout(rollout, pair):
                                             pad_id=rollout.pad_id(), eos_id=rollout.eos_id(), completion_mask=mask)
     mask = np.asarray(mask, bool)  # Tunix's mask also drops sampled tokens equal to the pad id: compared where kept
     np.testing.assert_allclose(np.asarray(theirs)[mask], np.stack(out.logprobs)[mask], atol=1e-4)
-    rollout.update_params(nnx.state(model, nnx.Param))
-    assert np.asarray(rollout.generate(PROMPTS, _greedy()).tokens).tolist() == [
-        c + [PAD] * (BUDGET - len(c)) for c in _plain(target, PROMPTS, rollout.eos_id())]
+    with pytest.raises(NotImplementedError, match="LoRA"):
+        rollout.update_params(nnx.state(model, nnx.LoRAParam), (nnx.LoRAParam,))
+    new = Target(cfg, init_params(cfg, seed=7))  # the policy moved: Tunix's model holds new weights
+    state.replace_by_pure_dict(to_tunix_qwen3(new.params, cfg))
+    nnx.update(model, state)
+    try:
+        rollout.update_params(nnx.state(model, nnx.Param), (nnx.Param,))  # as RLCluster.sync_weights calls it
+        assert np.asarray(rollout.generate(PROMPTS, _greedy()).tokens).tolist() == [
+            c + [PAD] * (BUDGET - len(c)) for c in _plain(new, PROMPTS, rollout.eos_id())]
+    finally:
+        rollout.update_params(target.params)

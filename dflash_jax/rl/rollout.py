@@ -194,9 +194,14 @@ class SpeculativeRollout(BaseRollout):
         """New target weights, compiling nothing (``Engine.update_params``): the project's own parameter tree (a
         dict with ``embed_tokens``), or Tunix's Qwen3 NNX state (``nnx.State`` or its pure dict: mapped by
         ``tunix_params.from_tunix_qwen3``). Leaves are cast to the engine's dtypes (as Tunix's vanilla rollout casts
-        to the rollout's precision). ``filter_types`` (Tunix's LoRA path) is not supported: full states only."""
+        to the rollout's precision). ``filter_types``: None, or ``nnx.Param`` (what Tunix's ``RLCluster.sync_weights``
+        passes for full-weight training); LoRA (``nnx.LoRAParam``, a state of adapters only) is not supported."""
         if filter_types is not None:
-            raise NotImplementedError("update_params takes the full model state (filter_types / LoRA: not supported)")
+            from flax import nnx
+            types = filter_types if isinstance(filter_types, (tuple, list)) else (filter_types,)
+            if not all(t is nnx.Param for t in types):
+                raise NotImplementedError(f"update_params takes the full parameter state (filter_types None or "
+                                          f"nnx.Param), got {filter_types!r}: LoRA states are not supported")
         if not (isinstance(params, dict) and "embed_tokens" in params):
             params = from_tunix_qwen3(params, self.engine.target.config)
         dtypes = {jax.tree_util.keystr(p): x.dtype for p, x in jax.tree_util.tree_leaves_with_path(
