@@ -87,6 +87,23 @@ def choose(logits, keys, temperature, top_k, top_p, *, greedy: bool):
     return jnp.where(per_row(temperature, best.ndim) == 0, best, drawn)
 
 
+def apply_bitmask(logits, bitmask):
+    """logits [..., V] with -inf where ``bitmask`` [..., ceil(V / 32)] int32 (bit v % 32 of word v // 32: token v
+    allowed) is 0: a grammar's allowed tokens (``dflash_jax.grammar``), every distribution drawn from them exact."""
+    v = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    bits = (jnp.take(bitmask, v // 32, axis=-1) >> (v % 32)) & 1
+    return jnp.where(bits == 1, logits, -jnp.inf)
+
+
+def token_logps(logits, tokens, temperature):
+    """log_softmax(logits / T)[token] at every position: logits [B, ..., V], tokens [B, ...] -> float32 [B, ...],
+    T the row's temperature ([B] or a scalar; 0, a greedy row: 1). The target's log-probability of each chosen
+    token under the distribution its row samples from (before top-k / top-p): what an RL objective's ratios need."""
+    t = per_row(jnp.where(jnp.asarray(temperature) > 0, temperature, 1.0), logits.ndim)
+    scaled = logits.astype(jnp.float32) / t
+    return jnp.take_along_axis(scaled, tokens[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(scaled, axis=-1)
+
+
 def filtered_scores(logits, temperature, top_k, top_p):
     """logits [B, ..., V] -> tempered scores, -inf outside the top-k / top-p set: the log-weights of the
     distribution ``choose`` samples from (softmax of them: its probabilities). Settings per row ([B]) or scalars;

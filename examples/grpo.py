@@ -3,7 +3,7 @@ write more newlines, sampling its rollouts through the DFlash engine, its draft 
 
 Each update: ``--prompts`` prompts x ``--group`` samples at temperature 1 through one ``decode.Engine`` (the
 draft proposes, the target verifies: the samples are exactly the target's), the log-probabilities of the sampled
-tokens (the engine's own when ``Request(logprobs=0)`` exists, else ``dflash_jax.per_token_logps``), a reward per
+tokens (the engine's own, ``Request(logprobs=0)``: from the verify forwards, no extra forward), a reward per
 sample (the share of its tokens holding a newline: a CPU computes it, and the policy moves towards it within ~20
 updates), group-normalised advantages, ``--epochs`` steps of the clipped-ratio objective (no KL term) by
 ``jax.grad`` through ``scoring.next_token_logps``, then ``engine.update_params``: the next rollouts are exactly
@@ -20,7 +20,6 @@ the policy step and the draft training. The first update's rollout time includes
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -39,8 +38,6 @@ from dflash_jax.scoring import next_token_logps, padded, per_token_logps  # noqa
 from dflash_jax.target import Target  # noqa: E402
 from train.objective import cast_tree  # noqa: E402
 from train.optim import make_optimizer  # noqa: E402
-
-ENGINE_LOGPROBS = "logprobs" in {f.name for f in dataclasses.fields(decode.Request)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,21 +133,15 @@ def greedy_matches_plain(engine: decode.Engine, target: Target, prompts: Sequenc
 
 
 def old_logprobs(policy: Target, results, check: bool = False) -> tuple[list[np.ndarray], float | None]:
-    """The sampling policy's log-probabilities of each result's generated tokens (temperature 1): the engine's own
-    when it returned them, else ``per_token_logps`` (one forward); with ``check`` also the largest |engine -
-    per_token_logps| (None without engine log-probabilities)."""
-    completions = [r.generated_ids for r in results]
-    engine = all(getattr(r, "logprobs", None) is not None for r in results)
-    if engine and not check:
-        return [np.asarray(r.logprobs, np.float32) for r in results], None
-    nonempty = [i for i, c in enumerate(completions) if c]
-    scored = dict(zip(nonempty, per_token_logps(policy, [results[i].output_ids[:results[i].prompt_length]
-                                                         for i in nonempty],
-                                                [completions[i] for i in nonempty], 1.0) if nonempty else []))
-    if not engine:
-        return [scored.get(i, np.zeros(0, np.float32)) for i in range(len(results))], None
+    """The sampling policy's log-probabilities of each result's generated tokens (temperature 1), the engine's own;
+    with ``check`` also the largest |engine - per_token_logps| (one scoring forward; None without ``check``)."""
     logps = [np.asarray(r.logprobs, np.float32) for r in results]
-    return logps, max((float(np.max(np.abs(logps[i] - scored[i]))) for i in nonempty), default=0.0)
+    nonempty = [i for i, r in enumerate(results) if r.generated_ids]
+    if not check or not nonempty:
+        return logps, None
+    scored = per_token_logps(policy, [results[i].output_ids[:results[i].prompt_length] for i in nonempty],
+                             [results[i].generated_ids for i in nonempty], 1.0)
+    return logps, max(float(np.max(np.abs(logps[i] - s))) for i, s in zip(nonempty, scored))
 
 
 def loop(target: Target, draft, prompts: Sequence[Sequence[int]], reward: Callable[[Sequence[int]], float], *,
@@ -161,7 +152,7 @@ def loop(target: Target, draft, prompts: Sequence[Sequence[int]], reward: Callab
     """GRPO on ``target`` for ``updates`` updates; returns one record per update (and calls ``on_record`` with
     it): ``reward`` (mean), ``tau`` (None when plain), ``rollout_s``, ``rollout_tokens_per_s``, ``policy_s``,
     ``draft_s`` (None unless adapting), ``loss``, and with ``check`` ``greedy_equal`` and ``logprob_err`` (the
-    largest |engine - per_token_logps|, None without engine logprobs)."""
+    largest |engine - per_token_logps|)."""
     if plain and adapt_draft:
         raise ValueError("--plain rolls out without a draft: nothing to adapt")
     draft = None if plain else draft
@@ -183,11 +174,10 @@ def loop(target: Target, draft, prompts: Sequence[Sequence[int]], reward: Callab
     params = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)
     optimizer = make_optimizer(1.0, 0.9, 0.99, 0.0)
     opt_state = optimizer.init(params)
-    extra = {"logprobs": 0} if ENGINE_LOGPROBS else {}
     records = []
     for u in range(updates):
         requests = [r for i, p in enumerate(prompts)
-                    for r in decode.Request(list(p), seed=seed * 100_003 + u, stream=i, **extra).group(group)]
+                    for r in decode.Request(list(p), seed=seed * 100_003 + u, stream=i, logprobs=0).group(group)]
         t0 = time.perf_counter()
         results = dict(decode.stream_requests(engine, requests))
         rollout_s = time.perf_counter() - t0
@@ -222,8 +212,7 @@ def loop(target: Target, draft, prompts: Sequence[Sequence[int]], reward: Callab
         rec = {"update": u + 1, "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
                "tau": None if plain else float(np.mean(acc)) if acc else 0.0, "tokens": generated,
                "rollout_s": rollout_s, "rollout_tokens_per_s": generated / rollout_s if rollout_s > 0 else None,
-               "policy_s": policy_s, "draft_s": draft_s, "draft_loss": draft_loss, "loss": float(loss),
-               "logprobs": "per_token_logps" if any(getattr(r, "logprobs", None) is None for r in res) else "engine"}
+               "policy_s": policy_s, "draft_s": draft_s, "draft_loss": draft_loss, "loss": float(loss)}
         if check:
             rec["greedy_equal"] = greedy_matches_plain(engine, new_target, prompts, max_new_tokens)
             rec["logprob_err"] = logprob_err
@@ -264,8 +253,7 @@ def main(argv=None) -> list[dict]:
     reward = token_set_reward(newline_tokens(tokenizer))
     mode = "plain" if args.plain else "draft adapted online" if args.adapt_draft else "draft frozen"
     if not args.json:
-        print(f"GRPO on the demo target ({mode}; logprobs from "
-              f"{'the engine' if ENGINE_LOGPROBS else 'per_token_logps'}): {args.prompts} prompts x {args.group} "
+        print(f"GRPO on the demo target ({mode}): {args.prompts} prompts x {args.group} "
               f"samples of {args.max_new_tokens} tokens, reward = share of newline tokens")
         print("update  reward    tau  tok/s      rollout_s  policy_s  draft_s" + ("  greedy=" if args.check else ""))
     show = (lambda r: print(json.dumps(r), flush=True)) if args.json else (lambda r: print(table_line(r), flush=True))

@@ -33,6 +33,10 @@ def parse_args(argv=None):
     add_max_batch_arg(g)
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    o.add_argument("--logprobs", action="store_true",
+                   help="each row's log-probabilities: the target's of every generated token at the row's "
+                        "temperature (greedy: 1), from the verify forwards (a 'logprobs' list under --json, their "
+                        "sum otherwise)")
     o.add_argument("--stream", action="store_true", help="print tokens as each step accepts them (batch of 1 "
                                                          "prompt at a time; host loop over the same jitted step); "
                                                          "the one mode that measures time_to_first_token_s (batched "
@@ -148,7 +152,7 @@ def main(argv=None) -> int:
     # --block-size auto: the engine's block follows its live rows (streamed runs: one block probed beforehand)
     policy = None if args.stream else block_policy(args, draft, args.max_new_tokens)
     block = None if policy else resolve_block(args, target, draft, prompts, kw)[0]
-    spec_kw = dict(kw, block_size=block, **extra)
+    spec_kw = dict(kw, block_size=block, **extra, **({"logprobs": 0} if args.logprobs else {}))
     requests = requests_of(prompts, overrides)
     stats = RunStats()
     try:
@@ -193,6 +197,9 @@ def main(argv=None) -> int:
         print(f"--- {r.num_generated} tokens, tau {r.mean_acceptance_length:.2f} over {len(r.acceptance_lengths)} "
               f"steps, {r.tokens_per_second:.1f} tokens/s ({'DFlash' if draft is not None else 'plain'}), "
               f"finish: {r.finish_reason}")
+        if r.logprobs is not None:
+            print(f"--- log-probability of the generated tokens: {sum(r.logprobs):.3f} (mean "
+                  f"{sum(r.logprobs) / max(len(r.logprobs), 1):.3f} per token)")
         if "verify_lengths" in spec_kw and r.verify_lengths:
             print(f"--- adaptive verify: {sum(r.verify_lengths) / len(r.verify_lengths):.2f} tokens verified per step "
                   f"(lengths {','.join(map(str, r.verify_lengths))})")

@@ -123,7 +123,7 @@ def _step_parts(timed, target, draft, tcache, dcache, k: int, context: int) -> d
 
     def commit(carry):  # the engine's own commit (decode.verify.commit), then back to the context's length
         st, a = carry
-        st = verify.commit(spec, st, st.tokens[:, :k] + 1, a, jnp.int32(k), st.tcache, st.dcache, st.key)
+        st = verify.commit(spec, st, st.tokens[:, :k] + 1, a, jnp.int32(k), st.tcache, st.dcache, None, st.key)
         keep = a + 1
         return st.replace(tcache=st.tcache.replace(lengths=st.tcache.lengths - keep),
                           dcache=st.dcache.replace(lengths=st.dcache.lengths - keep),
@@ -173,7 +173,8 @@ def _state(spec, tcache, dcache):
                        acceptance=jnp.zeros((b, spec.cache_len), jnp.int32),
                        verified=jnp.zeros((b, spec.cache_len), jnp.int32), steps=jnp.zeros((b,), jnp.int32),
                        key=jnp.zeros((b, 2), jnp.uint32), stop_ids=jnp.full((b, spec.stop_width), -1, jnp.int32),
-                       temperature=jnp.zeros((b,)), top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,)))
+                       temperature=jnp.zeros((b,)), top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,)),
+                       logps=jnp.zeros((b, spec.cache_len), jnp.float32))
 
 
 def first_mismatch(target, plain, dflash) -> dict | None:

@@ -204,3 +204,31 @@ def train_briefly(path, target, root, steps: int = 30, **overrides):
                       eval_num_prompts=0, mask_token_id=vocab - 1, **overrides)
     draft = train(cfg, target=target, on_step=lambda s, m: losses.append(m["loss"]), log=quiet)
     return draft, losses
+
+
+class CharTokenizer:
+    """A tokenizer of one character per id (``chars``: id i is chars[i]) and special ids after them (``eos`` the
+    first), in the form llguidance's TokenizerWrapper reads: what structured-output tests need without a download."""
+
+    def __init__(self, chars: str, vocab: int, eos: int):
+        self.chars, self.eos_token_id, self.bos_token_id = chars, eos, None
+        self.special_token_ids = list(range(len(chars), vocab))
+        self.tokens = [c.encode() for c in chars] + [b"\xff<special_%d>" % i for i in range(len(chars), vocab)]
+
+    def __call__(self, text):
+        text = text.decode() if isinstance(text, bytes) else text
+        return [self.chars.index(c) for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[i] for i in ids if i < len(self.chars))
+
+
+def tight_pool(target, draft, requests, max_batch: int) -> int:
+    """kv_cache_memory of a pool of one longest row and a page more: ``requests`` then preempt rows."""
+    from dflash_jax.decode import DecodeOptions, Engine
+
+    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+    probe = Engine(target, draft, DecodeOptions(max_new_tokens=max(r.max_new_tokens for r in requests),
+                                                stop_token_ids=()), max_batch=max_batch, max_length=longest,
+                   sampled=True)
+    return (probe.pool.pages_for(longest - 1 + probe.spec.max_block) + 1) * probe.page_bytes

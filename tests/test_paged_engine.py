@@ -12,6 +12,7 @@ from dflash_jax import decode
 from dflash_jax.decode import DecodeOptions, Engine, Request
 from dflash_jax.decode.pages import PagePool
 from dflash_jax.state import NO_PAGE
+from pairs import tight_pool
 
 BUDGETS = [30, 12, 26, 7, 22, 18]
 
@@ -29,13 +30,9 @@ def test_a_small_pool_preempts_rows_without_changing_any_output(trained):
     target, draft, prompts = trained
     requests = _requests(prompts)
     roomy = decode.continuous_generate(target, draft, requests, max_batch=3, stop_token_ids=[], warm=False)
-    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-    probe = Engine(target, draft, DecodeOptions(max_new_tokens=30, stop_token_ids=()), max_batch=3,
-                   max_length=longest, sampled=True)
-    pages = probe.pool.pages_for(longest - 1 + probe.spec.max_block) + 1
     stats = decode.RunStats()
     tight = decode.continuous_generate(target, draft, requests, max_batch=3, stop_token_ids=[], stats=stats,
-                                       kv_cache_memory=pages * probe.page_bytes, warm=False)
+                                       kv_cache_memory=tight_pool(target, draft, requests, 3), warm=False)
     assert stats.preemptions >= 2, stats
     for i, (a, b) in enumerate(zip(roomy, tight)):
         assert a.output_ids == b.output_ids, i

@@ -164,13 +164,13 @@ def test_seed_and_interface_without_tunix():
             "eos_tokens"} <= set(rl_rollout.RolloutConfig.__dataclass_fields__)
 
 
+@pytest.mark.slow  # needs the rl extra (pip install -e ".[test,rl]"): Tunix's dependencies are heavy for CI
 def test_tunix_accepts_the_rollout(rollout, pair):
     """With google-tunix: the engine is a Tunix ``BaseRollout``; Tunix's Qwen3 holding the target's weights
     (``to_tunix_qwen3``) gives, through Tunix's own ``compute_per_token_logps`` and completion mask, the rollout's
     log-probabilities (1e-4); its NNX state given to ``update_params`` as ``RLCluster.sync_weights`` gives it
     (``filter_types`` nnx.Param), after new weights were loaded into it, decodes as those weights; a LoRA state is
     refused."""
-    pytest.importorskip("tunix")
     from flax import nnx
     from tunix.models.qwen3 import model as qwen3
     from tunix.rl import common

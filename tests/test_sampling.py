@@ -53,6 +53,9 @@ Mutations run by hand once each, one at a time (never committed); statistic / th
       the corrected law): CAUGHT, 17x at T = 0.5, 37x at T = 1.5 with top-k + top-p.
   (m) the load policy's plain steps (block 1 on a draft's engine, the mixed-settings test alternates them with block
       4) sampling at temperature 1 instead of the row's: CAUGHT, 675 / 80 at T = 0.5 (8.4x).
+  (n) structured outputs: the rejection rule run against the unmasked target (the grammar's mask applied to the
+      greedy argmax only): CAUGHT (test_constrained_law_is_the_masked_targets fails). Masking with -20 in place of
+      -inf was not caught: with this peaked head it moves the law by less than the test resolves.
   Not a law bug, so not caught here: DSpark drafting from slots 1.. as DFlash does (the anchor slot's prediction
       dropped), with q still the law of what was drawn: any such proposal stays exact; it loses acceptance, which
       tests/test_dspark.py's comparison with DeepSpec's loop catches (every case).
@@ -69,7 +72,8 @@ import scipy.stats
 from dflash_jax import decode as S
 from dflash_jax import draft as D
 from dflash_jax.target import Target, init_params, target_logits
-from pairs import random_draft, random_pair
+from dflash_jax.grammar import Grammar
+from pairs import CharTokenizer, random_draft, random_pair
 from test_draft import make_draft
 from test_draft_formats import DFLASH2
 from test_dspark import make_dspark
@@ -122,6 +126,20 @@ def chi_square(counts, want):
         return float("inf"), threshold
     e = N * p[p > 0]
     return float(((o[p > 0] - e) ** 2 / e).sum()), threshold
+
+
+def law_report(runs: dict, want) -> list:
+    """(name, statistic, threshold, total variation) of each run's N rows of NEW tokens against ``want``, printed."""
+    report = []
+    for name, results in runs.items():
+        toks = np.array([r.generated_ids for r in results])
+        assert toks.shape == (N, NEW)
+        counts = np.bincount(toks @ np.array([V * V, V, 1]), minlength=V ** 3).reshape(V, V, V)
+        stat, threshold = chi_square(counts, want)
+        tv = 0.5 * np.abs(counts / N - want).sum()
+        report.append((name, stat, threshold, tv))
+        print(f"{name}: chi-square {stat:.1f} / threshold {threshold:.1f}, total variation {tv:.3f}")
+    return report
 
 
 def expected_chi_square(q, want):
@@ -201,15 +219,7 @@ def test_joint_law_of_first_three_tokens_is_the_targets(peaked, temperature, top
     accepted = min(rates.values())
     print(f"T={temperature} top_k={top_k} top_p={top_p}: first drafts accepted in >= {accepted:.0%} of rows",
           {k: f"{v:.0%}" for k, v in rates.items()})
-    report = []
-    for name, results in runs.items():
-        toks = np.array([r.generated_ids for r in results])
-        assert toks.shape == (N, NEW)
-        counts = np.bincount(toks @ np.array([V * V, V, 1]), minlength=V ** 3).reshape(V, V, V)
-        stat, threshold = chi_square(counts, want)
-        tv = 0.5 * np.abs(counts / N - want).sum()
-        report.append((name, stat, threshold, tv))
-        print(f"{name}: chi-square {stat:.1f} / threshold {threshold:.1f}, total variation {tv:.3f}")
+    report = law_report(runs, want)
     assert all(stat < threshold for _, stat, threshold, _ in report), report
     assert accepted > 0.1  # drafts were accepted often, not just bonus tokens
 
@@ -292,3 +302,44 @@ def test_tree_verification_on_a_hybrid_target_keeps_the_joint_law():
     accepted = np.mean([r.acceptance_lengths[0] > 1 for r in out])
     print(f"hybrid tree of 6: chi-square {stat:.1f} / threshold {threshold:.1f}; a draft accepted in {accepted:.0%}")
     assert stat < threshold and accepted > 0.1
+
+
+# Structured outputs (issue 55): the 8 ids read as characters a-g and an end-of-sequence id 7; the regex allows 5, 5
+# and 4 of them at positions 1, 2 and 3.
+CONSTRAINED, ALLOWED = r"[a-e][c-g][a-cf]", ([0, 1, 2, 3, 4], [2, 3, 4, 5, 6], [0, 1, 2, 5])
+
+
+def test_constrained_law_is_the_masked_targets(peaked):
+    """The joint law of (t1, t2, t3) under a grammar, at T = 0.8: plain constrained decoding and speculative decoding
+    with the rejection rule (block 4; the draft's q as drawn, unmasked: a forbidden proposal has p' = 0 and is always
+    rejected) against the exact law of the masked, renormalised target, p'(t) = p(t) 1[t allowed] / sum over the
+    allowed. Power, asserted before sampling: masks shifted by one position score > 5x the threshold in expectation
+    (a sampler that ignored the grammar draws a forbidden sequence: infinite). 4000 requests through an engine of
+    1000 rows, each with its own key stream."""
+    from dflash_jax.decode import Request, continuous_generate
+
+    target, (draft, _, _), logits = peaked
+    temperature = 0.8
+
+    def law(allowed):
+        laws = []
+        for x, keep in zip(logits, allowed):
+            p = exact_filter(x, temperature, 0, 1.0) * np.isin(np.arange(V), keep)
+            laws.append(p / p.sum(axis=-1, keepdims=True))
+        return laws[0][:, None, None] * laws[1][:, :, None] * laws[2]
+
+    want = law(ALLOWED)
+    _, threshold = chi_square(np.zeros_like(want), want)
+    shifted = law((ALLOWED[1], ALLOWED[2], ALLOWED[0]))
+    assert expected_chi_square(shifted, want) > 5 * threshold
+    requests = [Request(PROMPT, max_new_tokens=NEW, temperature=temperature, seed=1, stream=i,
+                        grammar=Grammar.regex(CONSTRAINED), stop_token_ids=[]) for i in range(N)]
+    kw = dict(max_batch=1000, tokenizer=CharTokenizer("abcdefg", V, 7), warm=False)
+    runs = {"plain, constrained": continuous_generate(target, None, requests, **kw),
+            "speculative, rejection rule, constrained": continuous_generate(target, draft, requests, block_size=4,
+                                                                            **kw)}
+    accepted = np.mean([r.acceptance_lengths[0] > 1 for r in runs["speculative, rejection rule, constrained"]])
+    print(f"constrained: first drafts accepted in {accepted:.0%} of rows")
+    report = law_report(runs, want)
+    assert all(stat < threshold for _, stat, threshold, _ in report), report
+    assert accepted > 0.1

@@ -64,7 +64,7 @@ def speculative_generate(target: Target, draft, prompts, *, max_new_tokens: int,
 
     ``draft=None`` (or ``block_size=1``) is plain autoregressive decoding with the same engine. The keyword
     ``options`` are ``DecodeOptions``' (block_size, temperature, top_k, top_p, stop_token_ids, seed, max_length,
-    acceptance, proposer, attention_impl, cache_len, verify_lengths, verify_threshold, tree_budget). Row i samples
+    acceptance, proposer, attention_impl, cache_len, verify_lengths, verify_threshold, tree_budget, logprobs). Row i samples
     with the key of (seed, i) (``Request``). Returns one ``GenerationResult`` per prompt; wall time excludes
     compilation and first-run setup."""
     batch = build(target, draft, prompts, DecodeOptions(max_new_tokens=max_new_tokens, **options))
@@ -73,7 +73,7 @@ def speculative_generate(target: Target, draft, prompts, *, max_new_tokens: int,
     state = jax.block_until_ready(run(batch.inputs, batch.rows))
     wall = time.perf_counter() - start
     host = to_host(state)
-    return [row_result(host, i, n, wall) for i, n in enumerate(batch.lens)]
+    return [row_result(host, i, n, wall, batch.spec.logprobs) for i, n in enumerate(batch.lens)]
 
 
 def generate(target: Target, prompts, *, max_new_tokens: int, **options) -> list[GenerationResult]:
@@ -104,7 +104,8 @@ def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int,
         state = step(state)
     wall = time.perf_counter() - start
     host = to_host(state)
-    yield [row_result(host, i, n, wall, time_to_first_token_s=first) for i, n in enumerate(batch.lens)]
+    yield [row_result(host, i, n, wall, batch.spec.logprobs, time_to_first_token_s=first)
+           for i, n in enumerate(batch.lens)]
 
 
 def lower_step(target: Target, draft, prompts, *, max_new_tokens: int, **options):

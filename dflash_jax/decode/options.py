@@ -54,7 +54,10 @@ class DecodeOptions:
     cache slots per row. ``verify_lengths`` (e.g. (4, 8, 16)): adaptive verify at ``verify_threshold``.
     ``tree_budget`` N > 0: tree verification of the N most probable draft prefixes.
     ``confidence_threshold`` > 0 (DSpark drafts with a confidence head): each proposal stops before its first slot
-    whose predicted acceptance is below it (0: off, as in DeepSpec)."""
+    whose predicted acceptance is below it (0: off, as in DeepSpec). ``logprobs``: None (off), or k >= 0 (OpenAI's
+    spelling): each result's ``logprobs`` holds the target's log-probability of every generated token at its
+    row's temperature, taken from the verify forwards (no extra forward); k > 0 asks for no more (the alternatives
+    at each position are the server's scoring: ``infer.serve.logprobs``)."""
 
     max_new_tokens: int
     block_size: int | None = None
@@ -72,6 +75,7 @@ class DecodeOptions:
     verify_threshold: float = 0.1
     tree_budget: int = 0
     confidence_threshold: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (normalising a frozen field)
@@ -93,6 +97,7 @@ class DecodeOptions:
         c = self.confidence_threshold
         if not isinstance(c, (int, float, np.floating)) or isinstance(c, bool) or not 0 <= c < 1:
             raise ValueError(f"confidence_threshold must be a number in [0, 1), got {c!r}")
+        check_logprobs(self.logprobs)
         for name in ("max_length", "cache_len"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
@@ -145,6 +150,14 @@ class DecodeOptions:
         return self.max_length or target_config.max_position_embeddings
 
 
+def check_logprobs(logprobs) -> None:
+    """``logprobs``: None or an integer >= 0 (True / False are refused: 0 asks for the chosen tokens' values)."""
+    if logprobs is not None and (not isinstance(logprobs, (int, np.integer)) or isinstance(logprobs, bool)
+                                 or logprobs < 0):
+        raise ValueError(f"logprobs must be None or an integer >= 0 (0: each generated token's log-probability), "
+                         f"got {logprobs!r}")
+
+
 def check_tree_target(cfg, block_size: int) -> None:
     """Tree verification needs sliding windows >= the block (the tree's own keys get no window): a ValueError
     names a narrower one. Full attention, kv-shared and recurrent (Gated DeltaNet) layers all verify trees."""
@@ -171,11 +184,13 @@ class Request:
     seed: int | None = None
     stream: int = 0
     stop_token_ids: Sequence[int] | None = None
+    logprobs: int | None = None  # ``DecodeOptions.logprobs``: this request's tokens' log-probabilities
+    grammar: Any = None  # a ``dflash_jax.grammar.Grammar`` its output must match (an engine with a tokenizer)
 
     def settings(self, options: DecodeOptions) -> DecodeOptions:
         """The options this request decodes with (its own values over ``options``), checked."""
         own = {f: getattr(self, f) for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed",
-                                             "stop_token_ids") if getattr(self, f) is not None}
+                                             "stop_token_ids", "logprobs") if getattr(self, f) is not None}
         return options.replace(**own) if own else options
 
     def group(self, n: int) -> list["Request"]:

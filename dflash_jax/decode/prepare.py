@@ -78,7 +78,8 @@ def engine(target: Target, draft, options: DecodeOptions, cache_len: int, *, gre
                                        confidence_threshold=options.confidence_threshold)
     spec = EngineSpec(target.config, draft.config if draft is not None else None, block, greedy,
                       sharding.mesh_of(target.params, dparams), options.acceptance, proposer if speculative else None,
-                      options.attention_impl, verify_lengths, options.tree_budget, cache_len, stop_width, page)
+                      options.attention_impl, verify_lengths, options.tree_budget, cache_len, stop_width, page,
+                      logprobs=options.logprobs is not None)
     extra = spec.proposer.arrays(spec, rows, cache_len) if speculative else None
     if extra is not None and spec.mesh is not None:  # the proposer's arrays are rows first
         pad = sharding.pad_rows(rows, spec.mesh)

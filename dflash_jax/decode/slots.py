@@ -29,6 +29,7 @@ import numpy as np
 
 from dflash_jax import sharding
 from dflash_jax.decode import load_policy, prepare, steps
+from dflash_jax.decode.constrained import Constraints
 from dflash_jax.decode.options import DecodeOptions, Request
 from dflash_jax.decode.pages import PagePool
 from dflash_jax.decode.programs import PROGRAMS, signature
@@ -85,11 +86,15 @@ class Engine:
     ``block_policy`` (a draft's chain, no adaptive verify): "auto" = the block each ``run`` verifies follows the
     load (``load_policy.BlockPolicy``: step costs per bucket of live rows and block measured by ``warm``, acceptance
     observed from every released request; plain steps where drafting does not pay); or any object with
-    ``choose(bucket) -> block`` and ``observe(results)``; None: every step verifies the block."""
+    ``choose(bucket) -> block`` and ``observe(results)``; None: every step verifies the block.
+
+    ``tokenizer`` (a Hugging Face fast tokenizer): requests may carry a grammar (``Request.grammar``, structured
+    outputs: ``decode.constrained``); while such a row runs, each ``run`` is one step with the host between its draft
+    and its verify."""
 
     def __init__(self, target: Target, draft, options: DecodeOptions, *, max_batch: int, max_length: int | None = None,
                  sampled: bool | None = None, stop_width: int = 8, page: int = PAGE,
-                 kv_cache_memory: int | None = None, prefix_cache: bool = True, block_policy=None):
+                 kv_cache_memory: int | None = None, prefix_cache: bool = True, block_policy=None, tokenizer=None):
         if not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         max_length = max_length or options.max_length
@@ -120,6 +125,8 @@ class Engine:
         self._need: dict[int, int] = {}  # row -> the most positions it may ever write (paged)
         self._order: dict[int, int] = {}  # row -> its admission's sequence number (the newest is preempted first)
         self._requests: dict[int, Request] = {}
+        self._logprobs: dict[int, bool] = {}  # row -> its request asked for log-probabilities
+        self.constraints = Constraints(tokenizer, target.config.vocab_size)  # rows with a grammar
         self._preempted: list[tuple[int, Resumed]] = []
         self.programs = PROGRAMS
         self._inputs_signature = signature(self.inputs)  # the params' tree: fixed for the engine's life
@@ -224,7 +231,7 @@ class Engine:
         program is looked up by its other arguments' signature, cheaply, on every step); ``spec``: the engine's, or
         a step block's (``EngineSpec.at_block``)."""
         spec = spec or self.spec
-        quick = (name, spec.load_block, signature(*args[1:]))
+        quick = (name, spec.load_block, spec.logprobs, signature(*args[1:]))  # what a step's spec may vary
         if quick not in self._quick:
             key = (name, spec, self._inputs_signature, signature(*args))
             self.used.add(key)
@@ -379,6 +386,8 @@ class Engine:
                 raise ValueError(f"request {first + i} has {len(s.stop_token_ids)} stop ids; this engine holds "
                                  f"{self.spec.stop_width} per row (stop_width)")
             prepare.budgets([len(r.prompt_ids)], [s], self.max_length, first + i)  # the pool holds any such row
+            if r.grammar is not None:
+                self.constraints.check(r.grammar, self.spec, first + i)
             settings.append(s)
         return settings
 
@@ -444,6 +453,7 @@ class Engine:
                                            int(full["budget"]) if full else int(b))
             self._order[r] = next(_ADMISSIONS)
             self._requests[r] = req.request if isinstance(req, Resumed) else req
+        self._logprobs.update({r: s.logprobs is not None for r, s in zip(rows, settings)})
         for r, req in zip(rows, requests):  # cached pages held at once: no row's growth below may evict them
             if self.prefix_cache:
                 self.pool.share(r, self._hit(req)[1])
@@ -461,6 +471,13 @@ class Engine:
             at[:len(group)] = [rows[i] for i in group]
             new = self._rows([requests[i] for i in group], [settings[i] for i in group], budget[list(group)],
                              pad_to=size, starts=starts)
+            first = [self.constraints.start(rows[i], self._requests[rows[i]].grammar,
+                                            not isinstance(requests[i], Resumed)) for i in group]
+            if any(m is not None for m in first):  # grammars: the first token's masks
+                allowed = np.full((size, self.constraints.grammars.words), -1, np.int32)
+                for j, m in enumerate(first):
+                    allowed[j] = -1 if m is None else m
+                new = new.replace(allowed=allowed)
             args = (state, new, at)
             if self.paged:  # padding rows: no pages, every write dropped
                 args += (np.where((at < self.rows)[:, None], self.pool.table[np.minimum(at, self.rows - 1)], NO_PAGE),)
@@ -520,6 +537,8 @@ class Engine:
         engine's block)."""
         if not self.paged:
             spec, n = self._step_spec(self.rows, block, max_steps)
+            if self.constraints.rows:
+                return self._constrained(state, np.arange(self.rows, dtype=np.int32), spec), self._ran(spec, 1)
             state, taken = self._compiled("run", steps.run_jit, state, n, spec=spec)(self.inputs, state, n)
             return state, self._ran(spec, int(taken))
         state, live = self._reserve(state)
@@ -530,9 +549,24 @@ class Engine:
         at[:len(live)] = live
         state = self._tables(state)
         spec, n = self._step_spec(len(at), block, max_steps)
+        if self.constraints.live(live):
+            return self._constrained(state, at, spec), self._ran(spec, 1)
         state, taken = self._compiled("run_rows", steps.run_rows_jit, state, at, n, spec=spec)(self.inputs, state,
                                                                                               at, n)
         return state, self._ran(spec, int(taken))
+
+    def _constrained(self, state: DecodeState, at, spec) -> DecodeState:
+        """One step of the rows ``at`` with their grammars' masks (``decode.constrained``): the matchers brought up to
+        date, the proposal drafted and read, the masks along it computed, the masked verify and commit."""
+        self.constraints.catch_up(state, {r: len(q.prompt_ids) for r, q in self._requests.items()},
+                                  self.spec.max_block + 1)
+        given = proposal = None
+        if spec.drafting:
+            given = self._compiled("propose_rows", steps.propose_rows_jit, state, at, spec=spec)(self.inputs, state, at)
+            proposal = np.asarray(sharding.to_host(given.tokens))
+        allowed = self.constraints.masks(at, proposal, spec.step_block)
+        run = self._compiled("step_rows", steps.step_rows_jit, state, at, given, allowed, spec=spec)
+        return run(self.inputs, state, at, given, allowed)
 
     def _step_spec(self, bucket: int, block: int | None, max_steps: int):
         """(the spec of a run of ``bucket`` rows: verifying ``block`` tokens, else the policy's choice; its step
@@ -543,6 +577,8 @@ class Engine:
             if getattr(policy, "exploring", False):
                 max_steps = min(max_steps, load_policy.EXPLORE_RUN_STEPS)
         spec = self.spec if block is None or block == self.spec.block_size else self.spec.at_block(block)
+        if not spec.logprobs and any(self._logprobs.values()):  # one more program, only while such rows run
+            spec = dataclasses.replace(spec, logprobs=True)
         return spec, np.int32(max_steps)
 
     def _ran(self, spec, taken: int) -> int:
@@ -590,8 +626,9 @@ class Engine:
         """Row ``row`` holds no request: its pages back to the pool."""
         if self.paged:
             self.pool.release(row)
-        for d in (self._need, self._order, self._requests, self._cached):
+        for d in (self._need, self._order, self._requests, self._cached, self._logprobs):
             d.pop(row, None)
+        self.constraints.forget(row)
 
     def _tables(self, state: DecodeState) -> DecodeState:
         """The state's block tables set to the pool's (the host's allocation), when it changed."""
@@ -631,7 +668,8 @@ class Engine:
         host = sharding.to_host(steps.take_jit(state, at))
         now = time.perf_counter()
         results = [row_result(host, j, int(host["prompt_length"][j]), now - self._admitted_at.pop(r, now),
-                              cached_tokens=self._cached.get(r, 0)) for j, r in enumerate(rows)]
+                              self._logprobs.get(r, False), cached_tokens=self._cached.get(r, 0))
+                   for j, r in enumerate(rows)]
         free = np.full((self.rows,), self.rows, np.int32)  # one program: padding indices past the state are dropped
         free[:len(rows)] = rows
         for r in rows:
@@ -747,7 +785,7 @@ def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequ
                         max_new_tokens: int | None = None, stats: RunStats | None = None, warm: bool = True,
                         policy: str = "continuous", on_result=None, page: int = PAGE,
                         kv_cache_memory: int | None = None, prefix_cache: bool = True, block_policy=None,
-                        **options) -> list[GenerationResult]:
+                        tokenizer=None, **options) -> list[GenerationResult]:
     """Decode ``requests`` (``Request``s, or prompts as lists of ids) through ``max_batch`` slots, continuously
     batched -> one ``GenerationResult`` per request, in input order. ``options``: ``DecodeOptions``' (the defaults a
     request's own settings override; ``max_new_tokens`` may be left out when every request sets its own). A plain
@@ -757,7 +795,8 @@ def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequ
     ``on_result(index, result)``, if given, is called as each request finishes (a progress bar, early writes).
     ``page``, ``kv_cache_memory``, ``prefix_cache``, ``block_policy``: ``Engine``'s (paged caches; the pool's bytes;
     shared prompt prefixes; the block each bucket of live rows verifies: "auto" measures it in the warm-up, which
-    ``warm=False`` leaves out, so the run verifies the block until a policy exists)."""
+    ``warm=False`` leaves out, so the run verifies the block until a policy exists). ``tokenizer``: what requests
+    with a grammar need (``Engine``'s)."""
     requests = [r if isinstance(r, Request) else Request(list(r), stream=i) for i, r in enumerate(requests)]
     if not requests:
         raise ValueError("requests must be a non-empty list")
@@ -776,7 +815,7 @@ def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequ
     engine = Engine(target, draft, opts, max_batch=max_batch, max_length=int(max(np.add(lens, budget))),
                     sampled=any(s.temperature > 0 for s in settings),
                     stop_width=prepare.stop_width(settings), page=page, kv_cache_memory=kv_cache_memory,
-                    prefix_cache=prefix_cache, block_policy=block_policy)
+                    prefix_cache=prefix_cache, block_policy=block_policy, tokenizer=tokenizer)
     engine.check(requests)
     stream = stream_requests(engine, requests, stats, policy)  # checks the policy; its clock starts at the first row
     if warm:

@@ -13,8 +13,8 @@ from dflash_jax import draft as draft_lib
 from dflash_jax import sharding
 from dflash_jax import target as target_lib
 from dflash_jax.decode.types import DecodeState, EngineSpec, Finish, Inputs, Rows
-from dflash_jax.decode.verify import chain_verify, commit, stop_hits, tree_verify
-from dflash_jax.sampling import choose, row_keys
+from dflash_jax.decode.verify import chain_verify, commit, draft_view, stop_hits, tree_verify
+from dflash_jax.sampling import apply_bitmask, choose, row_keys, token_logps
 from dflash_jax.families import family_of
 from dflash_jax import state as state_lib
 from dflash_jax.state import NO_PAGE, new_pools
@@ -37,8 +37,11 @@ def prefill(spec: EngineSpec, inp: Inputs, rows: Rows, pools=None, table=None) -
                                                   spec.feature_layer_ids, lens - 1 - rows.start,
                                                   attention_impl=spec.attention_impl)
     key, sub = row_keys(rows.key, 2)
-    first = choose(logits[:, 0], sub, rows.temperature, rows.top_k, rows.top_p, greedy=spec.greedy)
+    logits = logits[:, 0] if rows.allowed is None else apply_bitmask(logits[:, 0], rows.allowed)
+    first = choose(logits, sub, rows.temperature, rows.top_k, rows.top_p, greedy=spec.greedy)
     idx = jnp.arange(b)
+    logps = jnp.zeros((b, spec.cache_len), jnp.float32).at[idx, lens].set(  # one position: always kept
+        token_logps(logits, first, rows.temperature))
     tokens = jnp.zeros((b, spec.cache_len), jnp.int32).at[idx[:, None], jnp.where(positions >= 0, positions,
                                                                                   spec.cache_len)].set(
         prompts, mode="drop").at[idx, lens].set(first)  # a cached prefix's tokens: ``put_prefix``
@@ -54,7 +57,7 @@ def prefill(spec: EngineSpec, inp: Inputs, rows: Rows, pools=None, table=None) -
     state = DecodeState(tokens=tokens, tcache=tcache.commit(lens), dcache=dcache, prompt_len=lens,
                         generated=jnp.ones((b,), jnp.int32), budget=budget, finish=finish, acceptance=zeros,
                         verified=zeros, steps=jnp.zeros((b,), jnp.int32), key=key, stop_ids=rows.stop_ids,
-                        temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p, pages=table)
+                        temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p, logps=logps, pages=table)
     return spec.place(split(state) if spec.page else state)
 
 
@@ -100,7 +103,7 @@ def put_prefix(state: DecodeState, at, prefix, start) -> DecodeState:
     return state.replace(tokens=state.tokens.at[at[:, None], cols].set(prefix, mode="drop"))
 
 
-RESUMED = ("tokens", "prompt_len", "generated", "budget", "finish", "acceptance", "verified", "steps", "key")
+RESUMED = ("tokens", "prompt_len", "generated", "budget", "finish", "acceptance", "verified", "steps", "key", "logps")
 
 
 def release(spec: EngineSpec, state: DecodeState, at) -> DecodeState:
@@ -113,12 +116,19 @@ def release(spec: EngineSpec, state: DecodeState, at) -> DecodeState:
                          top_k=put(state.top_k, 0), top_p=put(state.top_p, 1.0), pages=pages)
 
 
-def step(spec: EngineSpec, inp: Inputs, state: DecodeState) -> DecodeState:
-    """One draft + verify + commit for every row that is not done (done rows do not change)."""
+def step(spec: EngineSpec, inp: Inputs, state: DecodeState, given=None, allowed=None) -> DecodeState:
+    """One draft + verify + commit for every row that is not done (done rows do not change). Structured outputs: the
+    proposal ``given`` (``propose``'s) and the grammar bitmasks ``allowed`` of its positions (``chain_verify``)."""
     key, k_draft, k_target = row_keys(state.key, 3)
-    verify = tree_verify if spec.tree_budget else chain_verify
-    posterior, a, length, tcache, dcache = verify(spec, inp, state, k_draft, k_target)
-    return commit(spec, state, posterior, a, length, tcache, dcache, key)
+    if spec.tree_budget:
+        return commit(spec, state, *tree_verify(spec, inp, state, k_draft, k_target), key)
+    return commit(spec, state, *chain_verify(spec, inp, state, k_draft, k_target, given, allowed), key)
+
+
+def propose(spec: EngineSpec, inp: Inputs, state: DecodeState):
+    """The proposal ``step`` would draft (its keys), for the host to compute a grammar's masks along it."""
+    _, k_draft, _ = row_keys(state.key, 3)
+    return spec.proposer.propose(spec, draft_view(spec, inp, state, k_draft))
 
 
 def run(spec: EngineSpec, inp: Inputs, state: DecodeState, max_steps):
@@ -133,18 +143,43 @@ def run(spec: EngineSpec, inp: Inputs, state: DecodeState, max_steps):
     return jax.lax.while_loop(more, lambda c: (step(spec, inp, c[0]), c[1] + 1), (state, jnp.int32(0)))
 
 
+def _gather(spec: EngineSpec, inp: Inputs, state: DecodeState, at):
+    """Rows ``at`` [A] of a state (an index >= its rows: a padding row, free and without pages; paged: the pools in
+    place) and the inputs with their proposer arrays -> (rows, inputs, which are padding)."""
+    take = lambda x: jnp.take(x, at, axis=0, mode="clip")  # noqa: E731
+    pad = at >= state.finish.shape[0]
+    rows = jax.tree_util.tree_map(take, state.replace(pools=None))
+    rows = rows.replace(finish=jnp.where(pad, Finish.FREE, rows.finish).astype(jnp.int32),
+                        temperature=jnp.where(pad, 0.0, rows.temperature), pools=state.pools)
+    if spec.page:
+        rows = rows.replace(pages=jnp.where(pad[:, None], NO_PAGE, rows.pages))
+    return rows, inp.replace(proposer_args=jax.tree_util.tree_map(take, inp.proposer_args)), pad
+
+
+def _scatter(spec: EngineSpec, state: DecodeState, rows: DecodeState, at, pad) -> DecodeState:
+    """``_gather`` undone: ``rows`` back at ``at`` (padding dropped), their pools the state's."""
+    return spec.place(_put_rows(state, rows, jnp.where(pad, state.finish.shape[0], at)))
+
+
+def propose_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at):
+    """``propose`` for the rows ``at`` [A] (paged or not)."""
+    rows, sub_inp, _ = _gather(spec, inp, state, at)
+    return propose(spec, sub_inp, join(rows) if spec.page else rows)
+
+
+def step_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at, given, allowed) -> DecodeState:
+    """One ``step`` of the rows ``at`` [A] with the proposal ``given`` and the grammar bitmasks ``allowed`` [A, K,
+    words]: a constrained step, the host between its draft and its verify (``Engine.run``)."""
+    rows, sub_inp, pad = _gather(spec, inp, state, at)
+    rows = (join_step if spec.page else step)(spec, sub_inp, rows, given, allowed)
+    return _scatter(spec, state, rows, at, pad)
+
+
 def run_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at, max_steps):
     """``run`` over the rows ``at`` [A] of a paged state only (an index >= its rows: a padding row, free and without
     pages), their pools read in place -> (state, steps taken). It also returns when a running row lacks the pages
     for its next step (fewer than length + max block positions), for the host to give it more."""
-    n_rows = state.finish.shape[0]
-    take = lambda x: jnp.take(x, at, axis=0, mode="clip")  # noqa: E731
-    pad = at >= n_rows
-    rows = jax.tree_util.tree_map(take, state.replace(pools=None))
-    rows = rows.replace(finish=jnp.where(pad, Finish.FREE, rows.finish).astype(jnp.int32),
-                        pages=jnp.where(pad[:, None], NO_PAGE, rows.pages),
-                        temperature=jnp.where(pad, 0.0, rows.temperature), pools=state.pools)
-    args = jax.tree_util.tree_map(take, inp.proposer_args)
+    rows, sub_inp, pad = _gather(spec, inp, state, at)
     capacity = jnp.sum(rows.pages != NO_PAGE, axis=1) * spec.page
     running = ~rows.done
 
@@ -153,15 +188,14 @@ def run_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at, max_steps):
         short = ~s.done & (s.tcache.lengths + spec.max_block > capacity)
         return (n < max_steps) & jnp.any(~s.done) & ~jnp.any(running & s.done) & ~jnp.any(short)
 
-    sub_inp = inp.replace(proposer_args=args)
     out, taken = jax.lax.while_loop(more, lambda c: (join_step(spec, sub_inp, c[0]), c[1] + 1),
                                     (rows, jnp.int32(0)))
-    return spec.place(_put_rows(state, out, jnp.where(pad, n_rows, at))), taken
+    return _scatter(spec, state, out, at, pad), taken
 
 
-def join_step(spec: EngineSpec, inp: Inputs, state: DecodeState) -> DecodeState:
+def join_step(spec: EngineSpec, inp: Inputs, state: DecodeState, given=None, allowed=None) -> DecodeState:
     """``step`` of a split paged state (its pools joined for the step, split after)."""
-    return split(step(spec, inp, join(state)))
+    return split(step(spec, inp, join(state), given, allowed))
 
 
 def generate(spec: EngineSpec, inp: Inputs, rows: Rows) -> DecodeState:
@@ -185,6 +219,8 @@ release_jit = jax.jit(release, static_argnames=("spec",), donate_argnames=("stat
 step_jit = jax.jit(_on_mesh(step), static_argnames=("spec",), donate_argnames=("state",))
 run_jit = jax.jit(_on_mesh(run), static_argnames=("spec",), donate_argnames=("state",))
 run_rows_jit = jax.jit(_on_mesh(run_rows), static_argnames=("spec",), donate_argnames=("state",))
+propose_rows_jit = jax.jit(_on_mesh(propose_rows), static_argnames=("spec",))
+step_rows_jit = jax.jit(_on_mesh(step_rows), static_argnames=("spec",), donate_argnames=("state",))
 put_prefix_jit = jax.jit(put_prefix, donate_argnames=("state",))
 restore_jit = jax.jit(restore, static_argnames=("spec",), donate_argnames=("state",))
 generate_jit = jax.jit(_on_mesh(generate), static_argnames=("spec",))
@@ -235,7 +271,7 @@ def take(state: DecodeState, at):
     pick = lambda x: jnp.take(x, at, axis=0)  # noqa: E731
     return dict(tokens=pick(state.tokens), generated=pick(state.generated), acceptance=pick(state.acceptance),
                 verified=pick(state.verified), steps=pick(state.steps), finish=pick(state.finish),
-                prompt_length=pick(state.prompt_len))
+                logps=pick(state.logps), prompt_length=pick(state.prompt_len))
 
 
 def recent(state: DecodeState, width: int, steps: int = 1):

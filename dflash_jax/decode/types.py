@@ -44,6 +44,8 @@ class EngineSpec:
     # the tokens this program's steps verify, in [1, block_size] (``decode.load_policy``'s choice for a bucket of rows;
     # 1: plain steps that still write the draft's context); 0: block_size. Caches are sized by block_size either way
     load_block: int = 0
+    # steps write each committed token's log-probability (``DecodeState.logps``; the prefill always writes the first)
+    logprobs: bool = False
 
     def place(self, state: "DecodeState") -> "DecodeState":
         """Pin the decode state's layout on the mesh (rows over data*fsdp, KV heads over tensor)."""
@@ -128,6 +130,7 @@ class Rows:
     top_k: jax.Array  # [A] int32 (0: off)
     top_p: jax.Array  # [A] float32 (1: off)
     key: jax.Array  # [A, 2] uint32: each row's own key
+    allowed: Any = None  # [A, words] int32: each row's grammar bitmask of its first token (None: no row constrained)
 
 
 @flax.struct.dataclass
@@ -149,6 +152,9 @@ class DecodeState:
     temperature: jax.Array  # [B]
     top_k: jax.Array  # [B]
     top_p: jax.Array  # [B]
+    # [B, S] float32 by position, as ``tokens``: log p(tokens[b, t] | tokens[b, :t]) at the row's temperature, for
+    # the generated positions (written by the prefill, and by steps of a ``logprobs`` spec)
+    logps: jax.Array
     pages: Any = None  # [B, columns] int32, paged caches (``EngineSpec.page``): each row's block table; else None
     pools: Any = None  # paged caches: (target pools, draft pools), a (k, v) pair per paged layer; not rows first
 
@@ -162,7 +168,7 @@ class DecodeState:
 
 
 ROW_FIELDS = ("tokens", "prompt_len", "generated", "budget", "finish", "acceptance", "verified", "steps", "key",
-              "stop_ids", "temperature", "top_k", "top_p")
+              "stop_ids", "temperature", "top_k", "top_p", "logps")
 
 
 @dataclasses.dataclass
@@ -180,6 +186,9 @@ class GenerationResult:
     time_to_first_token_s: float | None = None  # streaming only: prefill until the first token reached the host
     queue_time_s: float | None = None  # continuous batching: the run's start until its admission (prefill) began
     cached_tokens: int = 0  # prompt tokens read from cached pages (a shared prefix), not prefilled
+    # asked for (``Request.logprobs``): one per generated token, the target's log-probability of it under the
+    # distribution its row sampled from (log_softmax(logits / temperature); greedy: temperature 1); else None
+    logprobs: list[float] | None = None
 
     @property
     def generated_ids(self) -> list[int]:
@@ -194,18 +203,23 @@ class GenerationResult:
         return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
 
     def to_json(self) -> dict:
-        return {"output_ids": self.output_ids, "prompt_length": self.prompt_length,
-                "generated_ids": self.generated_ids, "num_generated": self.num_generated,
-                "acceptance_lengths": self.acceptance_lengths, "verify_lengths": self.verify_lengths,
-                "tau": self.mean_acceptance_length,
-                "target_forwards": self.target_forwards, "finish_reason": self.finish_reason,
-                "wall_time_s": self.wall_time_s, "tokens_per_second": self.tokens_per_second,
-                "time_to_first_token_s": self.time_to_first_token_s, "queue_time_s": self.queue_time_s}
+        out = {"output_ids": self.output_ids, "prompt_length": self.prompt_length,
+               "generated_ids": self.generated_ids, "num_generated": self.num_generated,
+               "acceptance_lengths": self.acceptance_lengths, "verify_lengths": self.verify_lengths,
+               "tau": self.mean_acceptance_length,
+               "target_forwards": self.target_forwards, "finish_reason": self.finish_reason,
+               "wall_time_s": self.wall_time_s, "tokens_per_second": self.tokens_per_second,
+               "time_to_first_token_s": self.time_to_first_token_s, "queue_time_s": self.queue_time_s}
+        return out | ({"logprobs": self.logprobs} if self.logprobs is not None else {})
 
 
-def row_result(host: dict, i: int, prompt_length: int, wall: float, **timing) -> GenerationResult:
-    """Row ``i`` of a state read to the host (``host``: tokens, generated, acceptance, verified, steps, finish)."""
+def row_result(host: dict, i: int, prompt_length: int, wall: float, logprobs: bool = False,
+               **timing) -> GenerationResult:
+    """Row ``i`` of a state read to the host (``host``: tokens, generated, acceptance, verified, steps, finish,
+    logps); ``logprobs``: the row asked for its tokens' log-probabilities."""
     g, s = int(host["generated"][i]), int(host["steps"][i])
+    if logprobs:
+        timing["logprobs"] = host["logps"][i, prompt_length:prompt_length + g].tolist()
     return GenerationResult(
         output_ids=host["tokens"][i, :prompt_length + g].tolist(), prompt_length=int(prompt_length),
         acceptance_lengths=host["acceptance"][i, :s].tolist(), verify_lengths=host["verified"][i, :s].tolist(),
@@ -215,5 +229,5 @@ def row_result(host: dict, i: int, prompt_length: int, wall: float, **timing) ->
 
 def to_host(state: DecodeState) -> dict:
     """The fields ``row_result`` reads, on the host."""
-    names = ("tokens", "generated", "acceptance", "verified", "steps", "finish")
+    names = ("tokens", "generated", "acceptance", "verified", "steps", "finish", "logps")
     return dict(zip(names, sharding.to_host(tuple(getattr(state, n) for n in names))))

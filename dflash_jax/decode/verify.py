@@ -36,7 +36,8 @@ from dflash_jax import target as target_lib
 from dflash_jax import tree as tree_lib
 from dflash_jax.decode.proposers import StepView
 from dflash_jax.decode.types import DecodeState, EngineSpec, Finish, Inputs
-from dflash_jax.sampling import accepted_length, choose, filtered_scores, if_sampling, rejection_sample
+from dflash_jax.sampling import (accepted_length, apply_bitmask, choose, filtered_scores, if_sampling, rejection_sample,
+                                token_logps)
 from dflash_jax.state import put_rows
 
 
@@ -85,7 +86,7 @@ def _verify_chosen(spec: EngineSpec, choice, tparams, dparams, tcache, dcache, b
     return carry
 
 
-def _view(spec: EngineSpec, inp: Inputs, state: DecodeState, keys) -> StepView:
+def draft_view(spec: EngineSpec, inp: Inputs, state: DecodeState, keys) -> StepView:
     """The proposer's view of this step: the block [pending token, MASK...] at each row's committed length."""
     b, k = state.tokens.shape[0], spec.step_block
     n = state.tcache.lengths
@@ -97,16 +98,27 @@ def _view(spec: EngineSpec, inp: Inputs, state: DecodeState, keys) -> StepView:
                     inp.proposer_args)
 
 
-def chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_target):
-    """Draft a chain d_1..d_{K-1} and verify it -> (p_0..p_{K-1}, accepted drafts a [B], verify length, caches).
+def _logps(spec: EngineSpec, state: DecodeState, logits, tokens):
+    """The log-probabilities of ``tokens`` [B, K] under ``logits`` [B, K, V] at each row's temperature, when the
+    spec keeps them (``EngineSpec.logprobs``; else None: nothing computed)."""
+    return token_logps(logits, tokens, state.temperature) if spec.logprobs else None
+
+
+def chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_target, given=None, allowed=None):
+    """Draft a chain d_1..d_{K-1} and verify it -> (p_0..p_{K-1}, accepted drafts a [B], verify length, caches,
+    log-probabilities of p_0..p_{K-1} or None: ``_logps``). Structured outputs (``constrained``): the proposal
+    ``given`` (drafted by ``steps.propose`` with this step's keys) and the grammar's bitmask of each verified position
+    ``allowed`` [B, K, words]: the target's distributions masked, so greedy rows take the masked argmax and sampled
+    rows' rejection rule compares the draft's q as drawn with the masked, renormalised target (exact for any target
+    law: a forbidden draft token has p = 0 and is always rejected, the residual max(0, p - q) lies in the grammar).
     K is the step's block (``spec.step_block``); at K = 1 with a draft, a plain step that writes the draft's context."""
     b, k = state.tokens.shape[0], spec.step_block
     n = state.tcache.lengths
     active = ~state.done
     choice = jnp.int32(0)
     if spec.drafting:
-        view = _view(spec, inp, state, k_draft)
-        proposal = spec.proposer.propose(spec, view)
+        view = draft_view(spec, inp, state, k_draft)
+        proposal = spec.proposer.propose(spec, view) if given is None else given
         block = view.block.at[:, 1:].set(proposal.tokens)
         if len(spec.lengths) > 1:  # confidence: the largest probability (not the drawn token's: docs/adaptive-verify.md)
             scores = proposal.scores
@@ -118,6 +130,8 @@ def chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_t
     logits, tcache, dcache = _verify_chosen(spec, choice, inp.tparams, inp.dparams, state.tcache, state.dcache, block,
                                             positions, active)
     length = jnp.asarray(spec.lengths, jnp.int32)[choice]
+    if allowed is not None:
+        logits = apply_bitmask(logits, allowed)
     # p_0..p_{k-1}; with the rejection rule only greedy rows use these (the argmax), sampled rows draw below
     posterior = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if spec.rejection
                  else choose(logits, k_target, *state.sampling, greedy=spec.greedy))
@@ -133,16 +147,17 @@ def chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_t
             lambda: rejection_sample(proposal.scores, proposal.tokens, filtered_scores(logits, *state.sampling),
                                      k_target, verified=verified), (a, posterior))
         a, posterior = jnp.where(sampled, a_r, a), jnp.where(sampled[:, None], posterior_r, posterior)
-    return posterior, a, length, tcache, dcache
+    return posterior, a, length, tcache, dcache, _logps(spec, state, logits, posterior)
 
 
 def tree_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_target):
     """Draft a tree of N = ``spec.tree_budget`` nodes, verify [root, nodes] in one masked target forward, walk
     it (``tree.walk``) and compact the accepted path into both caches -> (the target's tokens along the path
-    p_0..p_{K-1}, accepted nodes a [B], verify length N + 1, caches). Exact: see docs/tree-verification.md."""
+    p_0..p_{K-1}, accepted nodes a [B], verify length N + 1, caches, their log-probabilities or None). Exact: see
+    docs/tree-verification.md."""
     b, k = state.tokens.shape[0], spec.block_size
     n = state.tcache.lengths
-    view = _view(spec, inp, state, k_draft)
+    view = draft_view(spec, inp, state, k_draft)
     max_depth = jnp.clip(state.budget - state.generated - 1, 0, k - 1)  # drafts past it could not be committed
     tree = spec.proposer.propose_tree(spec, view, max_depth)
     tokens = jnp.concatenate([view.block[:, :1], tree.tokens], axis=1)
@@ -158,7 +173,9 @@ def tree_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_ta
     ctx_positions = jnp.where(~state.done[:, None] & on_path, dst, -1)
     dcache = spec.proposer.update_context(spec, inp.dparams, state.dcache,
                                           jnp.take_along_axis(features, slots[..., None], axis=1), ctx_positions)
-    return jnp.take_along_axis(y, slots, axis=1), a, jnp.int32(spec.tree_budget + 1), tcache, dcache
+    logp = _logps(spec, state, logits, y)  # every node's, then along the path
+    logp = None if logp is None else jnp.take_along_axis(logp, slots, axis=1)
+    return jnp.take_along_axis(y, slots, axis=1), a, jnp.int32(spec.tree_budget + 1), tcache, dcache, logp
 
 
 def stop_hits(tokens, stop_ids):
@@ -167,9 +184,10 @@ def stop_hits(tokens, stop_ids):
 
 
 # positional: one decode step's operands, in the order the step holds them
-def commit(spec: EngineSpec, state: DecodeState, posterior, a, length, tcache, dcache, key):
+def commit(spec: EngineSpec, state: DecodeState, posterior, a, length, tcache, dcache, logp, key):
     """Commit p_0..p_a (``posterior`` [B, K]) at positions n+1.., cut at the budget and just after the first stop
-    token; both caches keep a+1 verified tokens (x_n, d_1..d_a); done rows do not change."""
+    token, with their log-probabilities ``logp`` [B, K] (None: not kept); both caches keep a+1 verified tokens
+    (x_n, d_1..d_a); done rows do not change."""
     b, cache_len = state.tokens.shape
     active = ~state.done
     offsets = jnp.arange(posterior.shape[1], dtype=jnp.int32)
@@ -179,13 +197,15 @@ def commit(spec: EngineSpec, state: DecodeState, posterior, a, length, tcache, d
     hit_stop = is_stop.any(axis=1)
     keep = jnp.where(hit_stop, jnp.argmax(is_stop, axis=1) + 1, limit)
     write = active[:, None] & (offsets[None] < keep[:, None])
-    tokens = put_rows(state.tokens, jnp.where(write, positions + 1, cache_len), posterior)
+    cols = jnp.where(write, positions + 1, cache_len)
+    tokens = put_rows(state.tokens, cols, posterior)
+    logps = state.logps if logp is None else put_rows(state.logps, cols, logp)
     generated = state.generated + jnp.where(active, keep, 0)
     finish = jnp.where(active & hit_stop, Finish.STOP,
                        jnp.where(active & (generated >= state.budget), Finish.LENGTH, state.finish))
     kept = jnp.where(active, a + 1, 0)  # verified tokens whose state every layer keeps: x_n, d_1..d_a
     step = jnp.where(active, state.steps, cache_len)
-    return spec.place(state.replace(tokens=tokens, tcache=tcache.commit(kept),
+    return spec.place(state.replace(tokens=tokens, logps=logps, tcache=tcache.commit(kept),
                                     dcache=dcache.commit(kept) if spec.speculative else dcache,
                                     generated=generated, finish=finish.astype(jnp.int32),
                                     acceptance=put_rows(state.acceptance, step[:, None], keep[:, None]),

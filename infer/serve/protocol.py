@@ -108,6 +108,14 @@ class Sampling(BaseModel):
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    # structured outputs (docs/structured-outputs.md): OpenAI's response_format, vLLM's guided_* and
+    # structured_outputs; at most one of them
+    response_format: "ResponseFormat | None" = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_grammar: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    structured_outputs: "StructuredOutputs | None" = None
     # taken and ignored (IGNORED)
     user: StrictStr | None = None
     metadata: dict[str, Any] | None = None
@@ -115,6 +123,24 @@ class Sampling(BaseModel):
     service_tier: StrictStr | None = None
     parallel_tool_calls: StrictBool | None = None
     priority: StrictInt | None = None
+
+    def grammar(self):
+        """(the field, its ``dflash_jax.grammar.Grammar``) of the structured-output field the request gives, or None
+        (400 if more than one, or a malformed one; whether it compiles: ``Service.jobs``)."""
+        from dflash_jax.grammar import Grammar
+
+        given = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            given["response_format"] = self.response_format.grammar()
+        for field, make in (("guided_json", Grammar.json_schema), ("guided_regex", Grammar.regex),
+                            ("guided_grammar", Grammar.gbnf), ("guided_choice", _choice)):
+            if getattr(self, field) is not None:
+                given[field] = make(getattr(self, field))
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs.grammar()
+        if len(given) > 1:
+            raise APIError(400, f"give one structured-output field, got {', '.join(given)}", param=list(given)[1])
+        return next(iter(given.items()), None)
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -222,9 +248,69 @@ class Message(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
+def _choice(options):
+    from dflash_jax.grammar import Grammar
+
+    try:
+        return Grammar.choice(options)
+    except ValueError as e:
+        raise APIError(400, f"guided_choice: {e}", param="guided_choice") from None
+
+
+class JsonSchema(BaseModel):
+    """``response_format.json_schema``: the schema under ``schema`` (``name``, ``description`` and ``strict`` taken;
+    the schema is always followed exactly)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: StrictStr
+    """OpenAI's ``response_format``: text, ``json_object`` (any JSON object) or ``json_schema``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    def grammar(self):
+        from dflash_jax.grammar import Grammar
+
+        if self.type == "json_object":
+            return Grammar.json_object()
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise APIError(400, "response_format: type json_schema needs json_schema.schema",
+                           param="response_format.json_schema")
+        return Grammar.json_schema(self.json_schema.schema_)
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one of ``json`` (a schema), ``regex``, ``choice``, ``grammar`` (EBNF),
+    ``json_object`` (true)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar_: StrictStr | None = Field(None, alias="grammar")
+    json_object: StrictBool | None = None
+
+    def grammar(self):
+        from dflash_jax.grammar import Grammar
+
+        given = [(n, v) for n, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                     ("grammar", self.grammar_), ("json_object", self.json_object or None))
+                 if v is not None]
+        if len(given) != 1:
+            raise APIError(400, f"structured_outputs: give exactly one of json, regex, choice, grammar, json_object; "
+                           f"got {[n for n, _ in given] or 'none'}", param="structured_outputs")
+        name, value = given[0]
+        if name == "choice":
+            return _choice(value)
+        return {"json": Grammar.json_schema, "regex": Grammar.regex, "grammar": Grammar.gbnf,
+                "json_object": lambda _: Grammar.json_object()}[name](value)
 
 
 class ChatRequest(Sampling):
@@ -238,7 +324,6 @@ class ChatRequest(Sampling):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # an extra field (vLLM's): passed to the template
 
     def check(self) -> None:
@@ -251,8 +336,6 @@ class ChatRequest(Sampling):
             raise refuse("tools", "tool calling is not supported")
         if self.tool_choice not in (None, "none"):
             raise refuse("tool_choice", "tool calling is not supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise refuse("response_format", f"only text, got {self.response_format.type!r}")
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens: give one (or both equal)", param="max_tokens")
 
@@ -315,3 +398,8 @@ def validation_error(errors: list[dict]) -> APIError:
     same = list(dict.fromkeys(e.get("msg", "") for e in errors if _path(e.get("loc", ())) == param))
     return APIError(400, f"{param or 'body'}: {' or '.join(same)} (got {str(first.get('input'))[:80]!r})", param=param,
                     code="invalid_type" if "type" in kind or "parsing" in kind else "invalid_value")
+
+
+Sampling.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatRequest.model_rebuild()

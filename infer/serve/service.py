@@ -44,7 +44,7 @@ class Service:
         self.default_max_tokens = default_max_tokens
         self.engine = Engine(target, draft, options, max_batch=limits.max_batch, max_length=limits.max_length,
                              sampled=True, page=limits.page, kv_cache_memory=limits.kv_cache_memory,
-                             prefix_cache=limits.prefix_cache, block_policy=limits.block_policy)
+                             prefix_cache=limits.prefix_cache, block_policy=limits.block_policy, tokenizer=tokenizer)
         self.metrics = Metrics(self.engine.rows, self.engine.spec.max_block)
         self.metrics.follow_blocks(self.engine.buckets(), self.engine.block_table)
         self.scheduler = Scheduler(self.engine, self.metrics, limits.queue_size, limits.steps_per_turn,
@@ -155,11 +155,28 @@ class Service:
             raise APIError(400, f"stop_token_ids: {bad} outside the vocabulary [0, {vocab})", param="stop_token_ids")
         return tuple(dict.fromkeys((() if body.ignore_eos else tuple(self.options.stop_token_ids)) + tuple(extra)))
 
+    def grammar(self, body: Sampling):
+        """The request's grammar (structured outputs), compiled (cached per grammar), or None; 400 naming the field
+        and llguidance's message when it does not compile."""
+        given = body.grammar()
+        if given is None:
+            return None
+        field, grammar = given
+        if self.tokenizer is None:
+            raise APIError(400, f"{field}: structured outputs need the target's tokenizer, and its directory has none",
+                           param=field)
+        try:
+            self.engine.constraints.check(grammar, self.engine.spec, 0)
+        except ValueError as e:
+            raise APIError(400, f"{field}: {str(e).removeprefix('request 0: ')}", param=field) from None
+        return grammar
+
     def jobs(self, body: Sampling, prompts: list[list[int]], budget: int | None, emit) -> list[Job]:
         """``n`` checked jobs per prompt, choice index = prompt * n + j, each with its own key stream (400 on a bad
         id, a prompt past the max length, a budget that does not fit). A budget of 0 (echo): no job."""
         stops = body.stop_strings()
         stop_ids = self.stop_ids(body)
+        grammar = self.grammar(body)
         if len(prompts) * body.n > MAX_CHOICES:
             raise APIError(400, f"n: at most {MAX_CHOICES} choices per request (prompts x n), got "
                            f"{len(prompts)} x {body.n}", param="n")
@@ -189,7 +206,7 @@ class Service:
                     top_k=None if body.top_k is None else max(body.top_k, 0),
                     top_p=None if body.top_p is None else float(body.top_p),
                     seed=body.seed, stream=j if body.seed is not None else next(self._streams),
-                    stop_token_ids=stop_ids)
+                    stop_token_ids=stop_ids, grammar=grammar)
                 try:
                     self.engine.check([request])
                 except ValueError as e:

@@ -1,0 +1,180 @@
+"""Structured outputs, the host side: a request's ``Grammar`` (a JSON schema, any JSON object, a regex, a Lark or
+GBNF grammar) compiled by llguidance (the ``grammar`` extra) into a token matcher per row, which gives the token
+bitmask at each position of a step's proposal and follows what the step commits (``decode.constrained``).
+
+llguidance, not xgrammar: it installs from PyPI with no dependencies (xgrammar pulls torch), computes one mask in
+tens of microseconds with no ahead-of-time compilation of the vocabulary, and rolls back consumed tokens (what
+masks along a proposal need)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Sequence
+
+import numpy as np
+
+KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf", "choice")
+# JSON answers: at most one space where JSON allows whitespace (compact and json.dumps-style answers both match), no
+# newlines: a model cannot run out its budget on whitespace. A schema's "x-guidance" key overrides it.
+JSON_OPTIONS = {"whitespace_pattern": "[ ]?"}
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as e:  # an optional extra
+        raise ImportError("structured outputs need llguidance: pip install -e '.[grammar]'") from e
+    return llguidance
+
+
+@dataclasses.dataclass(frozen=True)
+class Grammar:
+    """What a request's output must match: ``kind`` one of ``KINDS`` and its ``source`` (the schema as JSON text,
+    the regex, the grammar text, the choices as a JSON list of strings; json_object: none). Hashable: compiled
+    matchers are cached per grammar."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"a grammar's kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if not isinstance(self.source, str):
+            raise ValueError(f"a {self.kind} grammar's source must be a string, got {type(self.source).__name__}")
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> "Grammar":
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
+
+    @classmethod
+    def json_object(cls) -> "Grammar":
+        return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> "Grammar":
+        return cls("regex", pattern)
+
+    @classmethod
+    def lark(cls, text: str) -> "Grammar":
+        return cls("lark", text)
+
+    @classmethod
+    def gbnf(cls, text: str) -> "Grammar":
+        """A llama.cpp / vLLM style EBNF grammar (``root ::= ...``)."""
+        return cls("gbnf", text)
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> "Grammar":
+        """Exactly one of the strings ``options`` (vLLM's guided_choice)."""
+        if not options or not all(isinstance(o, str) for o in options):
+            raise ValueError(f"a choice needs a non-empty list of strings, got {options!r}")
+        return cls("choice", json.dumps(list(options)))
+
+    def llguidance(self) -> str:
+        """The grammar in llguidance's own form (ValueError: a source that does not parse)."""
+        if self.kind in ("json_object", "json_schema"):
+            try:
+                schema = json.loads(self.source) if self.kind == "json_schema" else {"type": "object"}
+                return _llguidance().LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            except ValueError as e:  # json.JSONDecodeError is one
+                raise ValueError(f"the JSON schema is not a JSON object: {e}") from e
+        try:
+            return _llguidance().grammar_from(self.kind, self.source)
+        except Exception as e:  # noqa: BLE001 (llguidance's converters raise their own types)
+            raise ValueError(f"the {self.kind} grammar does not parse: {e}") from e
+
+
+class Grammars:
+    """One engine's grammar compiler: llguidance's view of the tokenizer (built once: about a second for a large
+    vocabulary) and one compiled matcher per grammar (cached; every row matches on a copy of it).
+
+    ``tokenizer``: a Hugging Face fast tokenizer, or any object with ``tokens`` (each id's bytes), ``eos_token_id``,
+    ``bos_token_id`` and a call from text to ids (llguidance's ``TokenizerWrapper``). ``vocab_size``: the model's
+    (ids past the tokenizer's are never allowed). ``eos_ids``: the ids that end a row (default: the tokenizer's)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int] | None = None):
+        llg = _llguidance()
+        eos = list(eos_ids) if eos_ids else None
+        if hasattr(tokenizer, "backend_tokenizer"):
+            import llguidance.hf
+
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        elif hasattr(tokenizer, "tokens"):
+            self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(tokenizer), n_vocab=vocab_size, eos_token=eos)
+        else:
+            raise ValueError("structured outputs need a tokenizer: a Hugging Face fast tokenizer, or an object "
+                             f"with tokens / eos_token_id (llguidance's TokenizerWrapper); got {type(tokenizer)}")
+        self.vocab_size = int(vocab_size)
+        self.words = (self.vocab_size + 31) // 32  # int32 words of one bitmask
+        self._compiled: dict[Grammar, Any] = {}
+
+    def compile(self, grammar: Grammar):
+        """``grammar``'s matcher in its initial state (cached), or ValueError naming what does not compile."""
+        if not isinstance(grammar, Grammar):
+            raise ValueError(f"expected a dflash_jax.grammar.Grammar, got {type(grammar).__name__}")
+        found = self._compiled.get(grammar)
+        if found is None:
+            llg = _llguidance()
+            matcher = llg.LLMatcher(self.tokenizer, grammar.llguidance(), log_level=0)
+            if matcher.is_error():
+                raise ValueError(f"the {grammar.kind} grammar does not compile: {matcher.get_error()}")
+            found = self._compiled[grammar] = matcher
+        return found
+
+    def matcher(self, grammar: Grammar) -> "RowMatcher":
+        """A fresh matcher of ``grammar`` for one row."""
+        return RowMatcher(self.compile(grammar).deep_copy(), self.words, self.tokenizer.eos_tokens)
+
+
+def allows(mask: np.ndarray, token: int) -> bool:
+    """Whether the bitmask ``mask`` [words] int32 allows ``token``."""
+    return bool((int(mask[token // 32]) >> (token % 32)) & 1)
+
+
+class RowMatcher:
+    """One row's grammar state: its committed tokens consumed (``consumed`` of them), and the bitmasks of a
+    proposal's positions, computed by consuming its tokens and rolling them back. After an end-of-sequence token
+    (allowed where the grammar is complete) only end-of-sequence tokens follow: a row that does not stop on it
+    keeps to the grammar."""
+
+    def __init__(self, matcher, words: int, eos_ids: Sequence[int]):
+        self._m, self.words, self.consumed, self.ended = matcher, words, 0, False
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self._eos_mask = np.zeros(words, np.int32)
+        for e in self.eos_ids:
+            self._eos_mask[e // 32] |= np.int32(np.uint32(1 << (e % 32)).view(np.int32))
+
+    def _fill(self, out: np.ndarray) -> None:
+        if self.ended or self._m.is_stopped():
+            out[:] = self._eos_mask
+        else:
+            self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.size * out.itemsize)
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Consume committed ``tokens`` (allowed by construction: RuntimeError if the grammar refuses one)."""
+        for t in (int(t) for t in tokens):
+            self.ended = self.ended or t in self.eos_ids
+            if not self.ended and not self._m.is_stopped() and not self._m.consume_token(t):
+                raise RuntimeError(f"the grammar refused a committed token {t}: {self._m.get_error()}")
+        self.consumed += len(tokens)
+
+    def masks(self, proposal: Sequence[int], out: np.ndarray) -> None:
+        """``out`` [K, words] int32, row i: the bitmask of the token after the committed ones and ``proposal``[:i].
+        Past the proposal's first token that row i - 1 forbids, all ones: the masked target rejects that token, so
+        nothing after it is committed."""
+        self._fill(out[0])
+        consumed, ended = 0, self.ended
+        for i in range(1, out.shape[0]):
+            d = int(proposal[i - 1])
+            if not allows(out[i - 1], d):
+                out[i:] = -1
+                break
+            if d in self.eos_ids or ended or self._m.is_stopped():
+                ended = True
+                out[i] = self._eos_mask
+                continue
+            self._m.consume_token(d)
+            consumed += 1
+            self._fill(out[i])
+        if consumed:
+            self._m.rollback(consumed)

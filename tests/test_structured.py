@@ -1,0 +1,106 @@
+"""Structured outputs (issue 55): a request's grammar (JSON schema, regex, GBNF, choice) constrains speculative
+decoding exactly: greedy, the output equals plain constrained decoding (the same engine without a draft) token for
+token, and every output matches its grammar; rows with and without a grammar share steps; a grammar that does not
+compile, or an engine that cannot follow one, is refused naming the request. The sampled law is
+tests/test_sampling.py's (``test_constrained_law_is_the_masked_targets``).
+
+The trained pair's 64 ids are read as characters (``pairs.CharTokenizer``: 62 characters, then end-of-sequence 62
+and the mask token 63), so the grammars apply to a model that never saw them: the draft's proposals often break the
+grammar (cut by the mask) and sometimes follow it (accepted), which is what exactness must survive."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from dflash_jax import decode
+from dflash_jax.decode import Request
+from dflash_jax.grammar import Grammar
+from pairs import CharTokenizer
+
+CHARS = ' ",:{}[]-.' + "0123456789" + "abcdefghijklmnopqrstuvwxyz" + "ABCDEFGHIJKLMNOP"
+EOS = 62
+TOKENIZER = CharTokenizer(CHARS, 64, EOS)
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "tags", "point"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "tags": {"type": "array", "items": {"enum": ["a", "bc", "DEF"]}, "maxItems": 3},
+                         "point": {"type": "object", "additionalProperties": False, "required": ["x", "y"],
+                                   "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 999},
+                                                  "y": {"enum": [1, 2, 3]}}}}}
+REGEX = r"[a-f]{2,5}-[0-9]{1,3}"
+GBNF = 'root ::= "[" item ("," item)* "]"\nitem ::= [a-c]+ | [0-9]'
+CHOICES = ["alpha", "beta", "gamma3"]
+BROAD = r"[^A-F]{10,60}"  # what the model writes anyway, mostly: its drafts are often accepted
+
+
+def _valid(kind: str, text: str) -> bool:
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    pattern = {"regex": REGEX, "broad": BROAD, "gbnf": r"\[([a-c]+|[0-9])(,([a-c]+|[0-9]))*\]"}.get(kind)
+    return re.fullmatch(pattern, text) is not None if pattern else text in CHOICES
+
+
+GRAMMARS = {"json_schema": Grammar.json_schema(SCHEMA), "regex": Grammar.regex(REGEX), "gbnf": Grammar.gbnf(GBNF),
+            "choice": Grammar.choice(CHOICES), "broad": Grammar.regex(BROAD)}
+
+
+def test_greedy_constrained_speculation_is_plain_constrained_decoding(trained):
+    """Five grammars, two rows each (one stops at end-of-sequence, one runs to its budget: after the grammar's end
+    only end-of-sequence tokens), beside two unconstrained rows in the same batch of slots."""
+    target, draft, prompts = trained
+    requests = [Request(prompts[i % 5], max_new_tokens=90, grammar=g, stop_token_ids=[EOS] if i % 2 else [])
+                for i, g in enumerate(g for g in GRAMMARS.values() for _ in range(2))]
+    requests += [Request(prompts[6], max_new_tokens=30), Request(prompts[7], max_new_tokens=30)]
+    kw = dict(max_batch=4, tokenizer=TOKENIZER, warm=False, stop_token_ids=[])
+    fast = decode.continuous_generate(target, draft, requests, **kw)
+    plain = decode.continuous_generate(target, None, requests, **kw)
+    for i, (a, b) in enumerate(zip(fast, plain)):
+        assert a.output_ids == b.output_ids, i
+    kinds = [k for k in GRAMMARS for _ in range(2)]
+    for i, (kind, r) in enumerate(zip(kinds, fast)):
+        text = TOKENIZER.decode(r.generated_ids)
+        assert r.finish_reason == ("stop" if i % 2 else "length"), i
+        assert all(t == EOS for t in r.generated_ids[len(text):]) and len(text) < r.num_generated, i
+        assert _valid(kind, text), (kind, text)
+    free = [fast[-2], fast[-1]]  # unconstrained rows of the same steps: as decoded alone
+    alone = decode.speculative_generate(target, draft, [prompts[6], prompts[7]], max_new_tokens=30, stop_token_ids=[])
+    assert [r.output_ids for r in free] == [r.output_ids for r in alone]
+    assert any(a > 1 for r in fast[:-2] for a in r.acceptance_lengths)  # drafts were accepted under the grammars
+
+
+def test_constrained_paged_and_slots_and_block_one_agree(trained):
+    """The JSON schema through the slots engine (page=0) and with plain steps of the draft's engine (block 1):
+    the same output as the paged engine's."""
+    target, draft, prompts = trained
+    requests = [Request(p, max_new_tokens=70, grammar=GRAMMARS["json_schema"], stop_token_ids=[EOS])
+                for p in prompts[:2]]
+    kw = dict(max_batch=2, tokenizer=TOKENIZER, warm=False)
+    paged = decode.continuous_generate(target, draft, requests, **kw)
+    slots = decode.continuous_generate(target, draft, requests, page=0, **kw)
+    block1 = decode.continuous_generate(target, draft, requests, block_size=1, **kw)
+    assert [r.output_ids for r in paged] == [r.output_ids for r in slots] == [r.output_ids for r in block1]
+    assert all(_valid("json_schema", TOKENIZER.decode(r.generated_ids)) for r in paged)
+
+
+def test_grammar_refusals(trained):
+    target, draft, prompts = trained
+    for bad, msg in ((Grammar.json_schema('{"type": "object"'), "not a JSON object"),
+                     (Grammar.json_schema({"type": "nothing"}), "does not compile"),
+                     (Grammar.regex("[a-"), "does not|not parse"),
+                     (Grammar.gbnf("root ::= missing_rule"), "does not|not parse")):
+        with pytest.raises(ValueError, match=f"request 1: .*({msg})"):
+            decode.continuous_generate(target, draft, [Request(prompts[0], max_new_tokens=4),
+                                                       Request(prompts[1], max_new_tokens=4, grammar=bad)],
+                                       max_batch=2, tokenizer=TOKENIZER, warm=False)
+    ok = Request(prompts[0], max_new_tokens=4, grammar=GRAMMARS["regex"])
+    with pytest.raises(ValueError, match="needs an engine built with its tokenizer"):
+        decode.continuous_generate(target, draft, [ok], max_batch=1, warm=False)
+    with pytest.raises(ValueError, match="tree_budget=0"):
+        decode.continuous_generate(target, draft, [ok], max_batch=1, tokenizer=TOKENIZER, tree_budget=6, warm=False)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        Grammar("xml", "<a/>")
+    with pytest.raises(ValueError, match="non-empty list of strings"):
+        Grammar.choice([])
