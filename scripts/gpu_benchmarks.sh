@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements the README asks for, in one command (about 15-20 minutes on one H200, most of it
+# The GPU measurements the README asks for, in one command (about 30 minutes on one H200, most of it
 # compiling the 8B shapes; name steps to run a subset within a shorter budget):
 #
 #   bash scripts/gpu_benchmarks.sh [OUT_DIR [STEP ...]]   # default: gpu_results/, every step
@@ -25,10 +25,14 @@
 #   prefix       the demo pair served, every prompt opening with the same ~200 words: first vs second wave's TTFT
 #   group        sample groups (32 prompts x 8 samples) with vs without prefix caching
 #   cacheplan    Qwen3-8B + draft at 8K context: rows that fit 16 / 32 / 80 / 141 GB, slots vs paged (shapes only)
+#   structured   the demo pair, 16 prompts through 16 rows: plain vs DFlash, each with and without a JSON schema
+#                (constrained DFlash identical to constrained plain; the cost of the masks)
+#   grpo, grpofrozen, grpoplain   examples/grpo.py, 20 GRPO updates on the demo target: the draft adapted online,
+#                frozen, and plain rollouts (tau and rollout tokens/s per update; engine logprobs checked)
 set -u
 OUT=${1:-gpu_results}
 shift || true
-STEPS=${*:-kernel synthetic context train adaptive tree16 tree64 tree256 gdntree serve load paged prefix group cacheplan}
+STEPS=${*:-kernel synthetic context train adaptive tree16 tree64 tree256 gdntree serve load paged prefix group cacheplan structured grpo grpofrozen grpoplain}
 mkdir -p "$OUT"
 python - <<'EOF' > "$OUT/devices.txt" 2>&1
 import jax
@@ -70,4 +74,8 @@ step prefix 300 python -m infer.serve_benchmark --max-batch 64 --concurrency 8 -
     --max-new-tokens 64 --shared-prefix 200 --json
 step group 300 python -m infer.group_benchmark --num-prompts 32 --group 8 --max-batch 64 --json
 step cacheplan 60 python -m infer.cache_plan --preset qwen3-8b --memory 16,32,80,141 --context 8192 --json
+step structured 300 python -m infer.structured_benchmark --max-batch 16 --num-prompts 16 --max-new-tokens 128 --json
+step grpo 600 python examples/grpo.py --updates 20 --adapt-draft --check --json
+step grpofrozen 600 python examples/grpo.py --updates 20 --json
+step grpoplain 600 python examples/grpo.py --updates 20 --plain --json
 echo "results in $OUT/"

@@ -24,7 +24,7 @@ def test_train_help_marks_required_flags_and_says_defaults_once():
     assert "{float32,bfloat16,float16}" in text and "{auto,kernel,reference,interpret}" in text
 
 
-@pytest.mark.parametrize("module", ["generate", "benchmark", "serve.__main__", "serve_benchmark"])
+@pytest.mark.parametrize("module", ["generate", "benchmark", "serve.__main__", "serve_benchmark", "structured_benchmark"])
 def test_infer_options_all_have_help(module, monkeypatch, capsys):
     import importlib
 
@@ -42,7 +42,7 @@ def test_gpu_script_commands_parse():
     import shlex
 
     from dflash_jax.synthetic import PRESETS
-    from infer import benchmark, cache_plan, context_sweep, group_benchmark, serve_benchmark
+    from infer import benchmark, cache_plan, context_sweep, group_benchmark, serve_benchmark, structured_benchmark
     from train import bench
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu_benchmarks.sh")
@@ -50,10 +50,11 @@ def test_gpu_script_commands_parse():
     commands = [shlex.split(line)[3:] for line in text.splitlines() if line.startswith("step ")]
     parse = {"infer.benchmark": benchmark.parse_args, "infer.context_sweep": context_sweep.parse_args,
              "train.bench": bench.build_parser().parse_args, "infer.serve_benchmark": serve_benchmark.parse_args,
-             "infer.cache_plan": cache_plan.parse_args, "infer.group_benchmark": group_benchmark.parse_args}
+             "infer.cache_plan": cache_plan.parse_args, "infer.group_benchmark": group_benchmark.parse_args,
+             "infer.structured_benchmark": structured_benchmark.parse_args}
     seen = set()
     for cmd in commands:
-        if cmd[1].startswith("scripts/"):  # a script of this repository: its own parser
+        if cmd[1].startswith(("scripts/", "examples/")):  # a script of this repository: its own parser
             import importlib.util
 
             spec = importlib.util.spec_from_file_location("script", os.path.join(os.path.dirname(path), "..", cmd[1]))
@@ -67,7 +68,7 @@ def test_gpu_script_commands_parse():
             args = parse[cmd[2]](cmd[3:])
             assert getattr(args, "synthetic", None) in (None, *PRESETS), cmd
             seen.add(cmd[2])
-    assert seen == set(parse) | {"scripts/gdn_verify_cost.py"} and len(commands) == 15
+    assert seen == set(parse) | {"scripts/gdn_verify_cost.py", "examples/grpo.py"} and len(commands) == 19
     # every step runs by default and is described in the header (prefix and group once were in neither)
     names = [line.split()[1] for line in text.splitlines() if line.startswith("step ")]
     default = re.search(r"STEPS=\$\{\*:-([^}]*)\}", text).group(1).split()

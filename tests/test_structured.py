@@ -71,17 +71,38 @@ def test_greedy_constrained_speculation_is_plain_constrained_decoding(trained):
     assert any(a > 1 for r in fast[:-2] for a in r.acceptance_lengths)  # drafts were accepted under the grammars
 
 
-def test_constrained_paged_and_slots_and_block_one_agree(trained):
-    """The JSON schema through the slots engine (page=0) and with plain steps of the draft's engine (block 1):
-    the same output as the paged engine's."""
+class Alternate:
+    """A block policy alternating plain steps of the draft's engine (block 1: its context still written) and block 4."""
+
+    calls = 0
+
+    def choose(self, bucket):
+        self.calls += 1
+        return 1 + 3 * (self.calls % 2)
+
+    def observe(self, results):
+        pass
+
+
+def test_constrained_engines_agree(trained):
+    """The JSON schema through the slots engine (page=0), a pool too small for the load (rows preempted, their
+    matchers rebuilt from their committed tokens), and a block policy alternating plain steps and block 4: the
+    same output as the paged engine's, every answer valid."""
+    from pairs import tight_pool
+
     target, draft, prompts = trained
     requests = [Request(p, max_new_tokens=70, grammar=GRAMMARS["json_schema"], stop_token_ids=[EOS])
-                for p in prompts[:2]]
-    kw = dict(max_batch=2, tokenizer=TOKENIZER, warm=False)
+                for p in prompts[:3]]
+    kw = dict(max_batch=3, tokenizer=TOKENIZER, warm=False)
     paged = decode.continuous_generate(target, draft, requests, **kw)
-    slots = decode.continuous_generate(target, draft, requests, page=0, **kw)
-    block1 = decode.continuous_generate(target, draft, requests, block_size=1, **kw)
-    assert [r.output_ids for r in paged] == [r.output_ids for r in slots] == [r.output_ids for r in block1]
+    stats = decode.RunStats()
+    others = [decode.continuous_generate(target, draft, requests, page=0, **kw),
+              decode.continuous_generate(target, draft, requests, stats=stats, **kw,
+                                         kv_cache_memory=tight_pool(target, draft, requests, 3)),
+              decode.continuous_generate(target, draft, requests, block_policy=Alternate(), **kw)]
+    assert stats.preemptions >= 1
+    for other in others:
+        assert [r.output_ids for r in other] == [r.output_ids for r in paged]
     assert all(_valid("json_schema", TOKENIZER.decode(r.generated_ids)) for r in paged)
 
 
@@ -104,3 +125,25 @@ def test_grammar_refusals(trained):
         Grammar("xml", "<a/>")
     with pytest.raises(ValueError, match="non-empty list of strings"):
         Grammar.choice([])
+
+
+def test_another_family_llama():
+    """A LLaMA target (16 ids: 14 characters, end-of-sequence, mask; a peaked head, so that a random block-4 draft is
+    sometimes right): greedy constrained speculation equals plain constrained decoding under a regex."""
+    from dflash_jax.target import Target, init_params
+    from pairs import random_draft, tiny_target_config
+
+    tcfg = tiny_target_config(16, layers=2, model_type="llama", qk_norm=False, eos_token_id=(14,))
+    params = init_params(tcfg, 0)
+    target = Target(tcfg, dict(params, lm_head={"kernel": params["lm_head"]["kernel"] * 8}))
+    draft = random_draft(tcfg, block_size=4, seed=1, draft_layers=1, target_layer_ids=(0, 1))
+    tok = CharTokenizer("abcdef012345{}", 16, 14)
+    regex = r"[a-f]{1,6}[0-5]{1,4}"
+    requests = [Request(p, max_new_tokens=16, grammar=Grammar.regex(regex), stop_token_ids=[14])
+                for p in ([1, 5, 3], [2, 7, 7, 1], [9, 0], [4, 4, 4, 12, 3])]
+    kw = dict(max_batch=4, tokenizer=tok, warm=False)
+    fast = decode.continuous_generate(target, draft, requests, **kw)
+    plain = decode.continuous_generate(target, None, requests, **kw)
+    assert [r.output_ids for r in fast] == [r.output_ids for r in plain]
+    assert all(re.fullmatch(regex, tok.decode(r.generated_ids)) for r in fast)
+    assert any(a > 1 for r in fast for a in r.acceptance_lengths)

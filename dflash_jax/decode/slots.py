@@ -523,7 +523,7 @@ class Engine:
 
     def step(self, state: DecodeState) -> DecodeState:
         """One draft + verify + commit of every running row."""
-        if self.paged:
+        if self.paged or self.constraints.rows:
             return self.run(state, 1)[0]
         spec, _ = self._step_spec(self.rows, None, 1)
         return self._compiled("step", steps.step_jit, state, spec=spec)(self.inputs, state)
