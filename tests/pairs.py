@@ -232,3 +232,17 @@ def tight_pool(target, draft, requests, max_batch: int) -> int:
                                                 stop_token_ids=()), max_batch=max_batch, max_length=longest,
                    sampled=True)
     return (probe.pool.pages_for(longest - 1 + probe.spec.max_block) + 1) * probe.page_bytes
+
+
+class Alternate:
+    """A block policy alternating plain steps of a draft's engine (block 1: the draft's context still written) and
+    block 4 at every run (``Engine(block_policy=...)``)."""
+
+    calls = 0
+
+    def choose(self, bucket):
+        self.calls += 1
+        return 1 + 3 * (self.calls % 2)
+
+    def observe(self, results):
+        pass

@@ -73,7 +73,7 @@ from dflash_jax import decode as S
 from dflash_jax import draft as D
 from dflash_jax.target import Target, init_params, target_logits
 from dflash_jax.grammar import Grammar
-from pairs import CharTokenizer, random_draft, random_pair
+from pairs import Alternate, CharTokenizer, random_draft, random_pair
 from test_draft import make_draft
 from test_draft_formats import DFLASH2
 from test_dspark import make_dspark
@@ -222,19 +222,6 @@ def test_joint_law_of_first_three_tokens_is_the_targets(peaked, temperature, top
     report = law_report(runs, want)
     assert all(stat < threshold for _, stat, threshold, _ in report), report
     assert accepted > 0.1  # drafts were accepted often, not just bonus tokens
-
-
-class Alternate:
-    """A block policy alternating plain steps and block 4 at every run."""
-
-    calls = 0
-
-    def choose(self, bucket):
-        self.calls += 1
-        return 1 + 3 * (self.calls % 2)
-
-    def observe(self, results):
-        pass
 
 
 def test_mixed_settings_in_one_batch_keep_each_rows_law(peaked):

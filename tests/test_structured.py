@@ -18,7 +18,7 @@ import pytest
 from dflash_jax import decode
 from dflash_jax.decode import Request
 from dflash_jax.grammar import Grammar
-from pairs import CharTokenizer
+from pairs import Alternate, CharTokenizer
 
 CHARS = ' ",:{}[]-.' + "0123456789" + "abcdefghijklmnopqrstuvwxyz" + "ABCDEFGHIJKLMNOP"
 EOS = 62
@@ -69,19 +69,6 @@ def test_greedy_constrained_speculation_is_plain_constrained_decoding(trained):
     alone = decode.speculative_generate(target, draft, [prompts[6], prompts[7]], max_new_tokens=30, stop_token_ids=[])
     assert [r.output_ids for r in free] == [r.output_ids for r in alone]
     assert any(a > 1 for r in fast[:-2] for a in r.acceptance_lengths)  # drafts were accepted under the grammars
-
-
-class Alternate:
-    """A block policy alternating plain steps of the draft's engine (block 1: its context still written) and block 4."""
-
-    calls = 0
-
-    def choose(self, bucket):
-        self.calls += 1
-        return 1 + 3 * (self.calls % 2)
-
-    def observe(self, results):
-        pass
 
 
 def test_constrained_engines_agree(trained):
