@@ -158,14 +158,23 @@ class RowMatcher:
                 raise RuntimeError(f"the grammar refused a committed token {t}: {self._m.get_error()}")
         self.consumed += len(tokens)
 
-    def masks(self, proposal: Sequence[int], out: np.ndarray) -> None:
+    def masks(self, proposal: Sequence[int], out: np.ndarray, candidates=None) -> list[int]:
         """``out`` [K, words] int32, row i: the bitmask of the token after the committed ones and ``proposal``[:i].
         Past the proposal's first token that row i - 1 forbids, all ones: the masked target rejects that token, so
-        nothing after it is committed."""
+        nothing after it is committed. ``candidates`` [K-1, C] (the draft's most probable tokens at each position,
+        best first; a greedy row's): the proposal is rebuilt to follow the grammar, each token the one the grammar
+        forces there (``_forced``), else the best allowed candidate (the draft's own token when it cannot find one:
+        forbidden, the proposal ends). Any proposal keeps greedy verification exact -> the proposal."""
+        tokens = [int(t) for t in proposal[:out.shape[0] - 1]]
         self._fill(out[0])
         consumed, ended = 0, self.ended
         for i in range(1, out.shape[0]):
-            d = int(proposal[i - 1])
+            if candidates is not None:
+                found = self._forced(out[i - 1], ended)
+                if found is None:
+                    found = next((int(c) for c in candidates[i - 1] if allows(out[i - 1], int(c))), None)
+                tokens[i - 1] = tokens[i - 1] if found is None else found
+            d = tokens[i - 1]
             if not allows(out[i - 1], d):
                 out[i:] = -1
                 break
@@ -178,3 +187,14 @@ class RowMatcher:
             self._fill(out[i])
         if consumed:
             self._m.rollback(consumed)
+        return tokens
+
+    def _forced(self, mask: np.ndarray, ended: bool) -> int | None:
+        """The token the grammar forces next, if it forces one: the first of its fast-forward tokens (the canonical
+        tokenization of the bytes it forces: a JSON schema's keys and punctuation), or the one token ``mask``
+        allows."""
+        ff = [] if ended or self._m.is_stopped() else self._m.compute_ff_tokens()
+        if ff and allows(mask, ff[0]):
+            return int(ff[0])
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
+        return int(np.flatnonzero(bits)[0]) if np.count_nonzero(bits) == 1 else None

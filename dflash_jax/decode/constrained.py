@@ -23,6 +23,7 @@ class Constraints:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._grammars: Grammars | None = None
         self.rows: dict[int, RowMatcher] = {}
+        self.guided: set[int] = set()  # greedy rows: proposals rebuilt along the grammar
 
     @property
     def grammars(self) -> Grammars:
@@ -44,13 +45,17 @@ class Constraints:
         except ValueError as e:
             raise ValueError(f"request {index}: {e}") from e
 
-    def start(self, row: int, grammar, first: bool) -> np.ndarray | None:
+    def start(self, row: int, grammar, first: bool, greedy: bool) -> np.ndarray | None:
         """``row`` now matches ``grammar`` (None: unconstrained) from its first generated token -> that token's
-        bitmask [words] (``first``; a row re-admitted after preemption draws no new first token: None)."""
+        bitmask [words] (``first``; a row re-admitted after preemption draws no new first token: None). A ``greedy``
+        row's proposals are rebuilt to follow the grammar (``RowMatcher.masks``)."""
         self.rows.pop(row, None)
+        self.guided.discard(row)
         if grammar is None:
             return None
         matcher = self.rows[row] = self.grammars.matcher(grammar)
+        if greedy:
+            self.guided.add(row)
         if not first:
             return None
         out = np.empty((1, matcher.words), np.int32)
@@ -59,6 +64,7 @@ class Constraints:
 
     def forget(self, row: int) -> None:
         self.rows.pop(row, None)
+        self.guided.discard(row)
 
     def live(self, rows) -> bool:
         return any(int(r) in self.rows for r in rows)
@@ -78,12 +84,19 @@ class Constraints:
                 tokens = np.asarray(sharding.to_host(state.tokens[row]))[start:start + new]
             matcher.advance(tokens)
 
-    def masks(self, at, proposal, k: int) -> np.ndarray:
-        """[A, k, words] int32: the bitmasks of each row ``at``'s k verified positions along its ``proposal`` [A, k-1]
-        (None: plain steps, k = 1); all ones for rows without a grammar."""
+    def masks(self, at, proposal, candidates, k: int) -> tuple[np.ndarray | None, np.ndarray]:
+        """(the proposal [A, k-1], greedy rows' rebuilt along their grammars (None: plain steps, k = 1), the bitmasks
+        [A, k, words] int32 of each row ``at``'s k verified positions along it: all ones for rows without a
+        grammar). ``candidates`` [A, k-1, C]: the draft's most probable tokens at each position."""
         out = np.full((len(at), k, self.grammars.words), -1, np.int32)
+        proposal = None if proposal is None else np.array(proposal)
         for i, row in enumerate(at):
             matcher = self.rows.get(int(row))
-            if matcher is not None:
-                matcher.masks(proposal[i] if proposal is not None else [], out[i])
-        return out
+            if matcher is None:
+                continue
+            if proposal is None:
+                matcher.masks([], out[i])
+            else:
+                guide = candidates[i] if int(row) in self.guided else None
+                proposal[i] = matcher.masks(proposal[i], out[i], guide)
+        return proposal, out

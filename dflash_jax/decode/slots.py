@@ -472,7 +472,8 @@ class Engine:
             new = self._rows([requests[i] for i in group], [settings[i] for i in group], budget[list(group)],
                              pad_to=size, starts=starts)
             first = [self.constraints.start(rows[i], self._requests[rows[i]].grammar,
-                                            not isinstance(requests[i], Resumed)) for i in group]
+                                            not isinstance(requests[i], Resumed), settings[i].temperature == 0)
+                     for i in group]
             if any(m is not None for m in first):  # grammars: the first token's masks
                 allowed = np.full((size, self.constraints.grammars.words), -1, np.int32)
                 for j, m in enumerate(first):
@@ -560,11 +561,14 @@ class Engine:
         date, the proposal drafted and read, the masks along it computed, the masked verify and commit."""
         self.constraints.catch_up(state, {r: len(q.prompt_ids) for r, q in self._requests.items()},
                                   self.spec.max_block + 1)
-        given = proposal = None
+        given = proposal = candidates = None
         if spec.drafting:
-            given = self._compiled("propose_rows", steps.propose_rows_jit, state, at, spec=spec)(self.inputs, state, at)
-            proposal = np.asarray(sharding.to_host(given.tokens))
-        allowed = self.constraints.masks(at, proposal, spec.step_block)
+            given, top = self._compiled("propose_rows", steps.propose_rows_jit, state, at, spec=spec)(self.inputs,
+                                                                                                     state, at)
+            proposal, candidates = sharding.to_host((given.tokens, top))
+        proposal, allowed = self.constraints.masks(at, proposal, candidates, spec.step_block)
+        if proposal is not None:  # greedy rows' proposals rebuilt along their grammars
+            given = given.replace(tokens=jax.device_put(proposal, given.tokens.sharding))
         run = self._compiled("step_rows", steps.step_rows_jit, state, at, given, allowed, spec=spec)
         return run(self.inputs, state, at, given, allowed)
 

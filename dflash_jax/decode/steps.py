@@ -161,10 +161,15 @@ def _scatter(spec: EngineSpec, state: DecodeState, rows: DecodeState, at, pad) -
     return spec.place(_put_rows(state, rows, jnp.where(pad, state.finish.shape[0], at)))
 
 
+GUIDE_CANDIDATES = 8  # a constrained greedy row's proposal picks among the draft's most probable tokens
+
+
 def propose_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at):
-    """``propose`` for the rows ``at`` [A] (paged or not)."""
+    """``propose`` for the rows ``at`` [A] (paged or not) -> (the proposal, the draft's ``GUIDE_CANDIDATES`` most
+    probable tokens at each position [A, K-1, C]: what a grammar's greedy rows choose from, ``decode.constrained``)."""
     rows, sub_inp, _ = _gather(spec, inp, state, at)
-    return propose(spec, sub_inp, join(rows) if spec.page else rows)
+    proposal = propose(spec, sub_inp, join(rows) if spec.page else rows)
+    return proposal, jax.lax.top_k(proposal.scores, min(GUIDE_CANDIDATES, proposal.scores.shape[-1]))[1]
 
 
 def step_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at, given, allowed) -> DecodeState:
