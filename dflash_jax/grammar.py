@@ -107,6 +107,7 @@ class Grammars:
         self.vocab_size = int(vocab_size)
         self.words = (self.vocab_size + 31) // 32  # int32 words of one bitmask
         self._compiled: dict[Grammar, Any] = {}
+        self.executor = llg.LLExecutor()  # fills many rows' masks in parallel (threads: 80% of the CPUs)
 
     def compile(self, grammar: Grammar):
         """``grammar``'s matcher in its initial state (cached), or ValueError naming what does not compile."""
@@ -123,7 +124,7 @@ class Grammars:
 
     def matcher(self, grammar: Grammar) -> "RowMatcher":
         """A fresh matcher of ``grammar`` for one row."""
-        return RowMatcher(self.compile(grammar).deep_copy(), self.words, self.tokenizer.eos_tokens)
+        return RowMatcher(self.compile(grammar).deep_copy(), self.words, self.tokenizer.eos_tokens, self.executor)
 
 
 def allows(mask: np.ndarray, token: int) -> bool:
@@ -132,23 +133,16 @@ def allows(mask: np.ndarray, token: int) -> bool:
 
 
 class RowMatcher:
-    """One row's grammar state: its committed tokens consumed (``consumed`` of them), and the bitmasks of a
-    proposal's positions, computed by consuming its tokens and rolling them back. After an end-of-sequence token
+    """One row's grammar state: its committed tokens consumed (``consumed`` of them). After an end-of-sequence token
     (allowed where the grammar is complete) only end-of-sequence tokens follow: a row that does not stop on it
     keeps to the grammar."""
 
-    def __init__(self, matcher, words: int, eos_ids: Sequence[int]):
-        self._m, self.words, self.consumed, self.ended = matcher, words, 0, False
+    def __init__(self, matcher, words: int, eos_ids: Sequence[int], executor):
+        self._m, self.words, self.consumed, self.ended, self.executor = matcher, words, 0, False, executor
         self.eos_ids = frozenset(int(e) for e in eos_ids)
-        self._eos_mask = np.zeros(words, np.int32)
+        self.eos_mask = np.zeros(words, np.int32)
         for e in self.eos_ids:
-            self._eos_mask[e // 32] |= np.int32(np.uint32(1 << (e % 32)).view(np.int32))
-
-    def _fill(self, out: np.ndarray) -> None:
-        if self.ended or self._m.is_stopped():
-            out[:] = self._eos_mask
-        else:
-            self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.size * out.itemsize)
+            self.eos_mask[e // 32] |= np.int32(np.uint32(1 << (e % 32)).view(np.int32))
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Consume committed ``tokens`` (allowed by construction: RuntimeError if the grammar refuses one)."""
@@ -158,38 +152,13 @@ class RowMatcher:
                 raise RuntimeError(f"the grammar refused a committed token {t}: {self._m.get_error()}")
         self.consumed += len(tokens)
 
-    def masks(self, proposal: Sequence[int], out: np.ndarray, candidates=None) -> list[int]:
-        """``out`` [K, words] int32, row i: the bitmask of the token after the committed ones and ``proposal``[:i].
-        Past the proposal's first token that row i - 1 forbids, all ones: the masked target rejects that token, so
-        nothing after it is committed. ``candidates`` [K-1, C] (the draft's most probable tokens at each position,
-        best first; a greedy row's): the proposal is rebuilt to follow the grammar, each token the one the grammar
-        forces there (``_forced``), else the best allowed candidate (the draft's own token when it cannot find one:
-        forbidden, the proposal ends). Any proposal keeps greedy verification exact -> the proposal."""
-        tokens = [int(t) for t in proposal[:out.shape[0] - 1]]
-        self._fill(out[0])
-        consumed, ended = 0, self.ended
-        for i in range(1, out.shape[0]):
-            if candidates is not None:
-                found = self._forced(out[i - 1], ended)
-                if found is None:
-                    found = next((int(c) for c in candidates[i - 1] if allows(out[i - 1], int(c))), None)
-                tokens[i - 1] = tokens[i - 1] if found is None else found
-            d = tokens[i - 1]
-            if not allows(out[i - 1], d):
-                out[i:] = -1
-                break
-            if d in self.eos_ids or ended or self._m.is_stopped():
-                ended = True
-                out[i] = self._eos_mask
-                continue
-            self._m.consume_token(d)
-            consumed += 1
-            self._fill(out[i])
-        if consumed:
-            self._m.rollback(consumed)
-        return tokens
+    def first_mask(self) -> np.ndarray:
+        """The bitmask [words] of the next token."""
+        out = np.full((1, 1, self.words), -1, np.int32)
+        fill_masks([self], np.zeros((1, 0), np.int64), [None], out)
+        return out[0, 0]
 
-    def _forced(self, mask: np.ndarray, ended: bool) -> int | None:
+    def forced(self, mask: np.ndarray, ended: bool) -> int | None:
         """The token the grammar forces next, if it forces one: the first of its fast-forward tokens (the canonical
         tokenization of the bytes it forces: a JSON schema's keys and punctuation), or the one token ``mask``
         allows."""
@@ -198,3 +167,48 @@ class RowMatcher:
             return int(ff[0])
         bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
         return int(np.flatnonzero(bits)[0]) if np.count_nonzero(bits) == 1 else None
+
+
+def fill_masks(matchers: Sequence[RowMatcher], proposals: np.ndarray, candidates, out: np.ndarray) -> None:
+    """``out`` [R, K, words] int32 (C-contiguous, all ones on entry), row r position i: the bitmask of the token
+    after row r's committed tokens and ``proposals``[r, :i] ([R, K-1]), each position's masks of every row filled at
+    once by llguidance's executor (in parallel), the matchers advanced along the proposals and rolled back after.
+    Past a proposal's first token that its position forbids, all ones: the masked target rejects that token, so
+    nothing after it is committed. A row with ``candidates``[r] ([K-1, C]: the draft's most probable tokens at each
+    position, best first; a greedy row's) has its proposal rebuilt in place to follow the grammar: each token the
+    one the grammar forces (``RowMatcher.forced``), else the best allowed candidate, else the draft's own (forbidden:
+    the proposal ends). Greedy verification is exact for any proposal."""
+    rows, k = out.shape[:2]
+    flat = out.reshape(rows * k, out.shape[2])
+    consumed, ended, active = [0] * rows, [m.ended for m in matchers], list(range(rows))
+    for i in range(k):
+        done = [r for r in active if ended[r] or matchers[r]._m.is_stopped()]
+        par = [(matchers[r]._m, r * k + i) for r in active if r not in done]
+        if par:
+            matchers[0].executor.unsafe_compute_mask_ptr(par, flat.ctypes.data, flat.shape[1] * 4, rows * k)
+        for r in done:
+            out[r, i] = matchers[r].eos_mask
+        if i == k - 1:
+            break
+        still = []
+        for r in active:
+            m, mask = matchers[r], out[r, i]
+            if candidates[r] is not None:
+                found = m.forced(mask, ended[r])
+                if found is None:
+                    found = next((int(c) for c in candidates[r][i] if allows(mask, int(c))), None)
+                if found is not None:
+                    proposals[r, i] = found
+            d = int(proposals[r, i])
+            if not allows(mask, d):
+                continue
+            if d in m.eos_ids or ended[r] or m._m.is_stopped():
+                ended[r] = True
+            else:
+                m._m.consume_token(d)
+                consumed[r] += 1
+            still.append(r)
+        active = still
+    for m, n in zip(matchers, consumed):
+        if n:
+            m._m.rollback(n)

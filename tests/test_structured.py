@@ -72,14 +72,14 @@ def test_greedy_constrained_speculation_is_plain_constrained_decoding(trained):
 
 
 def test_constrained_engines_agree(trained):
-    """The JSON schema through the slots engine (page=0), a pool too small for the load (rows preempted, their
-    matchers rebuilt from their committed tokens), and a block policy alternating plain steps and block 4: the
-    same output as the paged engine's, every answer valid."""
+    """The broad regex (drafts accepted often; no stop: after the grammar's end, end-of-sequence tokens to the
+    budget) through the slots engine (page=0), a pool too small for the load (rows preempted, their matchers
+    rebuilt from their committed tokens), and a block policy alternating plain steps and block 4: the same output as
+    the paged engine's, every answer valid."""
     from pairs import tight_pool
 
     target, draft, prompts = trained
-    requests = [Request(p, max_new_tokens=70, grammar=GRAMMARS["json_schema"], stop_token_ids=[EOS])
-                for p in prompts[:3]]
+    requests = [Request(p, max_new_tokens=44, grammar=GRAMMARS["broad"], stop_token_ids=[]) for p in prompts[:3]]
     kw = dict(max_batch=3, tokenizer=TOKENIZER, warm=False)
     paged = decode.continuous_generate(target, draft, requests, **kw)
     stats = decode.RunStats()
@@ -90,7 +90,7 @@ def test_constrained_engines_agree(trained):
     assert stats.preemptions >= 1
     for other in others:
         assert [r.output_ids for r in other] == [r.output_ids for r in paged]
-    assert all(_valid("json_schema", TOKENIZER.decode(r.generated_ids)) for r in paged)
+    assert all(_valid("broad", TOKENIZER.decode(r.generated_ids)) for r in paged)
 
 
 def test_grammar_refusals(trained):

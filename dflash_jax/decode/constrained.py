@@ -13,7 +13,7 @@ import numpy as np
 
 from dflash_jax import sharding
 from dflash_jax.decode import steps
-from dflash_jax.grammar import Grammars, RowMatcher
+from dflash_jax.grammar import Grammars, RowMatcher, fill_masks
 
 
 class Constraints:
@@ -56,11 +56,7 @@ class Constraints:
         matcher = self.rows[row] = self.grammars.matcher(grammar)
         if greedy:
             self.guided.add(row)
-        if not first:
-            return None
-        out = np.empty((1, matcher.words), np.int32)
-        matcher.masks([], out)
-        return out[0]
+        return matcher.first_mask() if first else None
 
     def forget(self, row: int) -> None:
         self.rows.pop(row, None)
@@ -69,16 +65,18 @@ class Constraints:
     def live(self, rows) -> bool:
         return any(int(r) in self.rows for r in rows)
 
-    def catch_up(self, state, prompt_lengths: dict[int, int], width: int) -> None:
-        """Every matcher advanced by the tokens its row generated since (``width``: the most one step or admission
-        commits; a row re-admitted after preemption reads its whole row once)."""
-        out = sharding.to_host(steps.recent_jit(state, width, 1))
-        for row, matcher in self.rows.items():
-            new = int(out["generated"][row]) - matcher.consumed
+    def catch_up(self, at, tail, generated, state, prompt_lengths: dict[int, int]) -> None:
+        """The matchers of the rows ``at`` advanced by the tokens each generated since: ``tail`` [A, W] its last W
+        tokens (W: the most one step or admission commits), ``generated`` [A] its count (``steps.recent``); a row
+        re-admitted after preemption reads its whole row from ``state`` once."""
+        width = tail.shape[1]
+        for i, row in enumerate(int(r) for r in at):
+            matcher = self.rows.get(row)
+            new = 0 if matcher is None else int(generated[i]) - matcher.consumed
             if new <= 0:
                 continue
             if new <= width:
-                tokens = out["tail"][row, width - new:]
+                tokens = tail[i, width - new:]
             else:
                 start = prompt_lengths[row] + matcher.consumed
                 tokens = np.asarray(sharding.to_host(state.tokens[row]))[start:start + new]
@@ -89,14 +87,12 @@ class Constraints:
         [A, k, words] int32 of each row ``at``'s k verified positions along it: all ones for rows without a
         grammar). ``candidates`` [A, k-1, C]: the draft's most probable tokens at each position."""
         out = np.full((len(at), k, self.grammars.words), -1, np.int32)
-        proposal = None if proposal is None else np.array(proposal)
-        for i, row in enumerate(at):
-            matcher = self.rows.get(int(row))
-            if matcher is None:
-                continue
-            if proposal is None:
-                matcher.masks([], out[i])
-            else:
-                guide = candidates[i] if int(row) in self.guided else None
-                proposal[i] = matcher.masks(proposal[i], out[i], guide)
-        return proposal, out
+        live = [i for i, row in enumerate(at) if int(row) in self.rows]
+        if not live:
+            return proposal, out
+        proposal = np.zeros((len(at), 0), np.int64) if proposal is None else np.array(proposal)
+        mine, sub = proposal[live], np.full((len(live), k, out.shape[2]), -1, np.int32)
+        fill_masks([self.rows[int(at[i])] for i in live], mine, [
+            candidates[i] if candidates is not None and int(at[i]) in self.guided else None for i in live], sub)
+        out[live], proposal[live] = sub, mine
+        return (proposal if k > 1 else None), out

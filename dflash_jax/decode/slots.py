@@ -559,13 +559,16 @@ class Engine:
     def _constrained(self, state: DecodeState, at, spec) -> DecodeState:
         """One step of the rows ``at`` with their grammars' masks (``decode.constrained``): the matchers brought up to
         date, the proposal drafted and read, the masks along it computed, the masked verify and commit."""
-        self.constraints.catch_up(state, {r: len(q.prompt_ids) for r, q in self._requests.items()},
-                                  self.spec.max_block + 1)
         given = proposal = candidates = None
-        if spec.drafting:
-            given, top = self._compiled("propose_rows", steps.propose_rows_jit, state, at, spec=spec)(self.inputs,
-                                                                                                     state, at)
-            proposal, candidates = sharding.to_host((given.tokens, top))
+        if spec.drafting:  # the proposal, its candidates and the rows' newest tokens in one program
+            given, top, seen = self._compiled("propose_rows", steps.propose_rows_jit, state, at, spec=spec)(
+                self.inputs, state, at)
+            proposal, candidates, seen = sharding.to_host((given.tokens, top, seen))
+        else:
+            seen = sharding.to_host(steps.recent_jit(state, self.spec.max_block + 1, 1))
+            seen = {k: seen[k][np.minimum(at, self.rows - 1)] for k in ("tail", "generated")}
+        self.constraints.catch_up(at, seen["tail"], seen["generated"], state,
+                                  {r: len(q.prompt_ids) for r, q in self._requests.items()})
         proposal, allowed = self.constraints.masks(at, proposal, candidates, spec.step_block)
         if proposal is not None:  # greedy rows' proposals rebuilt along their grammars
             given = given.replace(tokens=jax.device_put(proposal, given.tokens.sharding))
