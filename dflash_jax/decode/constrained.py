@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 
 from dflash_jax import sharding
-from dflash_jax.decode import steps
 from dflash_jax.grammar import Grammars, RowMatcher, fill_masks
 
 
