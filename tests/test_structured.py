@@ -73,9 +73,9 @@ def test_greedy_constrained_speculation_is_plain_constrained_decoding(trained):
 
 def test_constrained_engines_agree(trained):
     """The broad regex (drafts accepted often; no stop: after the grammar's end, end-of-sequence tokens to the
-    budget) through the slots engine (page=0), a pool too small for the load (rows preempted, their matchers
-    rebuilt from their committed tokens), and a block policy alternating plain steps and block 4: the same output as
-    the paged engine's, every answer valid."""
+    budget) through the slots engine (page=0), and through a pool too small for the load (rows preempted, their
+    matchers rebuilt from their committed tokens) with a block policy alternating plain steps and block 4: the same
+    output as the paged engine's, every answer valid."""
     from pairs import tight_pool
 
     target, draft, prompts = trained
@@ -84,9 +84,8 @@ def test_constrained_engines_agree(trained):
     paged = decode.continuous_generate(target, draft, requests, **kw)
     stats = decode.RunStats()
     others = [decode.continuous_generate(target, draft, requests, page=0, **kw),
-              decode.continuous_generate(target, draft, requests, stats=stats, **kw,
-                                         kv_cache_memory=tight_pool(target, draft, requests, 3)),
-              decode.continuous_generate(target, draft, requests, block_policy=Alternate(), **kw)]
+              decode.continuous_generate(target, draft, requests, stats=stats, block_policy=Alternate(), **kw,
+                                         kv_cache_memory=tight_pool(target, draft, requests, 3))]
     assert stats.preemptions >= 1
     for other in others:
         assert [r.output_ids for r in other] == [r.output_ids for r in paged]
