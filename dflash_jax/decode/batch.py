@@ -64,15 +64,15 @@ def speculative_generate(target: Target, draft, prompts, *, max_new_tokens: int,
 
     ``draft=None`` (or ``block_size=1``) is plain autoregressive decoding with the same engine. The keyword
     ``options`` are ``DecodeOptions``' (block_size, temperature, top_k, top_p, stop_token_ids, seed, max_length,
-    acceptance, proposer, attention_impl, cache_len, verify_lengths, verify_threshold, tree_budget, logprobs). Row i samples
-    with the key of (seed, i) (``Request``). Returns one ``GenerationResult`` per prompt; wall time excludes
+    acceptance, proposer, attention_impl, cache_len, verify_lengths, verify_threshold, tree_budget, logprobs). Row i
+    samples with the key of (seed, i) (``Request``). Returns one ``GenerationResult`` per prompt; wall time excludes
     compilation and first-run setup."""
     batch = build(target, draft, prompts, DecodeOptions(max_new_tokens=max_new_tokens, **options))
     run = _executable(batch)
     start = time.perf_counter()
     state = jax.block_until_ready(run(batch.inputs, batch.rows))
     wall = time.perf_counter() - start
-    host = to_host(state)
+    host = to_host(state, batch.spec.logprobs)
     return [row_result(host, i, n, wall, batch.spec.logprobs) for i, n in enumerate(batch.lens)]
 
 
@@ -103,7 +103,7 @@ def stream_generate(target: Target, draft, prompts, *, max_new_tokens: int,
             break
         state = step(state)
     wall = time.perf_counter() - start
-    host = to_host(state)
+    host = to_host(state, batch.spec.logprobs)
     yield [row_result(host, i, n, wall, batch.spec.logprobs, time_to_first_token_s=first)
            for i, n in enumerate(batch.lens)]
 

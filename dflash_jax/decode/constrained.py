@@ -34,15 +34,12 @@ class Constraints:
             self._grammars = Grammars(self.tokenizer, self.vocab_size)
         return self._grammars
 
-    def check(self, grammar, spec, index: int) -> None:
-        """``grammar`` compiles and the engine can follow it, else ValueError naming the request."""
+    def check(self, grammar, spec) -> None:
+        """``grammar`` compiles and the engine can follow it, else ValueError saying why."""
         if spec.tree_budget or spec.verify_lengths:
-            raise ValueError(f"request {index}: a grammar needs chain verification of the whole block (tree_budget=0, "
-                             "no verify_lengths): its masks follow one proposal")
-        try:
-            self.grammars.compile(grammar)
-        except ValueError as e:
-            raise ValueError(f"request {index}: {e}") from e
+            raise ValueError("a grammar needs chain verification of the whole block (tree_budget=0, no "
+                             "verify_lengths): its masks follow one proposal")
+        self.grammars.compile(grammar)
 
     def start(self, row: int, grammar, first: bool, greedy: bool) -> np.ndarray | None:
         """``row`` now matches ``grammar`` (None: unconstrained) from its first generated token -> that token's
@@ -64,7 +61,7 @@ class Constraints:
     def live(self, rows) -> bool:
         return any(int(r) in self.rows for r in rows)
 
-    def catch_up(self, at, tail, generated, state, prompt_lengths: dict[int, int]) -> None:
+    def catch_up(self, at, tail, generated, state) -> None:
         """The matchers of the rows ``at`` advanced by the tokens each generated since: ``tail`` [A, W] its last W
         tokens (W: the most one step or admission commits), ``generated`` [A] its count (``steps.recent``); a row
         re-admitted after preemption reads its whole row from ``state`` once."""
@@ -77,8 +74,9 @@ class Constraints:
             if new <= width:
                 tokens = tail[i, width - new:]
             else:
-                start = prompt_lengths[row] + matcher.consumed
-                tokens = np.asarray(sharding.to_host(state.tokens[row]))[start:start + new]
+                ids, prompt = sharding.to_host((state.tokens[row], state.prompt_len[row]))
+                start = int(prompt) + matcher.consumed
+                tokens = np.asarray(ids)[start:start + new]
             matcher.advance(tokens)
 
     def masks(self, at, proposal, candidates, k: int) -> tuple[np.ndarray | None, np.ndarray]:

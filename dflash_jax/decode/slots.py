@@ -387,7 +387,10 @@ class Engine:
                                  f"{self.spec.stop_width} per row (stop_width)")
             prepare.budgets([len(r.prompt_ids)], [s], self.max_length, first + i)  # the pool holds any such row
             if r.grammar is not None:
-                self.constraints.check(r.grammar, self.spec, first + i)
+                try:
+                    self.constraints.check(r.grammar, self.spec)
+                except ValueError as e:
+                    raise ValueError(f"request {first + i}: {e}") from e
             settings.append(s)
         return settings
 
@@ -567,8 +570,7 @@ class Engine:
         else:
             seen = sharding.to_host(steps.recent_jit(state, self.spec.max_block + 1, 1))
             seen = {k: seen[k][np.minimum(at, self.rows - 1)] for k in ("tail", "generated")}
-        self.constraints.catch_up(at, seen["tail"], seen["generated"], state,
-                                  {r: len(q.prompt_ids) for r, q in self._requests.items()})
+        self.constraints.catch_up(at, seen["tail"], seen["generated"], state)
         proposal, allowed = self.constraints.masks(at, proposal, candidates, spec.step_block)
         if proposal is not None:  # greedy rows' proposals rebuilt along their grammars
             given = given.replace(tokens=jax.device_put(proposal, given.tokens.sharding))
@@ -672,7 +674,7 @@ class Engine:
         self._seen = None
         at = np.zeros((min(1 << (len(rows) - 1).bit_length(), self.rows),), np.int32)  # a few gather shapes
         at[:len(rows)] = rows
-        host = sharding.to_host(steps.take_jit(state, at))
+        host = sharding.to_host(steps.take_jit(state, at, logprobs=any(self._logprobs.get(r, False) for r in rows)))
         now = time.perf_counter()
         results = [row_result(host, j, int(host["prompt_length"][j]), now - self._admitted_at.pop(r, now),
                               self._logprobs.get(r, False), cached_tokens=self._cached.get(r, 0))

@@ -274,12 +274,14 @@ def page_specs(spec: EngineSpec) -> tuple[tuple, tuple]:
     return target, draft_lib.state_specs(spec.draft_config) if spec.speculative else ()
 
 
-def take(state: DecodeState, at):
-    """The fields a result reads, of rows ``at`` [A] only (what ``types.row_result`` takes, prompt lengths added)."""
+def take(state: DecodeState, at, logprobs: bool = False):
+    """The fields a result reads, of rows ``at`` [A] only (what ``types.row_result`` takes, prompt lengths added;
+    ``logprobs``: the rows' log-probabilities too)."""
     pick = lambda x: jnp.take(x, at, axis=0)  # noqa: E731
-    return dict(tokens=pick(state.tokens), generated=pick(state.generated), acceptance=pick(state.acceptance),
-                verified=pick(state.verified), steps=pick(state.steps), finish=pick(state.finish),
-                logps=pick(state.logps), prompt_length=pick(state.prompt_len))
+    out = dict(tokens=pick(state.tokens), generated=pick(state.generated), acceptance=pick(state.acceptance),
+               verified=pick(state.verified), steps=pick(state.steps), finish=pick(state.finish),
+               prompt_length=pick(state.prompt_len))
+    return dict(out, logps=pick(state.logps)) if logprobs else out
 
 
 def recent(state: DecodeState, width: int, steps: int = 1):
@@ -297,5 +299,5 @@ def recent(state: DecodeState, width: int, steps: int = 1):
 
 
 empty_jit = jax.jit(_on_mesh(empty), static_argnames=("spec", "pages"))
-take_jit = jax.jit(take)
+take_jit = jax.jit(take, static_argnames=("logprobs",))
 recent_jit = jax.jit(recent, static_argnames=("width", "steps"))

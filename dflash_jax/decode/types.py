@@ -227,7 +227,7 @@ def row_result(host: dict, i: int, prompt_length: int, wall: float, logprobs: bo
         tokens_per_second=g / wall if wall > 0 else float("inf"), **timing)
 
 
-def to_host(state: DecodeState) -> dict:
-    """The fields ``row_result`` reads, on the host."""
-    names = ("tokens", "generated", "acceptance", "verified", "steps", "finish", "logps")
+def to_host(state: DecodeState, logprobs: bool = False) -> dict:
+    """The fields ``row_result`` reads, on the host (``logprobs``: the log-probabilities too)."""
+    names = ("tokens", "generated", "acceptance", "verified", "steps", "finish") + (("logps",) if logprobs else ())
     return dict(zip(names, sharding.to_host(tuple(getattr(state, n) for n in names))))

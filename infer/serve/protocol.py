@@ -127,15 +127,12 @@ class Sampling(BaseModel):
     def grammar(self):
         """(the field, its ``dflash_jax.grammar.Grammar``) of the structured-output field the request gives, or None
         (400 if more than one, or a malformed one; whether it compiles: ``Service.jobs``)."""
-        from dflash_jax.grammar import Grammar
-
         given = {}
         if self.response_format is not None and self.response_format.type != "text":
             given["response_format"] = self.response_format.grammar()
-        for field, make in (("guided_json", Grammar.json_schema), ("guided_regex", Grammar.regex),
-                            ("guided_grammar", Grammar.gbnf), ("guided_choice", _choice)):
+        for field in ("guided_json", "guided_regex", "guided_grammar", "guided_choice"):
             if getattr(self, field) is not None:
-                given[field] = make(getattr(self, field))
+                given[field] = _grammar_of(field.removeprefix("guided_"), getattr(self, field), field)
         if self.structured_outputs is not None:
             given["structured_outputs"] = self.structured_outputs.grammar()
         if len(given) > 1:
@@ -248,13 +245,17 @@ class Message(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
-def _choice(options):
+def _grammar_of(kind: str, value, field: str):
+    """The ``dflash_jax.grammar.Grammar`` of one structured-output value of ``kind`` (vLLM's names: json (a schema),
+    regex, grammar (EBNF / Lark), choice, json_object); 400 naming ``field`` when it is malformed."""
     from dflash_jax.grammar import Grammar
 
+    make = {"json": Grammar.json_schema, "regex": Grammar.regex, "grammar": Grammar.gbnf, "choice": Grammar.choice,
+            "json_object": lambda _: Grammar.json_object()}[kind]
     try:
-        return Grammar.choice(options)
+        return make(value)
     except ValueError as e:
-        raise APIError(400, f"guided_choice: {e}", param="guided_choice") from None
+        raise APIError(400, f"{field}: {e}", param=field) from None
 
 
 class JsonSchema(BaseModel):
@@ -276,14 +277,12 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchema | None = None
 
     def grammar(self):
-        from dflash_jax.grammar import Grammar
-
         if self.type == "json_object":
-            return Grammar.json_object()
+            return _grammar_of("json_object", None, "response_format")
         if self.json_schema is None or self.json_schema.schema_ is None:
             raise APIError(400, "response_format: type json_schema needs json_schema.schema",
                            param="response_format.json_schema")
-        return Grammar.json_schema(self.json_schema.schema_)
+        return _grammar_of("json", self.json_schema.schema_, "response_format")
 
 
 class StructuredOutputs(BaseModel):
@@ -298,19 +297,13 @@ class StructuredOutputs(BaseModel):
     json_object: StrictBool | None = None
 
     def grammar(self):
-        from dflash_jax.grammar import Grammar
-
         given = [(n, v) for n, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
                                      ("grammar", self.grammar_), ("json_object", self.json_object or None))
                  if v is not None]
         if len(given) != 1:
             raise APIError(400, f"structured_outputs: give exactly one of json, regex, choice, grammar, json_object; "
                            f"got {[n for n, _ in given] or 'none'}", param="structured_outputs")
-        name, value = given[0]
-        if name == "choice":
-            return _choice(value)
-        return {"json": Grammar.json_schema, "regex": Grammar.regex, "grammar": Grammar.gbnf,
-                "json_object": lambda _: Grammar.json_object()}[name](value)
+        return _grammar_of(*given[0], "structured_outputs")
 
 
 class ChatRequest(Sampling):

@@ -166,9 +166,9 @@ class Service:
             raise APIError(400, f"{field}: structured outputs need the target's tokenizer, and its directory has none",
                            param=field)
         try:
-            self.engine.constraints.check(grammar, self.engine.spec, 0)
+            self.engine.constraints.check(grammar, self.engine.spec)
         except ValueError as e:
-            raise APIError(400, f"{field}: {str(e).removeprefix('request 0: ')}", param=field) from None
+            raise APIError(400, f"{field}: {e}", param=field) from None
         return grammar
 
     def jobs(self, body: Sampling, prompts: list[list[int]], budget: int | None, emit) -> list[Job]:
