@@ -174,6 +174,9 @@ def test_auto_measures_every_bucket_and_block_then_chooses(trained):
     assert set(seen) == {(b, k) for b in (1, 2, 4) for k in BLOCKS} and all(s > 0 for s in seen.values())
     assert isinstance(engine.block_policy, lp.BlockPolicy) and set(engine.block_table()) == {1, 2, 4}
     assert engine.block_policy.acceptance.steps == 0  # the probes' dummy rows teach nothing
+    # the run below must draft to teach (measured costs on a loaded machine may choose plain steps): a flat table
+    engine.block_policy.step_s = dict.fromkeys(seen, 1e-3)
+    assert set(engine.block_table().values()) == {max(BLOCKS)}
     out = continuous_generate(target, draft, prompts, max_batch=4, max_new_tokens=24, stop_token_ids=[],
                               block_policy=engine.block_policy, warm=False)
     plain = generate(target, prompts, max_new_tokens=24, stop_token_ids=[])
