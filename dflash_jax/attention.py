@@ -12,6 +12,8 @@ kernels run per shard under ``shard_map`` (``sharding.per_shard``): rows over da
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from dflash_jax.kernels.block_attention import block_attention as block_attention_kernel
 from dflash_jax.kernels.block_attention import block_attention_reference, kernel_supported
 from dflash_jax.kernels.decode_attention import MAX_QUERIES, decode_attention_loop, decode_attention_reference
@@ -21,7 +23,7 @@ from dflash_jax.kernels.paged_attention import gather_pages, paged_decode_attent
 from dflash_jax.kernels.paged_attention import paged_decode_attention as paged_decode_attention_kernel
 from dflash_jax.kernels.reference import attend, position_mask
 from dflash_jax.sharding.per_shard import attention_per_shard
-from dflash_jax.state import PAGE_AXES
+from dflash_jax.state import PAGE_AXES, PagedKV
 
 __all__ = ["DECODE_IMPLS", "MAX_QUERIES", "attend", "block_attention", "decode_attention", "paged_decode_attention",
            "position_mask"]
@@ -130,3 +132,33 @@ def paged_decode_attention(q, k_pages, v_pages, table, q_pos, lengths, k_new=Non
                                (_QUERIES, PAGE_AXES, PAGE_AXES, ("cache_batch", "cache_len"), ("cache_batch",),
                                 ("cache_batch",), _CACHE, _CACHE, ("cache_heads",), ("cache_batch",)),
                                what="paged decode attention")
+
+
+def injected_attention(layer, h, positions, anchors, k_ctx, v_ctx, *, impl: str, decode: bool, ctx_start=None,
+                       block_len=None):
+    """A draft layer's attention on its normed input h [B, N*Bk, D]: the block's queries against the injected
+    context K/V plus the block's own keys, through ``layer.self_attn`` (its projections, norms, rope and scale) ->
+    the output projection [B, N*Bk, D]. ``decode`` False (training, N blocks per row): ``block_attention`` with
+    ``impl`` (and ``ctx_start``); True (one block per row): ``decode_attention`` with ``impl`` (and
+    ``block_len``)."""
+    block = h.shape[1] // anchors.shape[1]
+    q = layer.self_attn.queries(h, positions)
+    k, v = layer.self_attn.keys_values(h, positions)
+    window = layer.cfg.layer_window(layer.index)
+    causal = layer.draft is not None and layer.draft.layer_causal(layer.index)
+    scale = layer.self_attn.attention_scale()
+    if not decode:
+        o = block_attention(q, k_ctx, v_ctx, k, v, anchors, block_size=block, sliding_window=window, impl=impl,
+                            ctx_start=ctx_start, block_causal=causal, scale=scale)
+    else:  # one block per row: context slots < its anchor, its own block (positions < block_len, if given)
+        live = anchors >= 0
+        if block_len is not None:
+            live = live & (jnp.arange(block)[None] < block_len[:, None])
+        q_pos = jnp.where(live, positions, -1)
+        kw = dict(sliding_window=window, impl=impl, new_causal=causal, scale=scale)
+        if isinstance(k_ctx, PagedKV):  # the engine's paged context, read in place (``cache_kv``)
+            o = paged_decode_attention(q, k_ctx.k, k_ctx.v, k_ctx.table, q_pos, jnp.maximum(anchors[:, 0], 0), k, v,
+                                       **kw)
+        else:
+            o = decode_attention(q, k_ctx, v_ctx, q_pos, jnp.maximum(anchors[:, 0], 0), k, v, **kw)
+    return layer.self_attn.output(o)

@@ -24,11 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import target as target_lib
-from dflash_jax.attention import block_attention, decode_attention, paged_decode_attention
+from dflash_jax.attention import injected_attention
 from dflash_jax.checkpoints import NameTable, export_params, load_params, resolve_path, save_safetensors
-from dflash_jax.config import DraftConfig
+from dflash_jax.drafts import DraftConfig
 from dflash_jax.dspark import ConfidenceHead, MarkovHead, walk
-from dflash_jax.families import gemma4
 from dflash_jax.families.dense import DecoderLayer
 from dflash_jax.layers import Embed, Linear, RMSNorm, initializer, random_params
 from dflash_jax.sampling import categorical, row_keys
@@ -109,36 +108,6 @@ class CandidateSelector(nn.Module):
         return self.hidden_projection(h), self.predecessor_codebook, self.successor_codebook
 
 
-def injected_attention(layer, h, positions, anchors, k_ctx, v_ctx, *, impl: str, decode: bool, ctx_start=None,
-                       block_len=None):
-    """A draft layer's attention on its normed input h [B, N*Bk, D]: the block's queries against the injected
-    context K/V plus the block's own keys, through ``layer.self_attn`` (its projections, norms, rope and scale) ->
-    the output projection [B, N*Bk, D]. ``decode`` False (training, N blocks per row): ``block_attention`` with
-    ``impl`` (and ``ctx_start``); True (one block per row): ``decode_attention`` with ``impl`` (and
-    ``block_len``)."""
-    block = h.shape[1] // anchors.shape[1]
-    q = layer.self_attn.queries(h, positions)
-    k, v = layer.self_attn.keys_values(h, positions)
-    window = layer.cfg.layer_window(layer.index)
-    causal = layer.draft is not None and layer.draft.layer_causal(layer.index)
-    scale = layer.self_attn.attention_scale()
-    if not decode:
-        o = block_attention(q, k_ctx, v_ctx, k, v, anchors, block_size=block, sliding_window=window, impl=impl,
-                            ctx_start=ctx_start, block_causal=causal, scale=scale)
-    else:  # one block per row: context slots < its anchor, its own block (positions < block_len, if given)
-        live = anchors >= 0
-        if block_len is not None:
-            live = live & (jnp.arange(block)[None] < block_len[:, None])
-        q_pos = jnp.where(live, positions, -1)
-        kw = dict(sliding_window=window, impl=impl, new_causal=causal, scale=scale)
-        if isinstance(k_ctx, PagedKV):  # the engine's paged context, read in place (``cache_kv``)
-            o = paged_decode_attention(q, k_ctx.k, k_ctx.v, k_ctx.table, q_pos, jnp.maximum(anchors[:, 0], 0), k, v,
-                                       **kw)
-        else:
-            o = decode_attention(q, k_ctx, v_ctx, q_pos, jnp.maximum(anchors[:, 0], 0), k, v, **kw)
-    return layer.self_attn.output(o)
-
-
 class DraftLayer(DecoderLayer):
     """A Qwen3 layer whose queries (the block) attend to injected context K/V plus the block itself;
     a DFlash2 layer also convolves around each sublayer (``DynamicConv``)."""
@@ -178,23 +147,6 @@ class DraftLayer(DecoderLayer):
         return x + h
 
 
-class Gemma4DraftLayer(gemma4.DecoderLayer):
-    """A Gemma 4 DSpark layer (DeepSpec's ``Gemma4DSparkDecoderLayer``): ``gemma4.DecoderLayer``'s sandwich norms,
-    GeLU-tanh MLP and layer scalar around the injected attention (full, bidirectional, scale 1, the full layers'
-    head dim, k = v when ``attention_k_eq_v``)."""
-
-    draft: DraftConfig | None = None
-
-    def __call__(self, x, positions, anchors, k_ctx, v_ctx, *, impl: str, decode: bool, ctx_start=None,
-                 block_len=None):
-        """As ``DraftLayer.__call__``."""
-        o = injected_attention(self, self.input_layernorm(x), positions, anchors, k_ctx, v_ctx, impl=impl,
-                               decode=decode, ctx_start=ctx_start, block_len=block_len)
-        x = x + self.post_attention_layernorm(o)
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        return x * jnp.asarray(self.layer_scalar, x.dtype)
-
-
 class DFlashDraft(nn.Module):
     """Parameter names as in the released checkpoints: ``fc``, ``hidden_norm``, ``layers_N``, ``norm``
     (+ DFlash2's ``candidate_selector``; + DSpark's ``embed_tokens``, ``lm_head``, ``markov_head``,
@@ -207,7 +159,7 @@ class DFlashDraft(nn.Module):
         c = d.layers
         self.fc = Linear(c.hidden_size, False, ("features", "embed"))
         self.hidden_norm = RMSNorm(c.rms_norm_eps)
-        layer = Gemma4DraftLayer if isinstance(c, gemma4.Gemma4Config) else DraftLayer
+        layer = d.stack.layer or DraftLayer
         self.layers = [layer(c, i, draft=d) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps)
         if d.convolves:
@@ -224,7 +176,7 @@ class DFlashDraft(nn.Module):
         """The draft's own embedding (DSpark): a lookup; Gemma 4 layers' times sqrt(hidden) in the table's dtype
         (``Gemma4TextScaledWordEmbedding``)."""
         x = self.embed_tokens(ids)
-        if isinstance(self.cfg.layers, gemma4.Gemma4Config):
+        if self.cfg.stack.scaled_embedding:
             x = x * jnp.asarray(self.cfg.layers.hidden_size ** 0.5, x.dtype)
         return x
 

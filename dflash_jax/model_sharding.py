@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from dflash_jax import draft as draft_lib
 from dflash_jax import target as target_lib
 from dflash_jax.checkpoints import resolve_path
-from dflash_jax.config import DraftConfig
+from dflash_jax.drafts import DraftConfig
 from dflash_jax.families import config_from_hf, family_of
 from dflash_jax.sharding.placement import shard_params
 from dflash_jax.sharding.rules import LOGICAL_RULES, logical_to_mesh, rules_for

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import DraftConfig, RopeConfig, TargetConfig, choose_target_layer_ids
+from dflash_jax.config import RopeConfig, TargetConfig
+from dflash_jax.drafts.config import DraftConfig, choose_target_layer_ids
 from dflash_jax.draft import Draft, draft_param_shapes
 from dflash_jax.layers import device_random_params
 from dflash_jax.decode.proposers import Chain, Proposal, StepView
@@ -58,7 +59,7 @@ _LLAMA31_ROPE = RopeConfig(theta=500000.0, rope_type="llama3", params=tuple(sort
     {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}.items())))
 
 # Draft shapes: 5 layers with the target's widths, block 16, target layers by the released formula
-# round(1 + i*(L-4)/4) (``config.choose_target_layer_ids``; z-lab/Qwen3-{4B,8B}-DFlash-b16: layers 1, 9, 17,
+# round(1 + i*(L-4)/4) (``drafts.config.choose_target_layer_ids``; z-lab/Qwen3-{4B,8B}-DFlash-b16: layers 1, 9, 17,
 # 25, 33 of 36; the paper's default of 5 draft layers; 1, 7, 13, 19, 25 of Qwen3-0.6B / 1.7B's 28). The LLaMA
 # draft's ids follow the same formula (1, 8, 15, 22, 29); its mask id is LLaMA-3's first reserved special token.
 PRESETS: dict[str, Preset] = {

@@ -224,7 +224,7 @@ def check_before_loading(args, target_path: str, draft_path: str | None, prompts
     """Every option and prompt that the configs alone can check, before seconds (or minutes) of weight loading."""
     import warnings
 
-    from dflash_jax.config import DraftConfig
+    from dflash_jax.drafts import DraftConfig
     from dflash_jax.decode.options import check_tree_target
     from dflash_jax.families import config_from_hf
     from dflash_jax.sampling import SamplingParams

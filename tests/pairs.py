@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from dflash_jax.config import DraftConfig, TargetConfig
+from dflash_jax.config import TargetConfig
+from dflash_jax.drafts import DraftConfig
 from dflash_jax.draft import Draft, init_draft_params
 from dflash_jax.target import Target, init_params
 

@@ -8,8 +8,9 @@ import warnings
 import pytest
 import transformers
 
-from dflash_jax.config import (DraftConfig, RopeConfig, TargetConfig, choose_target_layer_ids,
-                               default_target_layer_ids, shallow_target_layer_ids)
+from dflash_jax.config import RopeConfig, TargetConfig
+from dflash_jax.drafts.config import (DraftConfig, choose_target_layer_ids, default_target_layer_ids,
+                                      shallow_target_layer_ids)
 
 BASE = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=96, hidden_size=32,
             intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -14,7 +14,7 @@ import safetensors.numpy
 
 import dflash_jax as dj
 from dflash_jax import draft as D
-from dflash_jax.config import DraftConfig
+from dflash_jax.drafts import DraftConfig
 from draft_reference import numpy_draft
 from hf_models import save_tiny, torch_forward
 from tolerances import assert_close, draft_depth

@@ -12,7 +12,7 @@ import safetensors.numpy
 import dflash_jax as dj
 from dflash_jax import draft as D
 from dflash_jax import decode as S
-from dflash_jax.config import DraftConfig
+from dflash_jax.drafts import DraftConfig
 from draft_reference import numpy_draft, numpy_select_greedy
 from hf_models import save_tiny, torch_forward
 from test_draft import make_draft

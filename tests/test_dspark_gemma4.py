@@ -17,7 +17,7 @@ import pytest
 import transformers
 
 import dflash_jax as dj
-from dflash_jax.config import DraftConfig
+from dflash_jax.drafts import DraftConfig
 from dflash_jax.families.gemma4 import Gemma4Config
 
 V = 16

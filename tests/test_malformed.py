@@ -14,7 +14,7 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax.checkpoints import iter_safetensors, save_safetensors
-from dflash_jax.config import DraftConfig
+from dflash_jax.drafts import DraftConfig
 from dflash_jax.families import config_from_hf
 from pairs import pair_dirs as make_pair_dirs
 from test_deepseek_v3 import CFG as DEEPSEEK_V3

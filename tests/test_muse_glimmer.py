@@ -24,7 +24,7 @@ import dflash_jax as dj
 from dflash_jax import draft as D
 from dflash_jax import decode as S
 from dflash_jax.checkpoints import iter_safetensors, save_safetensors
-from dflash_jax.config import DraftConfig
+from dflash_jax.drafts import DraftConfig
 from dflash_jax.families.muse_glimmer import MuseGlimmerConfig
 from dflash_jax.target import decoder, forward, save_target
 from hf_models import positions_for, ragged_parity, torch_greedy

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.config import DraftConfig, TargetConfig
+from dflash_jax.config import TargetConfig
+from dflash_jax.drafts import DraftConfig
 from dflash_jax.draft import draft_param_shapes
 from dflash_jax import target as target_lib
 from dflash_jax.layers import random_params

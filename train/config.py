@@ -14,13 +14,13 @@ import types
 import typing
 
 from dflash_jax.checkpoints import DTYPES
-from dflash_jax.config import MARKOV_HEAD_TYPES
+from dflash_jax.drafts.formats import FORMATS, MARKOV_HEAD_TYPES
 
 # --draft-causal -> DraftConfig.is_causal (auto: the newest reference's rule, sliding layers causal, full ones not)
 DRAFT_CAUSAL = {"auto": None, "true": True, "false": False}
 
 # --draft-arch: the draft's architecture and the objective it trains with
-DRAFT_ARCHS = ("dflash", "dspark")
+DRAFT_ARCHS = tuple(name for name, f in FORMATS.items() if f.trainable)
 # DSpark's loss-weight decay (DeepSpec's loss_decay_gamma): w_j = exp(-j/4), slot j 0-based
 DSPARK_GAMMA = 4.0
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from dflash_jax import draft as draft_lib
 from dflash_jax import target as target_lib
-from dflash_jax.config import DraftConfig
+from dflash_jax.drafts import DraftConfig
 from train import objective
 from train.optim import is_frozen
 

@@ -19,13 +19,14 @@ import os
 import sys
 
 from dflash_jax.checkpoints import DTYPES
-from dflash_jax.config import DraftConfig
+from dflash_jax.drafts import DraftConfig
+from dflash_jax.drafts.formats import architecture_formats
 from dflash_jax.draft import Draft, draft_param_shapes, save_draft
 from dflash_jax.launch import launch
 from train.checkpoint import Checkpointer, CheckpointError, find_checkpoint
 
-# the architectures this trainer exports (config.json "architectures"): DFlash and DSpark (DeepSpec's layout)
-DRAFT_ARCHITECTURES = (["DFlashDraftModel"], ["Qwen3DSparkModel"], ["Gemma4DSparkModel"])
+# the architectures this trainer exports (config.json "architectures"): the trainable formats' (DFlash, DSpark)
+DRAFT_ARCHITECTURES = tuple([a] for a, f in architecture_formats().items() if f.trainable)
 EXPORT_FILES = ("config.json", "model.safetensors", "training_info.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz", ".npy",
                    ".index.json")

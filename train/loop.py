@@ -39,7 +39,7 @@ import optax
 
 from dflash_jax import model_sharding, sharding
 from dflash_jax.checkpoints import load_tokenizer, resolve_dtype
-from dflash_jax.config import MASK_TOKEN, DraftConfig, choose_target_layer_ids
+from dflash_jax.drafts.config import MASK_TOKEN, DraftConfig, choose_target_layer_ids
 from dflash_jax.draft import Draft, check_fits, draft_param_shapes, init_draft_params, load_draft
 from dflash_jax.families import gemma4
 from dflash_jax.prompts import encode_prompt, read_prompts

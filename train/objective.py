@@ -34,7 +34,7 @@ import numpy as np
 
 from dflash_jax import draft as draft_lib
 from dflash_jax import target as target_lib
-from dflash_jax.config import DraftConfig
+from dflash_jax.drafts import DraftConfig
 
 
 # --- anchors, blocks, labels ------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from dflash_jax import sharding
-from dflash_jax.config import DraftConfig
+from dflash_jax.drafts import DraftConfig
 from dflash_jax.state import PagedKV
 
 

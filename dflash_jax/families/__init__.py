@@ -18,6 +18,8 @@ Adding a target family
    (features are Hugging Face ``hidden_states[id + 1]``), and ``FAMILY = Family(...)``.
 2. Add one line to ``_REGISTRY`` below per ``model_type`` it serves (and import the module).
 3. Test it against transformers' own PyTorch class (see tests/test_target.py).
+A family whose layers also make a draft's layer stack (Gemma 4's DSpark drafts) declares it in its ``Family``
+(``draft_stacks``); ``dflash_jax.drafts`` finds it through ``draft_stacks()`` (this package imports no draft code).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from dflash_jax.families import (
     qwen3_moe,
     qwen3_next,
 )
-from dflash_jax.families.family import Family
+from dflash_jax.families.family import DraftStack, Family
 
 _REGISTRY: dict[str, Family] = {
     "qwen3": dense.FAMILY,
@@ -62,6 +64,12 @@ def family_for(model_type: str) -> Family:
 
 def family_of(cfg) -> Family:
     return family_for(cfg.model_type)
+
+
+def draft_stacks() -> dict[str, DraftStack]:
+    """Draft architecture -> the layer stack a family brings for it (``Family.draft_stacks``)."""
+    families = {id(f): f for f in _REGISTRY.values()}.values()
+    return {s.architecture: s for f in families for s in f.draft_stacks}
 
 
 def config_from_hf(path_or_dict) -> Any:

@@ -45,16 +45,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from dflash_jax import moe
+from dflash_jax.attention import injected_attention
 from dflash_jax.checkpoints import skip_tensors
 from dflash_jax.config import RopeConfig, TargetConfig, read_config_json
 from dflash_jax.families import dense
-from dflash_jax.families.family import Family
+from dflash_jax.families.family import DraftStack, Family
 from dflash_jax.layers import MLP, AttentionProjections, Embed, Linear, RMSNorm, apply_rope, gelu_tanh, initializer
 from dflash_jax.moe import Experts
 from dflash_jax.state import KVSpec, SharedKVSpec
@@ -478,5 +480,31 @@ def state_specs(cfg: Gemma4Config) -> tuple:
     return tuple(spec(i) for i in range(cfg.num_hidden_layers))
 
 
+class DraftLayer(DecoderLayer):
+    """A Gemma 4 DSpark layer (DeepSpec's ``Gemma4DSparkDecoderLayer``): ``gemma4.DecoderLayer``'s sandwich norms,
+    GeLU-tanh MLP and layer scalar around the injected attention (full, bidirectional, scale 1, the full layers'
+    head dim, k = v when ``attention_k_eq_v``)."""
+
+    draft: Any = None  # the DraftConfig (dflash_jax.drafts)
+
+    def __call__(self, x, positions, anchors, k_ctx, v_ctx, *, impl: str, decode: bool, ctx_start=None,
+                 block_len=None):
+        """As the shared draft layer's (``dflash_jax.draft.DraftLayer``)."""
+        o = injected_attention(self, self.input_layernorm(x), positions, anchors, k_ctx, v_ctx, impl=impl,
+                               decode=decode, ctx_start=ctx_start, block_len=block_len)
+        x = x + self.post_attention_layernorm(o)
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x * jnp.asarray(self.layer_scalar, x.dtype)
+
+
+def _dspark_hf_keys(draft) -> dict:
+    """What DeepSpec's Gemma 4 DSpark config.json holds beside the draft's keys: the target's model types, the
+    logit soft cap."""
+    return {"target_model_type": "gemma4", "target_text_model_type": "gemma4_text",
+            "final_logit_softcapping": draft.final_logit_softcapping}
+
+
+DSPARK_STACK = DraftStack(architecture="Gemma4DSparkModel", model_type="gemma4_text", layers=dspark_layers,
+                          layer=DraftLayer, scaled_embedding=True, hf_keys=_dspark_hf_keys)
 FAMILY = Family(name="gemma4", config=Gemma4Config, decoder=Decoder, checkpoint=checkpoint, state_specs=state_specs,
-                logical_rules=moe.LOGICAL_RULES)
+                logical_rules=moe.LOGICAL_RULES, draft_stacks=(DSPARK_STACK,))

@@ -39,7 +39,8 @@ import numpy as np
 import optax
 from flax import serialization
 
-from dflash_jax.config import MASK_TOKEN, RopeConfig, TargetConfig
+from dflash_jax.config import RopeConfig, TargetConfig
+from dflash_jax.drafts.config import MASK_TOKEN
 from dflash_jax.target import Target, forward, init_params, save_target
 from train.optim import make_optimizer, warmup_cosine
 from dflash_jax.progress import progress_bar
