@@ -215,24 +215,27 @@ def param_dtype(model) -> str:
     return str(jax.tree_util.tree_leaves(model.params)[0].dtype)
 
 
-# The options' names in the shared checks' messages (``dflash_jax.decode.PARAMS``).
+# The options' names in the shared checks' messages (``dflash_jax.decode.options.option_names``).
 FLAGS = {"max_new_tokens": "--max-new-tokens", "seed": "--seed", "block_size": "--block-size",
-         "draft": "a draft (--draft)"}
+         "draft": "a draft (--draft)", "attention_impl": "--attention", "verify_lengths": "--verify-lengths",
+         "verify_threshold": "--verify-threshold", "tree_budget": "--tree-budget",
+         "confidence_threshold": "--confidence-threshold", "max_length": "--max-length"}
 
 
 def check_before_loading(args, target_path: str, draft_path: str | None, prompts: list[dict] = ()) -> None:
     """Every option and prompt that the configs alone can check, before seconds (or minutes) of weight loading."""
     import warnings
 
+    from dflash_jax.decode.options import DecodeOptions, check_tree_target, option_names
     from dflash_jax.drafts import DraftConfig
-    from dflash_jax.decode.options import check_tree_target
     from dflash_jax.families import config_from_hf
     from dflash_jax.sampling import SamplingParams
-    from dflash_jax.decode import check_budget_and_seed, resolve_block_size
 
     SamplingParams(args.temperature, args.top_k, args.top_p, args.acceptance)  # raises on bad values
     try:
-        check_budget_and_seed(args.max_new_tokens, args.seed, FLAGS)
+        with option_names(FLAGS):  # the library's own checks, naming the flags
+            options = DecodeOptions(max_new_tokens=args.max_new_tokens, seed=args.seed,
+                                    block_size=fixed_block_size(args), **adaptive_kwargs(args), **draft_kwargs(args))
     except ValueError as e:
         die(str(e))
     target_dir = resolve_path(target_path)
@@ -248,18 +251,10 @@ def check_before_loading(args, target_path: str, draft_path: str | None, prompts
             warnings.simplefilter("ignore")
             dcfg.check_fits(tcfg)
     try:
-        resolve_block_size(fixed_block_size(args), None if dcfg is None else dcfg.block_size, FLAGS)
-        if args.tree_budget and dcfg is not None:
-            check_tree_target(tcfg, dcfg.verify_length(fixed_block_size(args) or dcfg.block_size))
-        if dcfg is not None and dcfg.shifted and args.verify_lengths:
-            raise ValueError("--verify-lengths is not supported for DSpark drafts (their confidence head cuts the "
-                             "proposal instead: --confidence-threshold)")
-        if args.tree_budget and args.confidence_threshold:
-            raise ValueError("--confidence-threshold cuts a chain's proposal; it cannot be combined with --tree-budget")
-        if args.confidence_threshold and not (dcfg is not None and dcfg.confidence_head):
-            raise ValueError("--confidence-threshold needs a DSpark draft with a confidence head")
-        if not 0 <= args.confidence_threshold < 1:
-            raise ValueError(f"--confidence-threshold must be in [0, 1), got {args.confidence_threshold}")
+        with option_names(FLAGS):
+            block = options.check_draft(dcfg)
+            if options.tree_budget and dcfg is not None:
+                check_tree_target(tcfg, block)
     except ValueError as e:
         die(str(e))
 

@@ -197,6 +197,12 @@ def test_fuzzed_headers_and_configs_give_only_value_errors(pair_dirs, tmp_path):
     (["--stop-token-ids", "99999"], "outside the target vocabulary"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--chat"], "--chat applies to text prompts"),
+    # the library's own rules (``DecodeOptions``), named by their flags
+    (["--confidence-threshold", "0.5"], "--confidence-threshold needs a DSpark draft with a confidence head"),
+    (["--confidence-threshold", "0.5", "--tree-budget", "4"],
+     "--confidence-threshold cuts a chain's proposal; it cannot be combined with --tree-budget"),
+    (["--tree-budget", "-1"], "--tree-budget must be an integer >= 0"),
+    (["--verify-lengths", "2,9"], "--verify-lengths must be in [1, 8]"),
 ])
 def test_cli_options_are_checked_before_any_weight_is_read(pair_dirs, capsys, monkeypatch, argv, match):
     from infer import generate as g

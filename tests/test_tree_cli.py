@@ -35,8 +35,9 @@ def test_generate_tree_budget_refused(pair_dirs, capsys):
     from infer import generate as g
 
     tdir, ddir, _ = pair_dirs
-    for extra, match in ((["--tree-budget", "-2"], "tree_budget must be an integer"),
-                         (["--tree-budget", "4", "--verify-lengths", "2,4"], "verify_lengths")):
+    for extra, match in ((["--tree-budget", "-2"], "--tree-budget must be an integer"),
+                         (["--tree-budget", "4", "--verify-lengths", "2,4"],
+                          "--tree-budget cannot be combined with --verify-lengths")):
         with pytest.raises(SystemExit) as e:
             g.main(["--target", tdir, "--draft", ddir, "--prompt-ids", "1,2", "--max-new-tokens", "4"] + extra)
         assert e.value.code == 2 and match in capsys.readouterr().err

@@ -2,6 +2,8 @@
 per-request overrides of continuous batching (``Request``)."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any, Sequence
 
@@ -12,33 +14,51 @@ from dflash_jax.families import family_of
 from dflash_jax.sampling import SamplingParams
 from dflash_jax.state import KVSpec
 
-# How the checks name the options in their messages: the library's parameter names (the CLIs pass their
-# flags: ``infer.common.FLAGS``).
-PARAMS = {"max_new_tokens": "max_new_tokens", "seed": "seed", "block_size": "block_size", "draft": "a draft"}
+# How the checks name the options in their messages: the library's parameter names or, under ``option_names`` (the
+# CLIs check under their flags' names, ``infer.common.FLAGS``), the caller's: each rule is written once.
+PARAMS = {**{name: name for name in ("max_new_tokens", "seed", "block_size", "attention_impl", "verify_lengths",
+                                     "verify_threshold", "tree_budget", "confidence_threshold", "max_length",
+                                     "cache_len")}, "draft": "a draft"}
+_NAMES = contextvars.ContextVar("option_names", default=PARAMS)
 
 
-def check_budget_and_seed(max_new_tokens, seed, names=PARAMS) -> None:
+@contextlib.contextmanager
+def option_names(names: dict):
+    """Within it, the option checks name each option as ``names`` does (the others keep their parameter names)."""
+    token = _NAMES.set({**PARAMS, **names})
+    try:
+        yield
+    finally:
+        _NAMES.reset(token)
+
+
+def named(option: str) -> str:
+    """``option`` as the checks' messages name it now (see ``option_names``)."""
+    return _NAMES.get()[option]
+
+
+def check_budget_and_seed(max_new_tokens, seed) -> None:
     """``max_new_tokens`` >= 1 and ``seed`` in [0, 2**63): checked by every decode call and, before any weight
-    is loaded, by the CLIs (with their flags' ``names``)."""
+    is loaded, by the CLIs."""
     is_int = isinstance(max_new_tokens, (int, np.integer)) and not isinstance(max_new_tokens, bool)
     if not is_int or max_new_tokens < 1:
-        raise ValueError(f"{names['max_new_tokens']} must be {'' if is_int else 'an integer '}>= 1, "
+        raise ValueError(f"{named('max_new_tokens')} must be {'' if is_int else 'an integer '}>= 1, "
                          f"got {max_new_tokens!r}")
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63:
-        raise ValueError(f"{names['seed']} must be an integer in [0, 2**63), got {seed!r}")
+        raise ValueError(f"{named('seed')} must be an integer in [0, 2**63), got {seed!r}")
 
 
-def resolve_block_size(block_size, trained: int | None, names=PARAMS) -> int:
+def resolve_block_size(block_size, trained: int | None) -> int:
     """The block to decode with: ``block_size`` in [1, ``trained``] (the draft's trained block; None: that
-    block), or 1 without a draft (``trained`` None). Shared with the CLIs' checks before loading."""
+    block), or 1 without a draft (``trained`` None)."""
     if trained is None:
         if block_size not in (None, 1):
-            raise ValueError(f"{names['block_size']} {block_size} needs {names['draft']}; plain decoding uses a "
+            raise ValueError(f"{named('block_size')} {block_size} needs {named('draft')}; plain decoding uses a "
                              "block of 1")
         return 1
     block_size = trained if block_size is None else block_size
     if not 1 <= block_size <= trained:
-        raise ValueError(f"{names['block_size']} must be in [1, {trained}] (the draft was trained with block_size "
+        raise ValueError(f"{named('block_size')} must be in [1, {trained}] (the draft was trained with block_size "
                          f"{trained}), got {block_size}")
     return block_size
 
@@ -83,25 +103,26 @@ class DecodeOptions:
         check_budget_and_seed(self.max_new_tokens, self.seed)
         self.sampling  # raises on a bad temperature / top-k / top-p / acceptance
         if self.attention_impl not in DECODE_IMPLS:
-            raise ValueError(f"attention_impl must be one of {', '.join(DECODE_IMPLS)}, got {self.attention_impl!r}")
+            raise ValueError(f"{named('attention_impl')} must be one of {', '.join(DECODE_IMPLS)}, "
+                             f"got {self.attention_impl!r}")
         t = self.verify_threshold
         if not isinstance(t, (int, float, np.floating)) or isinstance(t, bool) or not np.isfinite(t):
-            raise ValueError(f"verify_threshold must be a finite number, got {t!r}")
+            raise ValueError(f"{named('verify_threshold')} must be a finite number, got {t!r}")
         if self.verify_lengths is not None:
             set_("verify_lengths", tuple(sorted({int(x) for x in self.verify_lengths})))
         tb = self.tree_budget
         if not isinstance(tb, (int, np.integer)) or isinstance(tb, bool) or tb < 0:
-            raise ValueError(f"tree_budget must be an integer >= 0, got {tb!r}")
+            raise ValueError(f"{named('tree_budget')} must be an integer >= 0, got {tb!r}")
         if tb and self.verify_lengths is not None:
-            raise ValueError("tree_budget cannot be combined with verify_lengths")
+            raise ValueError(f"{named('tree_budget')} cannot be combined with {named('verify_lengths')}")
         c = self.confidence_threshold
         if not isinstance(c, (int, float, np.floating)) or isinstance(c, bool) or not 0 <= c < 1:
-            raise ValueError(f"confidence_threshold must be a number in [0, 1), got {c!r}")
+            raise ValueError(f"{named('confidence_threshold')} must be a number in [0, 1), got {c!r}")
         check_logprobs(self.logprobs)
         for name in ("max_length", "cache_len"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+                raise ValueError(f"{named(name)} must be a positive integer, got {v!r}")
 
     @property
     def sampling(self) -> SamplingParams:
@@ -111,22 +132,30 @@ class DecodeOptions:
         return dataclasses.replace(self, **kw)
 
     def block_for(self, draft) -> int:
-        """The tokens a step verifies with this draft (None: plain decoding, 1), checked: the block size, or for a
-        DSpark draft (every slot drafts) its ``block_size`` input slots + 1."""
-        block = resolve_block_size(self.block_size, draft.config.block_size if draft is not None else None)
-        if draft is not None:
-            block = draft.config.verify_length(block)
-        if self.proposer is not None and (draft is None or block == 1):
+        """The tokens a step verifies with this draft (None: plain decoding, 1), checked (``check_draft``)."""
+        return self.check_draft(None if draft is None else draft.config)
+
+    def check_draft(self, dcfg) -> int:
+        """The tokens a step verifies with a draft of config ``dcfg`` (None: plain decoding, 1): the block size, or
+        for a DSpark draft (every slot drafts) its ``block_size`` input slots + 1; raises where an option asks what
+        this draft cannot do. The CLIs call it with the draft's config before loading any weight."""
+        block = resolve_block_size(self.block_size, dcfg.block_size if dcfg is not None else None)
+        if dcfg is not None:
+            block = dcfg.verify_length(block)
+        if self.proposer is not None and (dcfg is None or block == 1):
             raise ValueError("a proposer needs a draft")
         if self.tree_budget and block == 1:
-            raise ValueError("tree_budget needs a draft and a block size > 1")
-        if draft is not None and draft.config.shifted and self.verify_lengths is not None:
-            raise ValueError("verify_lengths is not supported for DSpark drafts (their confidence head cuts the "
-                             "proposal instead: confidence_threshold)")
+            raise ValueError(f"{named('tree_budget')} needs a draft and a block size > 1")
+        if dcfg is not None and dcfg.shifted and self.verify_lengths is not None:
+            raise ValueError(f"{named('verify_lengths')} is not supported for DSpark drafts (their confidence head "
+                             f"cuts the proposal instead: {named('confidence_threshold')})")
         if self.tree_budget and self.confidence_threshold:
-            raise ValueError("confidence_threshold cuts a chain's proposal; it cannot be combined with tree_budget")
-        if self.confidence_threshold and not (draft is not None and draft.config.confidence_head):
-            raise ValueError("confidence_threshold needs a DSpark draft with a confidence head")
+            raise ValueError(f"{named('confidence_threshold')} cuts a chain's proposal; it cannot be combined with "
+                             f"{named('tree_budget')}")
+        if self.confidence_threshold and not (dcfg is not None and dcfg.confidence_head):
+            raise ValueError(f"{named('confidence_threshold')} needs a DSpark draft with a confidence head")
+        if dcfg is not None:
+            self.verify_lengths_for(block)
         return block
 
     def max_block(self, draft) -> int:
@@ -140,9 +169,9 @@ class DecodeOptions:
         if lengths is None:
             return None
         if block == 1:
-            raise ValueError("verify_lengths needs a draft and a block size > 1")
+            raise ValueError(f"{named('verify_lengths')} needs a draft and a block size > 1")
         if not lengths or lengths[0] < 1 or lengths[-1] > block:
-            raise ValueError(f"verify_lengths must be in [1, {block}] (the block size), got {list(lengths)}")
+            raise ValueError(f"{named('verify_lengths')} must be in [1, {block}] (the block size), got {list(lengths)}")
         return None if lengths == (block,) else lengths
 
     def limit(self, target_config) -> int:
@@ -165,8 +194,9 @@ def check_tree_target(cfg, block_size: int) -> None:
         if not isinstance(s, KVSpec):  # kv-shared layers attend to an earlier layer's keys; recurrent: stashed
             continue
         if s.window is not None and s.window < block_size:
-            raise ValueError(f"tree_budget > 0 needs sliding windows >= the block size {block_size}: layer {i} "
-                             f"has a sliding window of {s.window}; use the chain (tree_budget=0) or a smaller block")
+            raise ValueError(f"{named('tree_budget')} > 0 needs sliding windows >= the block size {block_size}: layer "
+                             f"{i} has a sliding window of {s.window}; use the chain ({named('tree_budget')} 0) or a "
+                             "smaller block")
 
 
 @dataclasses.dataclass(frozen=True)
