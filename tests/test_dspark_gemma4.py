@@ -182,7 +182,7 @@ def test_default_mask_token_is_the_tokenizers_own():
     ``<mask>``, 4: DeepSpec's Gemma 4 draft), else the first row the tokenizer never produces, else the pad token."""
     from types import SimpleNamespace
 
-    from train.loop import default_mask_token_id
+    from train.draft_setup import default_mask_token_id
 
     class Tok:
         def __init__(self, n, vocab_ids, mask=None, unk=3):

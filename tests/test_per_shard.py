@@ -191,9 +191,9 @@ def train_case():
 
 
 def test_train_step_traces_its_kernel_per_shard_on_its_mesh():
-    """``train.loop``'s step on ``--mesh`` traces with that mesh: its block-attention kernel (forward and backward)
+    """``train.step``'s step on ``--mesh`` traces with that mesh: its block-attention kernel (forward and backward)
     sits in shard_map bodies; without a mesh there are none."""
-    loop = pytest.importorskip("train.loop")
+    loop = pytest.importorskip("train.step")
     from train.config import TrainConfig
 
     target, draft = random_pair(vocab=64, block_size=4, layers=2, draft_layers=1, target_layer_ids=(0, 1),

@@ -2,7 +2,7 @@
 
 Inference: speculative generation on meshes (data, fsdp, tensor) = (1,1,8), (2,1,4), (8,1,1) gives exactly
 the single-device output; loading with ``place=`` puts every tensor straight onto its shards; bad mesh
-specs and head counts fail with messages that say what to change. Training (when ``train.loop`` is
+specs and head counts fail with messages that say what to change. Training (when ``train.step`` is
 importable): a sharded step equals the single-device step; a checkpoint saved on one mesh restores on
 another and training continues.
 """
@@ -304,7 +304,7 @@ def test_distributed_env_detection(monkeypatch):
     assert sh.mesh._wants_distributed() == "DFLASH_DISTRIBUTED"
 
 
-# --- training (train.loop's jitted step; skipped if the trainer is not importable) -------------------
+# --- training (train.step's jitted step; skipped if the trainer is not importable) -------------------
 
 TRAIN_MESH = "data=2,fsdp=2,tensor=2"
 LR = 1e-2
@@ -331,7 +331,7 @@ def _copy(tree):
 
 @pytest.fixture(scope="module")
 def trainer(pair):
-    loop = pytest.importorskip("train.loop")
+    loop = pytest.importorskip("train.step")
     from train.config import TrainConfig
 
     target, draft = pair

@@ -63,7 +63,7 @@ def test_model_flops_by_hand():
     from dflash_jax.config import TargetConfig
     from dflash_jax.target import Target
     from train.config import TrainConfig
-    from train.loop import build_draft_config
+    from train.draft_setup import build_draft_config
 
     # target: D 8, 2 query heads x 4, 1 kv head x 4, MLP 16, vocab 32, 4 layers; draft 1 layer, 2 features, block 4
     tcfg = TargetConfig("qwen3", 32, 8, 16, 4, 2, 1, 4)

@@ -29,7 +29,8 @@ from dflash_jax.target import Target, load_target, param_shapes, save_target
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig, parse_args
 from train.data import DataError, TrainData, write_manifest, write_shard
-from train.loop import TrainingDiverged, TrainingError, train
+from train.errors import TrainingDiverged, TrainingError
+from train.loop import train
 from train.make_data import make_data
 from tolerances import assert_close, loss_depth
 
@@ -505,7 +506,7 @@ def test_resume_from_an_older_step(env, run4, tmp_path):
 
 
 def test_truncate_metrics(tmp_path):
-    from train.loop import truncate_metrics
+    from train.resume import truncate_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2, "eval": true}\n{"step": 3}\n{"step": 2}\n{"st')
@@ -679,7 +680,7 @@ def test_train_mesh_bad_batch_says_what_to_change(env):
 
 
 def test_draft_flags_build_the_draft_config(env):
-    from train.loop import build_draft_config
+    from train.draft_setup import build_draft_config
 
     argv = ["--target", "t", "--data", "d", "--out", "o", "--draft-layers", "3"]
     build = lambda *a: build_draft_config(parse_args(argv + list(a)), env["target"])  # noqa: E731

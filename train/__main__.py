@@ -16,7 +16,8 @@ def main(argv=None) -> int:
     maybe_initialize_distributed()  # one process of a TPU pod slice / multi-node launch: before any device use
     from train.checkpoint import CheckpointError
     from train.data import DataError
-    from train.loop import TrainingDiverged, TrainingError, train
+    from train.errors import TrainingDiverged, TrainingError
+    from train.loop import train
 
     try:
         train(cfg)

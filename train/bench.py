@@ -4,7 +4,7 @@
     python -m train.bench --preset qwen3-8b-paper --impl kernel --json   # the paper's shape (GPU / TPU)
     python -m train.bench --target /path/to/Qwen3-8B --seq-len 3072 --batch-size 4 --mesh auto
 
-The step is the trainer's own (``train.loop.cached_train_step``: grad accumulation, AdamW, online or
+The step is the trainer's own (``train.step.cached_train_step``: grad accumulation, AdamW, online or
 offline features). Three jitted functions are timed, each after compilation and ``--warmup`` calls, over
 ``--repeats`` calls (the median is reported, the minimum beside it):
 
@@ -151,7 +151,7 @@ def model_flops(tcfg, dcfg, *, seq_len: int, anchors) -> dict:
 
 
 class _SyntheticData:
-    """What ``train.loop.device_batch`` reads from a ``TrainData``: ``batch(idx) -> (ids, mask, doc_start)``
+    """What ``train.step.device_batch`` reads from a ``TrainData``: ``batch(idx) -> (ids, mask, doc_start)``
     (unpacked: no doc_start)."""
 
     def __init__(self, ids, mask):
@@ -178,7 +178,8 @@ def setup(args):
     from dflash_jax.target import Target, load_target, param_shapes
     from train import objective
     from train.config import TrainConfig
-    from train.loop import build_draft_config, cached_train_step, device_batch
+    from train.draft_setup import build_draft_config
+    from train.step import cached_train_step, device_batch
 
     hf, shape = PRESETS[args.preset]
     shape = {k: getattr(args, k) if getattr(args, k) is not None else shape[k] for k in SHAPE_FLAGS
@@ -305,7 +306,7 @@ def run(args) -> dict:
     from dflash_jax.checkpoints import resolve_dtype
     from dflash_jax.machine import machine, warn_if_busy
     from train import objective
-    from train.loop import cached_train_step
+    from train.step import cached_train_step
 
     st = setup(args)
     cfg, dcfg, target, mesh = st["cfg"], st["dcfg"], st["target"], st["mesh"]

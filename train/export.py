@@ -68,8 +68,8 @@ def check_export_dir(out: str, train_config: dict) -> None:
 
 def same_run(info_path: str, train_config: dict) -> bool:
     """Whether the export's ``training_info.json`` comes from the run ``train_config`` describes: the same --out
-    and the settings a resumed run must keep (``train.loop.RESUME_FIXED``)."""
-    from train.loop import RESUME_FIXED
+    and the settings a resumed run must keep (``train.resume.RESUME_FIXED``)."""
+    from train.resume import RESUME_FIXED
 
     try:
         with open(info_path) as f:

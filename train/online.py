@@ -3,7 +3,7 @@
 ``OnlineDraftTrainer(target, draft)`` holds the draft's float32 master parameters and AdamW state (both persist
 across updates); ``update(sequences, prompt_lengths, target=...)`` trains them for ``steps_per_update`` optimizer
 steps on the rollouts just generated (prompt + completion token ids, the loss on the completion tokens only) with
-the trainer's own step (``train.loop.cached_train_step``: the DFlash objective of ``train.objective``, the
+the trainer's own step (``train.step.cached_train_step``: the DFlash objective of ``train.objective``, the
 optimizer of ``train.optim``), and ``.draft`` is the current draft in the dtype it came in, ready for
 ``Engine.update_params(target_params, trainer.draft.params)``.
 
@@ -37,7 +37,7 @@ from dflash_jax.scoring import padded
 from dflash_jax.target import Target
 from train.config import TrainConfig
 from train.features import _features_fn
-from train.loop import cached_train_step, feature_layer_ids
+from train.step import cached_train_step, feature_layer_ids
 from train.objective import cast_tree
 
 

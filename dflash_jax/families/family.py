@@ -14,7 +14,9 @@ class DraftStack:
     ``architecture`` naming it, its layers' ``model_type``, their config read from the draft's config.json
     (``layers``), the draft layer module (``layer``, built as ``layer(layers_config, index, draft=draft_config)``,
     called as ``dflash_jax.drafts``' shared draft layer), whether the draft's own embedding is scaled by sqrt(hidden),
-    and the keys an export writes beside the draft's (``hf_keys(draft_config)``)."""
+    the keys an export writes beside the draft's (``hf_keys(draft_config)``), and how a new draft for a target of the
+    family is made (``for_target(target_config, num_layers) -> (layers config, DraftConfig fields)``: the trainer's
+    DSpark drafts of such a target take this stack)."""
 
     architecture: str
     model_type: str
@@ -22,6 +24,7 @@ class DraftStack:
     layer: type | None  # None: the shared draft layer (a Qwen3 layer)
     scaled_embedding: bool = False
     hf_keys: Callable[[Any], dict] = lambda draft: {}
+    for_target: Callable[[Any, int], tuple[Any, dict]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -504,7 +504,13 @@ def _dspark_hf_keys(draft) -> dict:
             "final_logit_softcapping": draft.final_logit_softcapping}
 
 
+def _dspark_for_target(target: Gemma4Config, num_layers: int) -> tuple[Gemma4Config, dict]:
+    """A new DSpark draft of a Gemma 4 target: ``dspark_stack`` and the target's logit soft cap."""
+    return dspark_stack(target, num_layers), {"final_logit_softcapping": target.final_logit_softcapping}
+
+
 DSPARK_STACK = DraftStack(architecture="Gemma4DSparkModel", model_type="gemma4_text", layers=dspark_layers,
-                          layer=DraftLayer, scaled_embedding=True, hf_keys=_dspark_hf_keys)
+                          layer=DraftLayer, scaled_embedding=True, hf_keys=_dspark_hf_keys,
+                          for_target=_dspark_for_target)
 FAMILY = Family(name="gemma4", config=Gemma4Config, decoder=Decoder, checkpoint=checkpoint, state_specs=state_specs,
                 logical_rules=moe.LOGICAL_RULES, draft_stacks=(DSPARK_STACK,))
