@@ -13,7 +13,7 @@ from flax import traverse_util
 from flax.core import unfreeze
 from jax.sharding import Mesh, NamedSharding
 
-from dflash_jax import draft as draft_lib
+from dflash_jax.drafts import model as draft_lib
 from dflash_jax import target as target_lib
 from dflash_jax.checkpoints import resolve_path
 from dflash_jax.drafts import DraftConfig

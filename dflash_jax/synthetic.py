@@ -22,7 +22,7 @@ import numpy as np
 
 from dflash_jax.config import RopeConfig, TargetConfig
 from dflash_jax.drafts.config import DraftConfig, choose_target_layer_ids
-from dflash_jax.draft import Draft, draft_param_shapes
+from dflash_jax.drafts.model import Draft, draft_param_shapes
 from dflash_jax.layers import device_random_params
 from dflash_jax.decode.proposers import Chain, Proposal, StepView
 from dflash_jax.sampling import categorical

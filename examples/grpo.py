@@ -243,7 +243,7 @@ def main(argv=None) -> list[dict]:
     args = build_parser().parse_args(argv)
     from dflash_jax.checkpoints import load_tokenizer
     from dflash_jax.demo import DEMO_DRAFT, DEMO_TARGET
-    from dflash_jax.draft import load_draft
+    from dflash_jax.drafts.model import load_draft
     from dflash_jax.target import load_target
 
     target = load_target(DEMO_TARGET, dtype="float32")

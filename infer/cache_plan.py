@@ -24,7 +24,7 @@ GB = 10 ** 9
 
 def shapes(preset: str, dtype: str, context: int, page: int, block: int) -> dict:
     """The pair's bytes: weights, K/V per token (paged layers), per-row state that is not paged, and a slot row."""
-    from dflash_jax import draft as draft_lib
+    from dflash_jax.drafts import model as draft_lib
     from dflash_jax import state
     from dflash_jax import target as target_lib
     from dflash_jax.checkpoints import DTYPES

@@ -198,7 +198,7 @@ def load_models(args, prompts: list[dict] = ()):
             target = dj.load_target(target_path, dtype=dtype)
             draft = dj.load_draft(draft_path, dtype=dtype) if draft_path else None
         if draft is not None:
-            from dflash_jax.draft import check_fits
+            from dflash_jax.drafts.model import check_fits
             check_fits(target, draft)
     except (OSError, ValueError) as e:  # missing / unreadable files, malformed checkpoints and configs
         die(str(e))
@@ -431,7 +431,7 @@ def row_cache_bytes(target_config, draft_config, cache_len: int, dtype, max_bloc
     rings, recurrent states, lengths)."""
     import jax
 
-    from dflash_jax import draft as draft_lib
+    from dflash_jax.drafts import model as draft_lib
     from dflash_jax import target as target_lib
 
     caches = [jax.eval_shape(lambda: target_lib.new_cache(target_config, 1, cache_len, dtype, max_block, page=page))]

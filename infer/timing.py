@@ -23,7 +23,7 @@ def time_forwards(target, draft, block_sizes=(4, 8, 16), *, context: int = 256, 
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax import draft as draft_lib
+    from dflash_jax.drafts import model as draft_lib
     from dflash_jax import target as target_lib
 
     out = {}
@@ -100,7 +100,7 @@ def _step_parts(timed, target, draft, tcache, dcache, k: int, context: int) -> d
     ``decode.verify.commit``: the committed tokens, acceptance and verify-length records, both caches' rollback)."""
     import jax.numpy as jnp
 
-    from dflash_jax import draft as draft_lib
+    from dflash_jax.drafts import model as draft_lib
     from dflash_jax.decode import verify
     from dflash_jax.decode.types import EngineSpec
     from dflash_jax.sampling import accepted_length

@@ -5,7 +5,7 @@ import dataclasses
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.drafts import DraftConfig
-from dflash_jax.draft import Draft, init_draft_params
+from dflash_jax.drafts.model import Draft, init_draft_params
 from dflash_jax.target import Target, init_params
 
 
@@ -77,7 +77,7 @@ def pair_dirs(root: str, vocab: int = 320):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from dflash_jax.draft import save_draft
+    from dflash_jax.drafts.model import save_draft
     from dflash_jax.target import save_target
 
     tdir, ddir = os.path.join(root, "target"), os.path.join(root, "draft")

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import attention, decode as S, draft as draft_lib, target as target_lib
+from dflash_jax import attention, decode as S, target as target_lib
+from dflash_jax.drafts import model as draft_lib
 from dflash_jax.kernels.decode_attention import (
     decode_attention,
     decode_attention_loop,

@@ -13,7 +13,7 @@ import pytest
 import safetensors.numpy
 
 import dflash_jax as dj
-from dflash_jax import draft as D
+from dflash_jax.drafts import model as D
 from dflash_jax.drafts import DraftConfig
 from draft_reference import numpy_draft
 from hf_models import save_tiny, torch_forward

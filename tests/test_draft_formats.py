@@ -10,7 +10,7 @@ import pytest
 import safetensors.numpy
 
 import dflash_jax as dj
-from dflash_jax import draft as D
+from dflash_jax.drafts import model as D
 from dflash_jax import decode as S
 from dflash_jax.drafts import DraftConfig
 from draft_reference import numpy_draft, numpy_select_greedy

@@ -14,7 +14,7 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax import decode as S
-from dflash_jax import draft as D
+from dflash_jax.drafts import model as D
 from dflash_jax.drafts import DraftConfig
 from pairs import tiny_target_config
 from dflash_jax.target import Target, init_params

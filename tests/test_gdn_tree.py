@@ -330,7 +330,7 @@ def test_generate_cli_tree_budget_64_on_a_saved_hybrid_pair(tmp_path, capsys):
     import json
 
     import dflash_jax as dj
-    from dflash_jax.draft import save_draft
+    from dflash_jax.drafts.model import save_draft
     from dflash_jax.target import save_target
     from infer import generate as g
 

@@ -62,7 +62,7 @@ def test_no_import_circle_in_the_library():
 
 def test_the_target_config_imports_no_family_and_no_draft():
     deps = import_graph()["dflash_jax.config"]
-    assert not {d for d in deps if d.startswith(("dflash_jax.families", "dflash_jax.draft"))}, deps
+    assert not {d for d in deps if d.startswith(("dflash_jax.families", "dflash_jax.drafts"))}, deps
 
 
 def test_the_check_sees_a_circle():

@@ -21,7 +21,7 @@ import torch
 import transformers
 
 import dflash_jax as dj
-from dflash_jax import draft as D
+from dflash_jax.drafts import model as D
 from dflash_jax import decode as S
 from dflash_jax.checkpoints import iter_safetensors, save_safetensors
 from dflash_jax.drafts import DraftConfig

@@ -70,7 +70,7 @@ import pytest
 import scipy.stats
 
 from dflash_jax import decode as S
-from dflash_jax import draft as D
+from dflash_jax.drafts import model as D
 from dflash_jax.target import Target, init_params, target_logits
 from dflash_jax.grammar import Grammar
 from pairs import Alternate, CharTokenizer, random_draft, random_pair

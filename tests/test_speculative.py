@@ -244,7 +244,7 @@ def _assert_draft_context_is_committed(target, draft, state):
     every slot below it holds the context K/V of the target feature of the token at that position."""
     import jax.numpy as jnp
 
-    from dflash_jax import draft as D
+    from dflash_jax.drafts import model as D
     from dflash_jax.target import forward
 
     from dflash_jax.decode import steps

@@ -137,7 +137,7 @@ def test_replay_distributions(tmp_path):
 def test_presets_have_the_released_shapes(name, params, tied, layers, ids, dparams):
     """Shapes only (``jax.eval_shape``: nothing allocated): the published parameter counts, the draft's 5 layers
     of the target's width, block 16, its target layers, and it fits the target."""
-    from dflash_jax.draft import draft_param_shapes
+    from dflash_jax.drafts.model import draft_param_shapes
     from dflash_jax.target import param_shapes
 
     p = syn.preset(name)

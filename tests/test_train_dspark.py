@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import draft as D
+from dflash_jax.drafts import model as D
 from dflash_jax import target as target_lib
 from dflash_jax.target import Target, init_params, save_target
 from dspark_reference import load_dspark_draft, numpy_dspark

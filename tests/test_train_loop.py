@@ -22,7 +22,7 @@ import pytest
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.drafts import DraftConfig
-from dflash_jax.draft import Draft, draft_param_shapes, init_draft_params, load_draft, save_draft
+from dflash_jax.drafts.model import Draft, draft_param_shapes, init_draft_params, load_draft, save_draft
 from dflash_jax.layers import random_params
 from dflash_jax.decode import speculative_generate
 from dflash_jax.target import Target, load_target, param_shapes, save_target

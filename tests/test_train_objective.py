@@ -15,7 +15,7 @@ import pytest
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.drafts import DraftConfig
-from dflash_jax.draft import draft_param_shapes
+from dflash_jax.drafts.model import draft_param_shapes
 from dflash_jax import target as target_lib
 from dflash_jax.layers import random_params
 from dflash_jax.target import param_shapes

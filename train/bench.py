@@ -173,7 +173,7 @@ def setup(args):
     from dflash_jax import model_sharding, sharding
     from dflash_jax.checkpoints import load_tokenizer, resolve_dtype
     from dflash_jax.config import TargetConfig
-    from dflash_jax.draft import draft_param_shapes
+    from dflash_jax.drafts.model import draft_param_shapes
     from dflash_jax.layers import device_random_params
     from dflash_jax.target import Target, load_target, param_shapes
     from train import objective

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from dflash_jax.checkpoints import resolve_dtype
 from dflash_jax.drafts.config import MASK_TOKEN, DraftConfig, choose_target_layer_ids
-from dflash_jax.draft import Draft, check_fits, init_draft_params, load_draft
+from dflash_jax.drafts.model import Draft, check_fits, init_draft_params, load_draft
 from dflash_jax.families import family_of
 from dflash_jax.target import Target
 from train.config import TrainConfig

@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import draft as draft_lib
+from dflash_jax.drafts import model as draft_lib
 from dflash_jax import target as target_lib
 from dflash_jax.drafts import DraftConfig
 from train import objective

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from dflash_jax.draft import Draft
+from dflash_jax.drafts.model import Draft
 from dflash_jax.prompts import encode_prompt, read_prompts
 from dflash_jax.target import Target
 from train import objective

@@ -2,8 +2,8 @@
 
 C is a training ``--out`` directory (latest checkpoint), its ``checkpoints/`` directory, or one
 ``checkpoints/<step>`` directory. DIR gets ``config.json`` + ``model.safetensors`` (no ``model.``
-prefix, PyTorch [out, in] weights) via ``dflash_jax.draft.save_draft``: loadable by
-``dflash_jax.draft.load_draft`` and by the original PyTorch implementation.
+prefix, PyTorch [out, in] weights) via ``dflash_jax.drafts.model.save_draft``: loadable by
+``dflash_jax.drafts.model.load_draft`` and by the original PyTorch implementation.
 
 DIR may be new, empty, or a previous export of the same training run (training_info.json naming the same
 --out and run-defining settings; typically an earlier checkpoint): its config.json, model.safetensors and
@@ -21,7 +21,7 @@ import sys
 from dflash_jax.checkpoints import DTYPES
 from dflash_jax.drafts import DraftConfig
 from dflash_jax.drafts.formats import architecture_formats
-from dflash_jax.draft import Draft, draft_param_shapes, save_draft
+from dflash_jax.drafts.model import Draft, draft_param_shapes, save_draft
 from dflash_jax.launch import launch
 from train.checkpoint import Checkpointer, CheckpointError, find_checkpoint
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from dflash_jax import model_sharding, sharding
 from dflash_jax.checkpoints import load_tokenizer, resolve_dtype
-from dflash_jax.draft import Draft, draft_param_shapes
+from dflash_jax.drafts.model import Draft, draft_param_shapes
 from dflash_jax.target import Target, load_target
 from train import objective
 from train.config import TrainConfig

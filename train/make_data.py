@@ -245,7 +245,7 @@ def main(argv=None) -> int:
         target = load_target(a.target, dtype=dtype)
         draft = None
         if a.draft:
-            from dflash_jax.draft import load_draft
+            from dflash_jax.drafts.model import load_draft
 
             draft = load_draft(a.draft, dtype=dtype)
         make_data(target, a.prompts_file, a.out, responses=a.responses, chat=a.chat, chat_kwargs=chat_kwargs,

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import draft as draft_lib
+from dflash_jax.drafts import model as draft_lib
 from dflash_jax import target as target_lib
 from dflash_jax.drafts import DraftConfig
 
@@ -139,7 +139,7 @@ def block_ctx_start(anchors, doc_start):
 # positional: the target's and the draft's (config, params), then the batch's arrays (every draft function's order)
 def hidden_from_features(tcfg, tparams, dcfg: DraftConfig, dparams, block_ids, anchors, features, *, impl: str = "auto",
                          dtype=None, doc_start=None):
-    """``dflash_jax.draft.draft_hidden`` in the compute ``dtype`` (default: the features'), the context K/V
+    """``dflash_jax.drafts.model.draft_hidden`` in the compute ``dtype`` (default: the features'), the context K/V
     computed from ``features`` [B, S, n*D] at positions 0..S-1; with ``doc_start`` each block sees only
     its own document's context."""
     dtype = dtype or features.dtype

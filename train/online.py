@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.checkpoints import resolve_dtype
-from dflash_jax.draft import Draft, check_fits
+from dflash_jax.drafts.model import Draft, check_fits
 from dflash_jax.scoring import padded
 from dflash_jax.target import Target
 from train.config import TrainConfig

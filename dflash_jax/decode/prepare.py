@@ -8,7 +8,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from dflash_jax import draft as draft_lib
+from dflash_jax.drafts import model as draft_lib
 from dflash_jax import sharding
 from dflash_jax.decode import proposers
 from dflash_jax.decode.options import DecodeOptions, check_tree_target

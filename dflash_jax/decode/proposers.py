@@ -36,8 +36,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import draft as draft_lib
-from dflash_jax import dspark
+from dflash_jax.drafts import model as draft_lib
+from dflash_jax.drafts import dspark
 from dflash_jax import tree as tree_lib
 from dflash_jax.sampling import categorical, filtered_scores, if_sampling
 

@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import draft as draft_lib
+from dflash_jax.drafts import model as draft_lib
 from dflash_jax import sharding
 from dflash_jax import target as target_lib
 from dflash_jax.decode.types import DecodeState, EngineSpec, Finish, Inputs, Rows

@@ -1,6 +1,6 @@
-"""Drafts: the config of a draft model in every format it may come in (``config.DraftConfig``) and the format
-registry (``formats.FORMATS``: what each format reads, writes, checks and changes). The draft model itself is
-``dflash_jax.draft``."""
+"""Drafts: the config of a draft model in every format it may come in (``config.DraftConfig``), the format registry
+(``formats.FORMATS``: what each format reads, writes, checks and changes), the shared draft model (``model``) and
+the layers a format adds (``dflash2``, ``dspark``)."""
 from dflash_jax.drafts.config import DraftConfig
 from dflash_jax.drafts.formats import FORMATS, DraftFormat
 

@@ -12,7 +12,7 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.families import draft_stacks
 from dflash_jax.families.family import DraftStack
 
-MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")  # DSpark's Markov heads (dflash_jax/dspark.py)
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")  # DSpark's Markov heads (dflash_jax/drafts/dspark.py)
 # DFlash2 keys of ``dflash_config`` -> their defaults (docs/models.md, "Draft formats")
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 # DSpark's top-level config keys (DeepSpec's build_draft_config) -> the DraftConfig fields they fill
@@ -20,7 +20,7 @@ DSPARK_KEYS = {"markov_rank": "markov_rank", "markov_head_type": "markov_head_ty
                "enable_confidence_head": "confidence_head", "confidence_head_with_markov": "confidence_with_markov",
                "num_anchors": "num_anchors"}
 # Qwen3 layers: every DFlash / DFlash2 draft's stack, and DeepSpec's Qwen3DSparkModel (layer None: the shared
-# draft layer, ``dflash_jax.draft.DraftLayer``)
+# draft layer, ``dflash_jax.drafts.model.DraftLayer``)
 QWEN3_STACK = DraftStack(architecture="Qwen3DSparkModel", model_type="qwen3",
                          layers=lambda d: TargetConfig._from_dict(d, "qwen3"), layer=None)
 

@@ -489,7 +489,7 @@ class DraftLayer(DecoderLayer):
 
     def __call__(self, x, positions, anchors, k_ctx, v_ctx, *, impl: str, decode: bool, ctx_start=None,
                  block_len=None):
-        """As the shared draft layer's (``dflash_jax.draft.DraftLayer``)."""
+        """As the shared draft layer's (``dflash_jax.drafts.model.DraftLayer``)."""
         o = injected_attention(self, self.input_layernorm(x), positions, anchors, k_ctx, v_ctx, impl=impl,
                                decode=decode, ctx_start=ctx_start, block_len=block_len)
         x = x + self.post_attention_layernorm(o)

@@ -7,7 +7,8 @@ of queries anchored at position a sees context positions < a and its own block b
 ``decode_impl``: ``attention.decode_attention``, reading only the context below each row's anchor), training
 many blocks per sequence against the whole context: ``draft_hidden`` is the one forward of both.
 Embedding and lm_head are the target's, except for DSpark drafts, which carry frozen copies of their own and
-add a Markov head and a confidence head (``dflash_jax.dspark``); what a draft's architecture changes is asked of
+add a Markov head and a confidence head (``dflash_jax.drafts.dspark``); DFlash2 drafts convolve around each
+sublayer and select among candidates (``dflash_jax.drafts.dflash2``); what a draft's architecture changes is asked of
 its config (``DraftConfig.shifted`` / ``own_embeddings`` / ``convolves`` / ``markov``), never of its name.
 """
 from __future__ import annotations
@@ -27,9 +28,10 @@ from dflash_jax import target as target_lib
 from dflash_jax.attention import injected_attention
 from dflash_jax.checkpoints import NameTable, export_params, load_params, resolve_path, save_safetensors
 from dflash_jax.drafts import DraftConfig
-from dflash_jax.dspark import ConfidenceHead, MarkovHead, walk
+from dflash_jax.drafts.dflash2 import CandidateSelector, DynamicConv
+from dflash_jax.drafts.dspark import ConfidenceHead, MarkovHead, walk
 from dflash_jax.families.dense import DecoderLayer
-from dflash_jax.layers import Embed, Linear, RMSNorm, initializer, random_params
+from dflash_jax.layers import Embed, Linear, RMSNorm, random_params
 from dflash_jax.sampling import categorical, row_keys
 from dflash_jax.state import DecodeCache, KVSpec, PagedKV
 from dflash_jax.target import Target, check_token_ids
@@ -51,61 +53,6 @@ def _draft_names(stream):
 # released drafts: layer names without a prefix; DFlash2's own leaves keep their names
 CHECKPOINT = NameTable(leaves=(("base_kernel", "base_kernel", False), ("layer_scalar", "layer_scalar", False))
                        + tuple((c, c, False) for c in _CODEBOOKS), rewrite=_draft_names)
-
-
-class DynamicConv(nn.Module):
-    """DFlash2's grouped dynamic causal convolution over each block's positions (never the context):
-    conv(x, d, b)[t, c] = sum_{o<K} (b[o, c] + d[t, o, c // gs]) * x[t-o, c], x before the block's start = 0.
-    ``prepare`` convolves the sublayer input with the first kernel and returns the second, projected from
-    the same input, for ``finish`` to convolve the sublayer output with."""
-
-    hidden: int
-    kernel_size: int
-    group_size: int
-
-    def setup(self):
-        self.base_kernel = self.param("base_kernel", nn.with_logical_partitioning(initializer("base_kernel"),
-                                                                                  (None, None, "embed")),
-                                      (2, self.kernel_size, self.hidden))
-        self.kernel_projection = Linear(2 * self.kernel_size * (self.hidden // self.group_size), False,
-                                        ("embed", None))
-
-    def _conv(self, x, dyn, base, block: int):
-        """x [B, L, H] (L = N blocks of ``block``), dyn [B, L, K, G], base [K, H] -> [B, L, H]."""
-        b, length, h = x.shape
-        xb = x.reshape(b, length // block, block, h)
-        dyn = jnp.repeat(dyn.reshape(b, length // block, block, self.kernel_size, -1), self.group_size, axis=-1)
-        out = jnp.zeros_like(xb)
-        for o in range(min(self.kernel_size, block)):
-            shifted = jnp.pad(xb[:, :, :block - o], ((0, 0), (0, 0), (o, 0), (0, 0)))
-            out = out + (jnp.asarray(base[o], x.dtype) + dyn[:, :, :, o]) * shifted
-        return out.reshape(x.shape)
-
-    def prepare(self, x, block: int):
-        dyn = self.kernel_projection(x).reshape(*x.shape[:2], 2, self.kernel_size, -1)
-        return self._conv(x, dyn[:, :, 0], self.base_kernel[0], block), dyn[:, :, 1]
-
-    def finish(self, x, dyn, block: int):
-        return self._conv(x, dyn, self.base_kernel[1], block)
-
-
-class CandidateSelector(nn.Module):
-    """DFlash2's selector parameters: ``hidden_projection`` [H -> r] and the [V, r] predecessor / successor
-    codebooks (``select`` walks them)."""
-
-    vocab: int
-    rank: int
-
-    def setup(self):
-        self.hidden_projection = Linear(self.rank, False, ("embed", None))
-        init = lambda name: nn.with_logical_partitioning(initializer(name), ("vocab", None))  # noqa: E731
-        self.predecessor_codebook = self.param("predecessor_codebook", init("predecessor_codebook"),
-                                               (self.vocab, self.rank))
-        self.successor_codebook = self.param("successor_codebook", init("successor_codebook"), (self.vocab, self.rank))
-
-    def __call__(self, h):
-        """Final-normed hidden [B, T, H] -> (u [B, T, r], predecessor [V, r], successor [V, r])."""
-        return self.hidden_projection(h), self.predecessor_codebook, self.successor_codebook
 
 
 class DraftLayer(DecoderLayer):
