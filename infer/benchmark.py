@@ -18,14 +18,14 @@ acceptance-depth histograms.
 
 ``--max-batch S`` instead compares continuous batching through S slots with static batches of S and one prompt at
 a time, plain and DFlash, on a workload of per-request budgets (``--mixed-budgets LO,HI`` or the prompts file's
-``max_new_tokens``): see ``infer/batching.py``.
+``max_new_tokens``): see ``infer/batching_benchmark.py``.
 
 ``--dataset NAME`` takes the prompts from an evaluation set of the paper (GSM8K, MATH-500, HumanEval, MBPP, MT-Bench,
 Alpaca) through the target's chat template, as the paper's benchmark builds them: see ``infer/bench_sets.py``.
 
 ``--synthetic NAME`` benchmarks a preset at real model shapes (Qwen3-4B / 8B, LLaMA-3.1-8B, a tiny CPU one)
 with random weights and a SIMULATED acceptance length (``--replay-tau`` / ``--replay-histogram``), per
-``--batch-size`` and ``--context``: see ``infer/synthetic.py``.
+``--batch-size`` and ``--context``: see ``infer/synthetic_benchmark.py``.
 """
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ import numpy as np
 from dflash_jax.machine import machine, warn_if_busy
 from dflash_jax.progress import progress_bar
 from dflash_jax.launch import launch
-from infer import bench_sets, synthetic
+from infer import bench_sets
+from infer import synthetic_benchmark
 from infer.timing import fastest, first_mismatch, step_split, time_forwards
 from infer.common import (DEMO_TARGET, adaptive_kwargs, add_model_args, check_overrides, decoding_kwargs, die, encode,
                           exits_on_interrupt, load_models, memory_arg, param_dtype, read_prompts_file, resolve_block,
@@ -70,7 +71,7 @@ def parse_args(argv=None):
                    help="timed runs per prompt and method, alternating, after one untimed warm-up run; "
                         "the fastest counts (default 3)")
     p.add_argument("--no-timing-split", action="store_true", help="skip timing single draft / verify forwards")
-    b = p.add_argument_group("batching (continuous vs static vs one at a time: infer/batching.py)")
+    b = p.add_argument_group("batching (continuous vs static vs one at a time: infer/batching_benchmark.py)")
     b.add_argument("--max-batch", type=int, default=None,
                    help="run the batching comparison with S slots (instead of the per-prompt batch-1 benchmark)")
     b.add_argument("--kv-cache-memory", type=memory_arg, default=None,
@@ -80,7 +81,7 @@ def parse_args(argv=None):
     b.add_argument("--mixed-budgets", default=None,
                    help="LO,HI: each request's max_new_tokens drawn uniformly from [LO, HI] (fixed seed), where its "
                         "prompts-file row sets none (default: --max-new-tokens for all)")
-    synthetic.add_args(p)
+    synthetic_benchmark.add_args(p)
     p.set_defaults(max_new_tokens=128)
     return p.parse_args(argv)
 
@@ -330,8 +331,8 @@ def main(argv=None) -> int:
         die("--dataset / --dataset-path are the run's prompts: drop "
             + ("--prompts-file" if args.prompts_file else "--synthetic"))
     if args.synthetic:
-        return synthetic.run(args)
-    synthetic.check_unused(args)
+        return synthetic_benchmark.run(args)
+    synthetic_benchmark.check_unused(args)
     from dflash_jax.decode import generate, speculative_generate
 
     check_plot_path(args.plot)  # every option the command line alone can check, before loading
@@ -352,12 +353,12 @@ def main(argv=None) -> int:
     prompts = encode(tokenizer, records, chat_kwargs=bench_sets.CHAT_KWARGS if args.dataset else None)
     kw = decoding_kwargs(args, target)
     if args.max_batch is not None:
-        from infer import batching
+        from infer import batching_benchmark
 
         block = args.block_size if args.block_size != "auto" else None
         where = machine()
         warn_if_busy(where)
-        return batching.run(args, target, draft, prompts, overrides, kw=kw,
+        return batching_benchmark.run(args, target, draft, prompts, overrides, kw=kw,
                             spec_kw=dict(block_size=block, **adaptive, **extra), where=where)
     block, choice = resolve_block(args, target, draft, prompts[:1], kw)  # probed at batch 1, as the runs below
     block = block or draft.config.block_size

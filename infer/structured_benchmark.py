@@ -93,7 +93,7 @@ def main(argv=None) -> int:
             "target with a tokenizer")
     from dflash_jax.decode import Request
     from dflash_jax.progress import progress_bar
-    from infer.batching import run_way
+    from infer.batching_benchmark import run_way
 
     prompts = encode(tokenizer, records)
     kw = dict(decoding_kwargs(args, target), block_size=fixed_block_size(args), **paging_kwargs(args))

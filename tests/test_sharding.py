@@ -391,7 +391,7 @@ def test_sharded_train_step_equals_single_device(trainer):
 
 
 def test_checkpoint_restores_onto_another_mesh_and_training_continues(trainer, tmp_path):
-    from train.checkpoint import Checkpointer
+    from train.orbax_checkpoints import Checkpointer
 
     (p0, o0), (p1, o1), (p2, o2) = trainer["states"]
     # saved from a mesh with one layout (fsdp=8: every hidden dim split 8 ways) ...

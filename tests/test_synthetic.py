@@ -177,7 +177,8 @@ def test_cli_synthetic_tiny_prints_the_step_split(capsys, monkeypatch):
     """The CPU preset through the CLI, in-process: one JSON row per configuration, acceptance marked simulated,
     output identical to plain decoding, the step split, a progress bar on a terminal's stderr; then the same row as
     text."""
-    from infer import benchmark, synthetic
+    from infer import benchmark
+    from infer import synthetic_benchmark
 
     argv = ["--synthetic", "tiny", "--replay-tau", "4", "--context", "48", "--batch-size", "2", "--max-new-tokens",
             "24", "--repeats", "1", "--continuous-requests", "3", "--json"]
@@ -187,7 +188,7 @@ def test_cli_synthetic_tiny_prints_the_step_split(capsys, monkeypatch):
     (row,) = [json.loads(x) for x in out.out.strip().splitlines()]
     assert "SIMULATED" in out.err
     # 3 closed-batch parts + the timed forwards + 3 requests through each of the 2 continuous runs
-    assert synthetic.stages(benchmark.parse_args(argv)) == 10
+    assert synthetic_benchmark.stages(benchmark.parse_args(argv)) == 10
     assert "synthetic benchmark" in out.err and "10/10" in out.err
     assert "batch 2, context 48: continuous batching, DFlash" in out.err
     assert row["acceptance"] == "simulated" and row["synthetic"] == "tiny" and row["identical"] is True
@@ -219,7 +220,7 @@ def test_cli_synthetic_tiny_prints_the_step_split(capsys, monkeypatch):
     assert np.isclose(c["runs_s"], c["dflash_step_s"] - split["step_loop"])
     assert row["machine"]["backend"] == "cpu" and row["dtype"] == "float32"
     args = benchmark.parse_args(argv[:-1])
-    synthetic.print_text([row], args, row["replay"], row["dtype"], row["machine"])
+    synthetic_benchmark.print_text([row], args, row["replay"], row["dtype"], row["machine"])
     text = capsys.readouterr().out
     assert "acceptance is SIMULATED" in text and "= draft" in text and "+ verify" in text and "+ rest" in text
     assert "load average" in text and "continuous batching, batch 2, context 48: 3 requests through 2 slots" in text
@@ -277,17 +278,18 @@ def test_a_mismatch_is_a_bug_only_where_the_choice_was_clear(capsys, monkeypatch
     clear, a warning at a tie to rounding (float32 too: random logits over a large vocabulary tie to the last bit),
     in the continuous run as in the closed one (the gap is measured there too)."""
     from dflash_jax import decode
-    from infer import benchmark, synthetic
+    from infer import benchmark
+    from infer import synthetic_benchmark
 
     def weights(dtype):  # a target whose parameters are in ``dtype``
         return types.SimpleNamespace(params={"w": np.zeros(1, dtype)})
 
-    synthetic._report_mismatch("m", 0.0, weights(np.float32))
+    synthetic_benchmark._report_mismatch("m", 0.0, weights(np.float32))
     assert "warning: m: a near-tie" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        synthetic._report_mismatch("m", 0.5, weights(np.float32))
+        synthetic_benchmark._report_mismatch("m", 0.5, weights(np.float32))
     assert "error: m: a bug" in capsys.readouterr().err
-    synthetic._report_mismatch("m", 0.5, weights(jnp.bfloat16))
+    synthetic_benchmark._report_mismatch("m", 0.5, weights(jnp.bfloat16))
     assert "warning" in capsys.readouterr().err
     real = decode.continuous_generate
 

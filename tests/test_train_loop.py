@@ -26,7 +26,7 @@ from dflash_jax.drafts.model import Draft, draft_param_shapes, init_draft_params
 from dflash_jax.layers import random_params
 from dflash_jax.decode import speculative_generate
 from dflash_jax.target import Target, load_target, param_shapes, save_target
-from train.checkpoint import Checkpointer
+from train.orbax_checkpoints import Checkpointer
 from train.config import TrainConfig, parse_args
 from train.data import DataError, TrainData, write_manifest, write_shard
 from train.errors import TrainingDiverged, TrainingError

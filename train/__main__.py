@@ -14,7 +14,7 @@ def main(argv=None) -> int:
     from dflash_jax.sharding import maybe_initialize_distributed
 
     maybe_initialize_distributed()  # one process of a TPU pod slice / multi-node launch: before any device use
-    from train.checkpoint import CheckpointError
+    from train.orbax_checkpoints import CheckpointError
     from train.data import DataError
     from train.errors import TrainingDiverged, TrainingError
     from train.loop import train

@@ -23,7 +23,7 @@ from dflash_jax.drafts import DraftConfig
 from dflash_jax.drafts.formats import architecture_formats
 from dflash_jax.drafts.model import Draft, draft_param_shapes, save_draft
 from dflash_jax.launch import launch
-from train.checkpoint import Checkpointer, CheckpointError, find_checkpoint
+from train.orbax_checkpoints import Checkpointer, CheckpointError, find_checkpoint
 
 # the architectures this trainer exports (config.json "architectures"): the trainable formats' (DFlash, DSpark)
 DRAFT_ARCHITECTURES = tuple([a] for a, f in architecture_formats().items() if f.trainable)

@@ -9,7 +9,7 @@ import os
 import jax
 
 from dflash_jax.drafts.config import DraftConfig
-from train.checkpoint import CHECKPOINT_DIR, CheckpointError, Checkpointer
+from train.orbax_checkpoints import CHECKPOINT_DIR, CheckpointError, Checkpointer
 from train.config import TrainConfig
 from train.data import TrainData
 from train.errors import TrainingError, warn

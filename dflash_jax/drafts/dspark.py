@@ -1,7 +1,7 @@
 """DSpark's heads (DeepSpec ``Qwen3DSparkModel``; docs/models.md, "Draft formats") and the left-to-right walk
 that drafts with them.
 
-The backbone is the DFlash draft's (``draft.DFlashDraft``); what DSpark adds, per block slot j (x_j its previous
+The backbone is the DFlash draft's (``draft.DraftModel``); what DSpark adds, per block slot j (x_j its previous
 token: the anchor for slot 0, then the token drafted at slot j - 1; e_j = W1[x_j], h_j the slot's final-normed
 hidden, l_j its base logits through the draft's own lm_head):
 
@@ -68,7 +68,7 @@ class ConfidenceHead(nn.Module):
 def walk(step, h, base_logits, anchor, *, state_width: int, confident: bool, prev=None, sampling=None, key=None,
          confidence_logits: bool = False):
     """Draft a block left to right: ``step(x, h_j, state) -> (bias [B, V], state, confidence logit [B] or None)``
-    (the draft's ``DFlashDraft.spark_step``; ``state`` [B, ``state_width``] starts at zero), h [B, T, D], base
+    (the draft's ``DraftModel.spark_step``; ``state`` [B, ``state_width``] starts at zero), h [B, T, D], base
     logits [B, T, V] float32, ``anchor`` [B] (slot 0's previous token) -> (tokens [B, T] int32, scores [B, T, V]
     float32, confidence [B, T] (``confident``) or None).
 

@@ -94,7 +94,7 @@ class DraftLayer(DecoderLayer):
         return x + h
 
 
-class DFlashDraft(nn.Module):
+class DraftModel(nn.Module):
     """Parameter names as in the released checkpoints: ``fc``, ``hidden_norm``, ``layers_N``, ``norm``
     (+ DFlash2's ``candidate_selector``; + DSpark's ``embed_tokens``, ``lm_head``, ``markov_head``,
     ``confidence_head``)."""
@@ -219,7 +219,7 @@ def abstract_variables(cfg: DraftConfig):
 
     def init(key):
         feats, x = jnp.zeros((1, 2, cfg.num_features * d)), jnp.zeros((1, 2, d))
-        return DFlashDraft(cfg).init(key, feats, x, method=DFlashDraft.initialize)
+        return DraftModel(cfg).init(key, feats, x, method=DraftModel.initialize)
 
     return jax.eval_shape(init, jax.ShapeDtypeStruct((2,), jnp.uint32))["params"]
 
@@ -265,7 +265,7 @@ def check_fits(target: Target, draft: Draft) -> None:
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def context_kv(cfg: DraftConfig, params, features, positions):
-    return DFlashDraft(cfg).apply({"params": params}, features, positions, method=DFlashDraft.context_kv)
+    return DraftModel(cfg).apply({"params": params}, features, positions, method=DraftModel.context_kv)
 
 
 def materialize(cfg: DraftConfig, params, cache: DecodeCache, features, positions) -> DecodeCache:
@@ -283,16 +283,16 @@ def draft_hidden(tcfg, tparams, cfg: DraftConfig, params, block_ids, anchors, k_
     target's raw table (a DSpark draft's own) times ``input_embedding_scale``; per-layer context K/V [B, S, K, H] (slot s =
     position s) -> final-normed hidden states [B, N*Bk, D] in the context's dtype. ``decode_impl`` given:
     decoding (one block per row) with that decode attention impl instead of ``impl``'s block attention;
-    ``block_len``: see ``DFlashDraft.__call__`` (not differentiable; None for training)."""
+    ``block_len``: see ``DraftModel.__call__`` (not differentiable; None for training)."""
     if cfg.own_embeddings:
-        x = DFlashDraft(cfg).apply({"params": params}, block_ids, method=DFlashDraft.embed)
+        x = DraftModel(cfg).apply({"params": params}, block_ids, method=DraftModel.embed)
     else:
         x = target_lib.embed(tcfg, tparams, block_ids)
     x = x.astype(k_ctx[0].dtype)
     if cfg.input_embedding_scale != 1.0:
         x = x * jnp.asarray(cfg.input_embedding_scale, x.dtype)
     decode = decode_impl is not None
-    return DFlashDraft(cfg).apply({"params": params}, x, anchors, k_ctx, v_ctx, decode_impl if decode else impl,
+    return DraftModel(cfg).apply({"params": params}, x, anchors, k_ctx, v_ctx, decode_impl if decode else impl,
                                   ctx_start, decode=decode, block_len=block_len)
 
 
@@ -301,7 +301,7 @@ def logits(tcfg, tparams, cfg: DraftConfig, params, h):
     times the draft's ``output_multiplier``, then ``cap * tanh(logits / cap)`` when ``final_logit_softcapping`` is
     set. DSpark's Markov bias comes after (``spark``)."""
     if cfg.own_embeddings:
-        out = DFlashDraft(cfg).apply({"params": params}, h, method=DFlashDraft.head)
+        out = DraftModel(cfg).apply({"params": params}, h, method=DraftModel.head)
     else:
         out = target_lib.head(tcfg, tparams, h)
     if cfg.output_multiplier != 1.0:
@@ -334,7 +334,7 @@ def select(cfg: DraftConfig, params, h, scores, anchor, *, temperature=None, key
     successor codebooks, u the projected hidden), pred the previous token (the anchor first). Greedy
     (``temperature`` None) takes argmax s; otherwise per row ([B] temperatures, ``key`` [B, 2] per-row keys) a draw
     from softmax(s / temperature), the argmax where a row's temperature is 0."""
-    u, pred_book, succ_book = DFlashDraft(cfg).apply({"params": params}, h, method=DFlashDraft.select_inputs)
+    u, pred_book, succ_book = DraftModel(cfg).apply({"params": params}, h, method=DraftModel.select_inputs)
     unary, cand = jax.lax.top_k(scores, cfg.selector_top_k)
     succ = jnp.take(succ_book, cand, axis=0).astype(jnp.float32)  # [B, T, k, r]
     b, t = scores.shape[:2]
@@ -369,8 +369,8 @@ def spark(cfg: DraftConfig, params, h, base_logits, anchor, *, prev=None, sampli
     [B, T, D], base logits [B, T, V] of every slot, ``anchor`` [B] -> (tokens [B, T], Markov-corrected scores
     [B, T, V], confidence [B, T] or None); ``prev`` [B, T - 1] teacher-forces the previous tokens (training),
     ``confidence_logits`` returns the confidence head's logits instead."""
-    model = DFlashDraft(cfg)
-    step = lambda x, h_j, s: model.apply({"params": params}, x, h_j, s, method=DFlashDraft.spark_step)  # noqa: E731
+    model = DraftModel(cfg)
+    step = lambda x, h_j, s: model.apply({"params": params}, x, h_j, s, method=DraftModel.spark_step)  # noqa: E731
     return walk(step, h, base_logits, anchor, state_width=spark_state_width(cfg), confident=bool(cfg.confidence_head),
                 prev=prev, sampling=sampling, key=key, confidence_logits=confidence_logits)
 
