@@ -1,8 +1,8 @@
 """Per-layer decode state and the one rollback protocol, as static-shaped pytrees.
 
-Every layer of a model carries one state object between forwards; ``DecodeCache`` holds them plus each
+Every layer of a model carries one state object between forwards; ``LayerStates`` holds them plus each
 row's committed length. A forward writes (a recurrent layer: stashes) ALL its new tokens in every layer's
-state; the engine then calls ``DecodeCache.commit(kept)`` with the number of those tokens each row keeps
+state; the engine then calls ``LayerStates.commit(kept)`` with the number of those tokens each row keeps
 (accepted drafts + bonus; 0 for a finished row), and every state rolls back in its own way:
 
 * ``FullKV`` (full attention): slot == position. Nothing to undo: slots past the committed length are
@@ -22,7 +22,7 @@ state; the engine then calls ``DecodeCache.commit(kept)`` with the number of tho
   paging it would save little and complicate the rollback), and recurrent states stay per row.
 
 Tree verification (``speculative``, ``tree_budget``) writes its N + 1 tree tokens as positions n..n+N (slot
-order, not their repeating tree positions: ``tree_write``), then ``DecodeCache.compact`` moves the accepted
+order, not their repeating tree positions: ``tree_write``), then ``LayerStates.compact`` moves the accepted
 path to positions n..n+a before the commit (``Recurrent``: its stash slots), so the commit is the chain's.
 
 A token at a position < 0 is padding: never written, never attended to, never advancing a recurrence.
@@ -319,7 +319,7 @@ class KVSpec:
 
     def init(self, batch: int, max_len: int, dtype, max_block: int, page: int = 0):
         """The empty state; ``page`` > 0: a full-attention layer is a ``PagedKV`` whose pools and table the
-        engine joins in (``DecodeCache.join_pages``)."""
+        engine joins in (``LayerStates.join_pages``)."""
         if self.paged(max_len, max_block, page):
             return PagedKV(None, None, None, page)
         slots = self._slots(max_len, max_block)
@@ -365,7 +365,7 @@ class RecurrentSpec:
 
 
 @flax.struct.dataclass
-class DecodeCache:
+class LayerStates:
     """One state per layer plus ``lengths`` [B], each row's committed tokens."""
 
     LOGICAL_AXES: ClassVar[dict] = {"lengths": ("cache_batch",)}  # ``layers``: each state's own
@@ -374,21 +374,21 @@ class DecodeCache:
     max_len: int = flax.struct.field(pytree_node=False, default=0)  # positions 0..max_len-1 fit
 
     @classmethod
-    def create(cls, specs, batch: int, max_len: int, dtype, max_block: int = 16, page: int = 0) -> "DecodeCache":
+    def create(cls, specs, batch: int, max_len: int, dtype, max_block: int = 16, page: int = 0) -> "LayerStates":
         """Empty states for layers described by ``specs`` (``KVSpec`` / ``RecurrentSpec``, one per layer);
         ``max_block``: the most tokens of a forward that may be rolled back (the block size); ``page`` > 0: full
         attention paged (``PagedKV``, its pools and table joined in by ``join_pages``)."""
         return cls(tuple(s.init(batch, max_len, dtype, max_block, page) for s in specs),
                    jnp.zeros((batch,), jnp.int32), max_len)
 
-    def split_pages(self) -> tuple["DecodeCache", tuple]:
+    def split_pages(self) -> tuple["LayerStates", tuple]:
         """-> (this cache with its paged layers' pools and tables taken out: rows first, every leaf; the pools, a
         (k, v) pair per paged layer in layer order)."""
         paged = [s for s in self.layers if isinstance(s, PagedKV)]
         rows = tuple(s.replace(k=None, v=None, table=None) if isinstance(s, PagedKV) else s for s in self.layers)
         return self.replace(layers=rows), tuple((s.k, s.v) for s in paged)
 
-    def join_pages(self, pools, table) -> "DecodeCache":
+    def join_pages(self, pools, table) -> "LayerStates":
         """``split_pages`` undone: the paged layers given ``pools`` (in layer order) and the rows' ``table``."""
         pools, layers = iter(pools), []
         for s in self.layers:
@@ -398,19 +398,19 @@ class DecodeCache:
             layers.append(s)
         return self.replace(layers=tuple(layers))
 
-    def commit(self, kept) -> "DecodeCache":
+    def commit(self, kept) -> "LayerStates":
         """Keep the first ``kept`` [B] tokens of the last forward of every row; the rest is rolled back."""
         kept = kept.astype(jnp.int32)
         return self.replace(layers=tuple(s.commit(kept) for s in self.layers), lengths=self.lengths + kept)
 
-    def compact(self, src, dst) -> "DecodeCache":
+    def compact(self, src, dst) -> "LayerStates":
         """``compact`` in every layer."""
         return self.replace(layers=tuple(s.compact(src, dst) for s in self.layers))
 
 
 def new_pools(specs, pages: int, page: int, dtype, max_len: int, max_block: int) -> tuple:
     """Empty (k, v) pools of ``pages`` pages for every layer of ``specs`` that a paged cache pages
-    (``KVSpec.paged``), in layer order: what ``DecodeCache.join_pages`` takes."""
+    (``KVSpec.paged``), in layer order: what ``LayerStates.join_pages`` takes."""
     return tuple(s.pool(pages, page, dtype) for s in specs
                  if isinstance(s, KVSpec) and s.paged(max_len, max_block, page))
 

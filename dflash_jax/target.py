@@ -19,7 +19,7 @@ import numpy as np
 from dflash_jax.checkpoints import export_params, load_params, resolve_path, save_safetensors
 from dflash_jax.families import config_from_hf, family_of
 from dflash_jax.layers import random_params
-from dflash_jax.state import DecodeCache
+from dflash_jax.state import LayerStates
 
 
 def decoder(cfg, attention_impl: str = "auto") -> nn.Module:
@@ -35,15 +35,15 @@ class Target:
     params: Any
     path: str | None = None
 
-    def new_cache(self, batch: int, max_len: int, dtype=None, max_block: int = 16) -> DecodeCache:
+    def new_cache(self, batch: int, max_len: int, dtype=None, max_block: int = 16) -> LayerStates:
         """Empty decode state of every layer; ``max_block``: the most tokens of a forward that may be rolled back."""
         dtype = dtype or jax.tree_util.tree_leaves(self.params)[0].dtype
         return new_cache(self.config, batch, max_len, dtype, max_block)
 
 
-def new_cache(cfg, batch: int, max_len: int, dtype, max_block: int = 16, page: int = 0) -> DecodeCache:
-    """``page`` > 0: full-attention layers paged (``DecodeCache.join_pages`` gives them pools)."""
-    return DecodeCache.create(family_of(cfg).state_specs(cfg), batch, max_len, dtype, max_block, page)
+def new_cache(cfg, batch: int, max_len: int, dtype, max_block: int = 16, page: int = 0) -> LayerStates:
+    """``page`` > 0: full-attention layers paged (``LayerStates.join_pages`` gives them pools)."""
+    return LayerStates.create(family_of(cfg).state_specs(cfg), batch, max_len, dtype, max_block, page)
 
 
 def abstract_variables(cfg):

@@ -198,8 +198,8 @@ def load_models(args, prompts: list[dict] = ()):
             target = dj.load_target(target_path, dtype=dtype)
             draft = dj.load_draft(draft_path, dtype=dtype) if draft_path else None
         if draft is not None:
-            from dflash_jax.drafts.model import check_fits
-            check_fits(target, draft)
+            from dflash_jax.drafts.model import check_pair
+            check_pair(target, draft)
     except (OSError, ValueError) as e:  # missing / unreadable files, malformed checkpoints and configs
         die(str(e))
     print(f"target {target.path} ({target.config.model_type}, {param_dtype(target)})"
@@ -240,7 +240,7 @@ def check_before_loading(args, target_path: str, draft_path: str | None, prompts
         die(str(e))
     target_dir = resolve_path(target_path)
     tcfg = config_from_hf(target_dir)
-    check_prompts(prompts, tcfg.vocab_size, target_dir, getattr(args, "chat", False))
+    check_prompt_records(prompts, tcfg.vocab_size, target_dir, getattr(args, "chat", False))
     vocab = tcfg.vocab_size
     bad = [i for i in stop_ids(args, tcfg) if not 0 <= i < vocab]
     if bad:
@@ -259,7 +259,7 @@ def check_before_loading(args, target_path: str, draft_path: str | None, prompts
         die(str(e))
 
 
-def check_prompts(prompts: list[dict], vocab: int, target_dir: str, chat: bool) -> None:
+def check_prompt_records(prompts: list[dict], vocab: int, target_dir: str, chat: bool) -> None:
     """Dies naming the first prompt (its index in the run) that cannot run: empty, ids outside the vocabulary, text
     without the target's tokenizer, a chat (``--chat``, ``messages``) without its chat template."""
     for i, r in enumerate(prompts):

@@ -1,6 +1,6 @@
 """One Gated DeltaNet layer's verify at a real model's linear-attention shape (default Qwen3.5-4B's: hidden 2560,
 16 key / 32 value heads of 128, conv 4), batch 1, float32, on this machine: the chain verify of a block of 16 and
-tree verifies of 16 and 64 nodes (random trees), each forward plus its commit (``DecodeCache.commit``), jitted,
+tree verifies of 16 and 64 nodes (random trees), each forward plus its commit (``LayerStates.commit``), jitted,
 median of repeats; and the rollback memory per row and layer (``RecurrentSpec``'s stash against a state per
 token). ``python scripts/gdn_verify_cost.py [--repeats N]`` prints one JSON line."""
 from __future__ import annotations

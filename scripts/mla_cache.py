@@ -18,7 +18,7 @@ import numpy as np
 
 from dflash_jax.attention import decode_attention
 from dflash_jax.families.deepseek_v3 import DeepseekV3Config, state_specs
-from dflash_jax.state import DecodeCache, KVSpec
+from dflash_jax.state import LayerStates, KVSpec
 
 KIMI = {"model_type": "deepseek_v3", "vocab_size": 163840, "hidden_size": 7168, "num_hidden_layers": 61,
         "num_attention_heads": 64, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
@@ -28,7 +28,7 @@ KIMI = {"model_type": "deepseek_v3", "vocab_size": 163840, "hidden_size": 7168, 
 
 def bytes_per_token(specs, dtype=jnp.bfloat16) -> int:
     """A one-slot, one-row cache's bytes (shapes only: nothing is allocated)."""
-    cache = jax.eval_shape(lambda: DecodeCache.create(specs, 1, 1, dtype, max_block=1))
+    cache = jax.eval_shape(lambda: LayerStates.create(specs, 1, 1, dtype, max_block=1))
     return sum(x.size * x.dtype.itemsize for s in cache.layers for x in jax.tree_util.tree_leaves(s))
 
 

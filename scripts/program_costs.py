@@ -30,7 +30,7 @@ def program_costs(name: str, batch: int, context: int, max_new_tokens: int, bloc
     replay = syn.ReplayProposer(reference=[r.output_ids for r in plain], probs=syn.geometric_probs(6.5, block))
     b = batch_lib.build(target, draft, prompts, DecodeOptions(max_new_tokens=max_new_tokens, stop_token_ids=[],
                                                               block_size=block, proposer=replay))
-    compiled = steps.generate_jit.lower(b.spec, b.inputs, b.rows).compile()
+    compiled = steps.decode_loop_jit.lower(b.spec, b.inputs, b.rows).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     ops = hlo.instructions(compiled.as_text())

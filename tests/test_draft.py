@@ -180,20 +180,20 @@ def test_fit_checks_name_both_sides(target):
     draft = make_draft(target.config)
     bad_ids = D.Draft(dataclasses.replace(draft.config, target_layer_ids=(0, 2, 9)), draft.params)
     with pytest.raises(ValueError, match=r"\[9\].*4 layers"):
-        D.check_fits(target, bad_ids)
+        D.check_pair(target, bad_ids)
     bad_mask = D.Draft(dataclasses.replace(draft.config, mask_token_id=500), draft.params)
     with pytest.raises(ValueError, match="mask_token_id 500.*vocab_size 96"):
-        D.check_fits(target, bad_mask)
+        D.check_pair(target, bad_mask)
     two = make_draft(target.config, ids=(1, 3))
     wide = D.Draft(draft.config.__class__(**{**draft.config.__dict__, "target_layer_ids": (1, 3)}), draft.params)
     with pytest.raises(ValueError, match="fc takes 96 input features.*2 target layers.*64"):
-        D.check_fits(target, wide)
-    D.check_fits(target, two)  # a consistent 2-feature draft passes
+        D.check_pair(target, wide)
+    D.check_pair(target, two)  # a consistent 2-feature draft passes
     with pytest.warns(UserWarning, match="num_target_layers=36"):
-        D.check_fits(target, D.Draft(dataclasses.replace(draft.config, num_target_layers=36), draft.params))
+        D.check_pair(target, D.Draft(dataclasses.replace(draft.config, num_target_layers=36), draft.params))
     with pytest.raises(ValueError, match="hidden_size"):
         other = dataclasses.replace(draft.config, layers=dataclasses.replace(draft.config.layers, hidden_size=64))
-        D.check_fits(target, D.Draft(other, draft.params))
+        D.check_pair(target, D.Draft(other, draft.params))
 
 
 def test_released_layout_loads_from_disk(tmp_path):

@@ -199,7 +199,7 @@ def test_dflash2_codebooks_must_cover_the_vocabulary(tiny):
     small["candidate_selector"] = {**small["candidate_selector"],
                                    "successor_codebook": small["candidate_selector"]["successor_codebook"][:50]}
     with pytest.raises(ValueError, match="codebooks have 50 rows for a target vocabulary of 96"):
-        D.check_fits(target, D.Draft(draft.config, small))
+        D.check_pair(target, D.Draft(draft.config, small))
 
 
 def test_draft_block_tokens_rejects_a_lone_anchor(tiny):

@@ -4,7 +4,7 @@ row's pages or for a row of no pages change nothing."""
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.state import DecodeCache, FullKV, KVSpec, PagedKV, new_pools, page_bytes
+from dflash_jax.state import LayerStates, FullKV, KVSpec, PagedKV, new_pools, page_bytes
 
 B, PAGE, COLS, K, H = 3, 4, 5, 2, 8
 MAX_LEN = PAGE * COLS
@@ -77,7 +77,7 @@ def test_writes_without_a_page_are_dropped():
 
 def test_split_and_join_round_trip_and_pool_sizes():
     specs = (KVSpec(2, 8), KVSpec(2, 8, window=4), KVSpec(1, 12, v_head_dim=8))
-    cache = DecodeCache.create(specs, B, MAX_LEN, jnp.float32, max_block=4, page=PAGE)
+    cache = LayerStates.create(specs, B, MAX_LEN, jnp.float32, max_block=4, page=PAGE)
     assert [type(s).__name__ for s in cache.layers] == ["PagedKV", "SlidingKV", "PagedKV"]
     pools = new_pools(specs, 10, PAGE, jnp.float32, MAX_LEN, 4)
     assert [p[1].shape for p in pools] == [(10, PAGE, 2, 8), (10, PAGE, 1, 8)]

@@ -136,11 +136,11 @@ def test_cache_layouts_follow_the_logical_rules():
     rule and the cache follows."""
     from jax.sharding import PartitionSpec as P
 
-    from dflash_jax.state import DecodeCache, KVSpec, RecurrentSpec, SharedKVSpec
+    from dflash_jax.state import LayerStates, KVSpec, RecurrentSpec, SharedKVSpec
 
     mesh = sh.make_mesh("data=2,tensor=4")
     specs = (KVSpec(4, 16), KVSpec(4, 16, window=4), RecurrentSpec((("conv", (3, 8), None),), (("x", (3,), None),), None), SharedKVSpec())
-    cache = DecodeCache.create(specs, 8, 32, jnp.float32, max_block=4)
+    cache = LayerStates.create(specs, 8, 32, jnp.float32, max_block=4)
 
     def layouts(rules):
         out = jax.jit(lambda c: sh.constrain_cache(c, mesh, rules))(cache)

@@ -1,5 +1,5 @@
 """The per-layer decode-state protocol (dflash_jax/state.py): a forward writes every new token, and
-``DecodeCache.commit(kept)`` keeps exactly each row's first ``kept`` of them, whatever the layer kind."""
+``LayerStates.commit(kept)`` keeps exactly each row's first ``kept`` of them, whatever the layer kind."""
 from __future__ import annotations
 
 import jax
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.state import DecodeCache, KVSpec, Recurrent, RecurrentSpec, SlidingKV, ring_slots
+from dflash_jax.state import LayerStates, KVSpec, Recurrent, RecurrentSpec, SlidingKV, ring_slots
 from tolerances import assert_close
 
 D = 3  # width of the toy recurrent state
@@ -36,7 +36,7 @@ def running_sum(state: Recurrent, x, positions) -> Recurrent:
 def test_recurrent_commit_keeps_exactly_the_accepted_prefix():
     rng = np.random.RandomState(0)
     b = 4
-    cache = DecodeCache.create([SPEC], b, 64, jnp.float32, MAX_BLOCK)
+    cache = LayerStates.create([SPEC], b, 64, jnp.float32, MAX_BLOCK)
     # a prefill longer than max_block with ragged lengths (padding at position -1), committed whole
     lens = np.array([5, 2, 7, 1])
     prompt = rng.randn(b, 7, D).astype(np.float32)
@@ -65,7 +65,7 @@ def test_recurrent_commit_keeps_exactly_the_accepted_prefix():
 
 def test_recurrent_commit_is_traceable_in_a_while_loop():
     """Static shapes: the commit runs inside lax.while_loop with runtime kept counts."""
-    cache = DecodeCache.create([SPEC], 2, 64, jnp.float32, MAX_BLOCK)
+    cache = LayerStates.create([SPEC], 2, 64, jnp.float32, MAX_BLOCK)
     x = jnp.ones((2, MAX_BLOCK, D))
 
     def body(carry):
@@ -86,7 +86,7 @@ def test_sliding_ring_rollback_keeps_the_window(window, max_block):
     positions inside the window, with their values."""
     rng = np.random.RandomState(1)
     spec = KVSpec(kv_heads=1, head_dim=1, window=window)
-    cache = DecodeCache.create([spec], 1, 64, jnp.float32, max_block)
+    cache = LayerStates.create([spec], 1, 64, jnp.float32, max_block)
     assert isinstance(cache.layers[0], SlidingKV) and cache.layers[0].k.shape[1] == window + max_block
     committed = {}  # position -> value of the token kept there
     for _ in range(12):
@@ -170,7 +170,7 @@ def test_value_head_dim_of_its_own_in_full_and_sliding_states():
     from dflash_jax.attention import attend, decode_attention, position_mask
 
     b, hkv, d, dv, window, max_block, t = 2, 2, 8, 4, 5, 4, 4
-    full, ring = (DecodeCache.create([KVSpec(hkv, d, w, v_head_dim=dv)], b, 32, jnp.float32, max_block).layers[0]
+    full, ring = (LayerStates.create([KVSpec(hkv, d, w, v_head_dim=dv)], b, 32, jnp.float32, max_block).layers[0]
                   for w in (None, window))
     assert isinstance(ring, SlidingKV) and ring.k.shape[-1] == d and ring.v.shape == (b, window + max_block, hkv, dv)
     assert full.k.shape == (b, 32, hkv, d) and full.v.shape == (b, 32, hkv, dv)

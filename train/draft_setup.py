@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from dflash_jax.checkpoints import resolve_dtype
 from dflash_jax.drafts.config import MASK_TOKEN, DraftConfig, choose_target_layer_ids
-from dflash_jax.drafts.model import Draft, check_fits, init_draft_params, load_draft
+from dflash_jax.drafts.model import Draft, check_pair, init_draft_params, load_draft
 from dflash_jax.families import family_of
 from dflash_jax.target import Target
 from train.config import TrainConfig
@@ -154,7 +154,7 @@ def choose_draft(cfg: TrainConfig, target: Target, tokenizer, data: TrainData, p
             params = init_draft_params(dcfg, cfg.seed, param_dtype)
             if dcfg.own_embeddings:
                 params = with_target_copies(params, target, param_dtype)
-        check_fits(target, Draft(dcfg, params))
+        check_pair(target, Draft(dcfg, params))
     if dcfg.block_size != cfg.block_size:
         cfg = cfg.replace(block_size=dcfg.block_size)
     return cfg, dcfg, params

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.checkpoints import resolve_dtype
-from dflash_jax.drafts.model import Draft, check_fits
+from dflash_jax.drafts.model import Draft, check_pair
 from dflash_jax.scoring import padded
 from dflash_jax.target import Target
 from train.config import TrainConfig
@@ -65,7 +65,7 @@ class OnlineDraftTrainer:
                              f"{why}")
         if steps_per_update < 1:
             raise ValueError(f"steps_per_update must be >= 1, got {steps_per_update}")
-        check_fits(target, draft)
+        check_pair(target, draft)
         self.target = target
         self.draft_dtype = jax.tree_util.tree_leaves(draft.params)[0].dtype
         dtype = dtype or str(jnp.dtype(jax.tree_util.tree_leaves(target.params)[0].dtype))

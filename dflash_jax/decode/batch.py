@@ -49,7 +49,7 @@ def _executable(batch: Batch):
     budget is an input), so timings exclude compilation and a program's first-execution setup (on CPU a
     cold first run is several times slower than the next)."""
     def compile_and_warm():
-        run = steps.generate_jit.lower(batch.spec, batch.inputs, batch.rows).compile()
+        run = steps.decode_loop_jit.lower(batch.spec, batch.inputs, batch.rows).compile()
         budget = batch.rows.budget  # numpy, or a jax.Array placed on a mesh (kept on its sharding)
         one_step = (jax.jit(lambda b: jnp.minimum(b, 2), out_shardings=budget.sharding)(budget)
                     if isinstance(budget, jax.Array) else np.minimum(budget, 2))  # prefill + one step

@@ -65,7 +65,7 @@ def engine(target: Target, draft, options: DecodeOptions, cache_len: int, *, gre
     """The static spec and shared inputs of a program decoding ``rows`` rows with ``options``; every check that
     needs the models (the draft fits the target, block, verify lengths, tree target, proposer arrays)."""
     if draft is not None:
-        draft_lib.check_fits(target, draft)
+        draft_lib.check_pair(target, draft)
     block = options.block_for(draft)
     verify_lengths = options.verify_lengths_for(block)
     if options.tree_budget:

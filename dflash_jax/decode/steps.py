@@ -206,7 +206,7 @@ def join_step(spec: EngineSpec, inp: Inputs, state: DecodeState, given=None, all
     return split(step(spec, inp, join(state), given, allowed))
 
 
-def generate(spec: EngineSpec, inp: Inputs, rows: Rows) -> DecodeState:
+def decode_loop(spec: EngineSpec, inp: Inputs, rows: Rows) -> DecodeState:
     """Prefill ``rows``, then steps until every row is done: a closed batch in one program."""
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), functools.partial(step, spec, inp), prefill(spec, inp, rows))
 
@@ -231,7 +231,7 @@ propose_rows_jit = jax.jit(_on_mesh(propose_rows), static_argnames=("spec",))
 step_rows_jit = jax.jit(_on_mesh(step_rows), static_argnames=("spec",), donate_argnames=("state",))
 put_prefix_jit = jax.jit(put_prefix, donate_argnames=("state",))
 restore_jit = jax.jit(restore, static_argnames=("spec",), donate_argnames=("state",))
-generate_jit = jax.jit(_on_mesh(generate), static_argnames=("spec",))
+decode_loop_jit = jax.jit(_on_mesh(decode_loop), static_argnames=("spec",))
 
 
 def empty(spec: EngineSpec, inp: Inputs, rows: Rows, pages: int = 0) -> DecodeState:

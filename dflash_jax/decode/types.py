@@ -138,7 +138,7 @@ class DecodeState:
     """S rows of decoding (rows first, every leaf): caches, committed tokens, per-row settings and counters."""
 
     tokens: jax.Array  # [B, S] tokens by position; tokens[b, n_b] is the pending (not yet cached) token
-    tcache: Any  # target layer states (``state.DecodeCache``); lengths = n, the committed tokens they hold
+    tcache: Any  # target layer states (``state.LayerStates``); lengths = n, the committed tokens they hold
     dcache: Any  # draft context K/V (None: plain decoding); lengths == tcache.lengths at every step
     prompt_len: jax.Array  # [B] the row's prompt length
     generated: jax.Array  # [B] tokens generated so far, the pending one included

@@ -5,7 +5,7 @@ Chain, per row: the draft predicts a block [x_n, d_1..d_{K-1}] from its context 
 verifies it in one forward; the longest prefix with d_k == p_{k-1} is accepted and p_a (the target's own next
 token) is the bonus. Committed: p_0..p_a at positions n+1..n+a+1, so n (the committed length of both caches) grows
 by a+1, and the verified tokens' features become new draft context. Both caches roll back through the per-layer
-state protocol (``DecodeCache.commit``). With no draft (or a block of 1) the same step is plain autoregressive
+state protocol (``LayerStates.commit``). With no draft (or a block of 1) the same step is plain autoregressive
 decoding, the baseline of every comparison.
 
 Adaptive verify (``verify_lengths``): the target verifies only the first L block tokens, L one of a few static

@@ -33,7 +33,7 @@ from dflash_jax.drafts.dspark import ConfidenceHead, MarkovHead, walk
 from dflash_jax.families.dense import DecoderLayer
 from dflash_jax.layers import Embed, Linear, RMSNorm, random_params
 from dflash_jax.sampling import categorical, row_keys
-from dflash_jax.state import DecodeCache, KVSpec, PagedKV
+from dflash_jax.state import LayerStates, KVSpec, PagedKV
 from dflash_jax.target import Target, check_token_ids
 
 _CODEBOOKS = ("predecessor_codebook", "successor_codebook")
@@ -188,7 +188,7 @@ class Draft:
     params: Any
     path: str | None = None
 
-    def new_cache(self, batch: int, max_len: int, dtype=None) -> DecodeCache:
+    def new_cache(self, batch: int, max_len: int, dtype=None) -> LayerStates:
         """Context-only K/V of every draft layer (full length: the block attention applies any window)."""
         dtype = dtype or jax.tree_util.tree_leaves(self.params)[0].dtype
         return new_cache(self.config, batch, max_len, dtype)
@@ -200,12 +200,12 @@ def state_specs(cfg: DraftConfig) -> tuple[KVSpec, ...]:
                  for a in map(cfg.layers.layer_attention, range(cfg.layers.num_hidden_layers)))
 
 
-def new_cache(cfg: DraftConfig, batch: int, max_len: int, dtype, page: int = 0) -> DecodeCache:
-    """``page`` > 0: paged (``DecodeCache.join_pages`` gives it pools)."""
-    return DecodeCache.create(state_specs(cfg), batch, max_len, dtype, page=page)
+def new_cache(cfg: DraftConfig, batch: int, max_len: int, dtype, page: int = 0) -> LayerStates:
+    """``page`` > 0: paged (``LayerStates.join_pages`` gives it pools)."""
+    return LayerStates.create(state_specs(cfg), batch, max_len, dtype, page=page)
 
 
-def cache_kv(cache: DecodeCache) -> tuple[tuple, tuple]:
+def cache_kv(cache: LayerStates) -> tuple[tuple, tuple]:
     """Per-layer context keys and values of a draft cache, as ``draft_hidden`` takes them; a paged layer as its
     ``PagedKV`` (keys) and None (values), which decoding reads in place (``paged_decode_attention``)."""
     paged = [isinstance(s, PagedKV) for s in cache.layers]
@@ -238,7 +238,7 @@ def spark_state_width(cfg: DraftConfig) -> int:
     return cfg.markov_rank if cfg.markov and cfg.markov_head_type == "rnn" else 0
 
 
-def check_fits(target: Target, draft: Draft) -> None:
+def check_pair(target: Target, draft: Draft) -> None:
     """Config checks plus the fused-feature width, before any compute; messages name both sides."""
     draft.config.check_fits(target.config)
     vocab = target.config.vocab_size
@@ -268,9 +268,9 @@ def context_kv(cfg: DraftConfig, params, features, positions):
     return DraftModel(cfg).apply({"params": params}, features, positions, method=DraftModel.context_kv)
 
 
-def materialize(cfg: DraftConfig, params, cache: DecodeCache, features, positions) -> DecodeCache:
+def materialize(cfg: DraftConfig, params, cache: LayerStates, features, positions) -> LayerStates:
     """Write the context K/V of ``features`` [B, T, n*D] at ``positions`` [B, T] (< 0: skipped) into the
-    draft cache; its committed length is left to ``DecodeCache.commit``."""
+    draft cache; its committed length is left to ``LayerStates.commit``."""
     k, v = context_kv(cfg, params, features, positions)
     return cache.replace(layers=tuple(s.write(ki, vi, positions) for s, ki, vi in zip(cache.layers, k, v)))
 
@@ -420,7 +420,7 @@ CONTEXT_BUCKET = 32  # context ids are padded to a multiple of this: one program
 
 def _checked_inputs(target: Target, draft: Draft, context_ids, block_ids):
     """(context ids padded to a multiple of ``CONTEXT_BUCKET``, the context's length, block ids), checked."""
-    check_fits(target, draft)
+    check_pair(target, draft)
     v = target.config.vocab_size
     ctx = check_token_ids(context_ids, v, "context_ids")
     blk = check_token_ids(block_ids, v, "block_ids")

@@ -19,7 +19,7 @@ from dflash_jax.checkpoints import NameTable
 from dflash_jax.config import TargetConfig
 from dflash_jax.families.family import Family
 from dflash_jax.layers import MLP, AttentionProjections, Embed, Linear, RMSNorm
-from dflash_jax.state import DecodeCache, FullKV, KVSpec, PagedKV, SlidingKV
+from dflash_jax.state import LayerStates, FullKV, KVSpec, PagedKV, SlidingKV
 
 
 # positional: the attention operands (q, and their positions / lengths / own keys), as decode_attention orders them
@@ -94,7 +94,7 @@ class DecoderLayer(nn.Module):
     def tree_attention(self, q, k, v, positions, state, new_mask, *, window, sinks, scale=None):
         """Tree verify: tokens [root, nodes] at positions n + depth (the root's, positions[:, 0], is the
         committed length n); each query sees the cache below n (within the window) and the new tokens
-        ``new_mask`` allows. Their K/V are stored in slot order (``tree_write``), for ``DecodeCache.compact``."""
+        ``new_mask`` allows. Their K/V are stored in slot order (``tree_write``), for ``LayerStates.compact``."""
         n = positions[:, 0]
         if isinstance(state, SlidingKV):  # the ring is small: dense over [ring | new tokens]
             ctx = position_mask(positions, state.pos, causal=True, sliding_window=window,
@@ -156,7 +156,7 @@ class Decoder(nn.Module):
         return self.head(h)
 
     # positional: the family decoder contract (family.py) that target.forward calls in this order
-    def __call__(self, input_ids, positions, cache: DecodeCache | None = None, feature_layer_ids: tuple = (),
+    def __call__(self, input_ids, positions, cache: LayerStates | None = None, feature_layer_ids: tuple = (),
                  logits_index=None, segment_ids=None, new_mask=None):
         """input_ids, positions [B, T] -> (logits [B, T or 1, V] float32, features [B, T, n*D] or None, cache).
 

@@ -15,7 +15,7 @@ training, and the **recurrent** form (one token per step; ``torch_recurrent_gate
 single-token decoding. Decode state per layer (``state.Recurrent``): the conv window [conv_dim, K-1]
 (the last K-1 inputs, cache dtype) and the recurrent state [Hv, dk, dv] (float32). A forward of at most
 ``max_block`` tokens leaves them as they are and stashes, per token, its key, its corrected value u, its
-summed log decay G and its conv input; the engine's ``DecodeCache.commit(kept)`` then folds the kept ones
+summed log decay G and its conv input; the engine's ``LayerStates.commit(kept)`` then folds the kept ones
 in (``fold``: S = exp(G_l) S_0 + sum_{j<=l} exp(G_l - G_j) k_j u_j^T, the chunked form's own state
 formula), so nothing is rolled back and no per-token state is stored. Padding tokens (position < 0) get
 g = 0 and beta = 0 (the state passes through them bit-exactly) and are left out of the conv window.
@@ -24,7 +24,7 @@ Tree verification (``new_mask``, docs/tree-verification.md): every slot of [root
 committed state and its tree ancestors only, exactly as a sequential run over its root-to-node path: the
 conv taps walk up the tree (``tree_conv``), and the chunked form runs as one chunk with the ancestor mask
 for the causal one and path-summed log decays (``chunked_delta_rule(ancestors=)``). The stash holds every
-slot; ``DecodeCache.compact`` moves the accepted path's to the front, and the commit folds that path in as
+slot; ``LayerStates.compact`` moves the accepted path's to the front, and the commit folds that path in as
 it folds a chain.
 
 Full-attention layers: ``dense`` attention with ``attn_output_gate`` (q_proj yields per head [query |

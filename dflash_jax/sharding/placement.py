@@ -88,7 +88,7 @@ def cache_spec(mesh: Mesh, kv_heads: int, rules=LOGICAL_RULES) -> P:
 
 
 def constrain_state(state, mesh: Mesh, rules=LOGICAL_RULES):
-    """Inside jit: pin every array of a decode state (a layer's, or a ``DecodeCache``'s own) to the layout its
+    """Inside jit: pin every array of a decode state (a layer's, or a ``LayerStates``'s own) to the layout its
     class's ``LOGICAL_AXES`` give through ``rules``."""
     axes = getattr(type(state), "LOGICAL_AXES", None)
     if axes is None:
@@ -102,7 +102,7 @@ def constrain_state(state, mesh: Mesh, rules=LOGICAL_RULES):
 
 
 def constrain_cache(cache, mesh: Mesh | None, rules=LOGICAL_RULES):
-    """Inside jit: pin a DecodeCache's layout: its lengths and every layer state per ``constrain_state``;
+    """Inside jit: pin a LayerStates's layout: its lengths and every layer state per ``constrain_state``;
     no-op without a mesh."""
     if cache is None or mesh is None:
         return cache
