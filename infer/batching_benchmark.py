@@ -19,7 +19,8 @@ import json
 
 import numpy as np
 
-from infer.common import die, paging_kwargs, param_dtype, row_cache_bytes, shows_bar
+from dflash_jax.decode.memory import param_dtype, row_cache_bytes
+from infer.common import die, paging_kwargs, shows_bar
 
 WAYS = (("continuous", "continuous"), ("static", "static"), ("one_at_a_time", "continuous"))
 

@@ -45,7 +45,7 @@ from infer import bench_sets
 from infer import synthetic_benchmark
 from infer.timing import fastest, first_mismatch, step_split, time_forwards
 from infer.common import (DEMO_TARGET, adaptive_kwargs, add_model_args, check_overrides, decoding_kwargs, die, encode,
-                          exits_on_interrupt, load_models, memory_arg, param_dtype, read_prompts_file, resolve_block,
+                          exits_on_interrupt, load_models, memory_arg, read_prompts_file, resolve_block,
                           draft_kwargs, shows_bar)
 
 
@@ -224,6 +224,8 @@ def measure(run: _Run, methods: list) -> tuple[list[dict], _Totals]:
 
 def summarize(run: _Run, rows: list[dict], t: _Totals) -> dict:
     """The summary object: tau, histograms, speeds, speedup, identity, and the adaptive / tree / timing parts."""
+    from dflash_jax.decode.memory import param_dtype
+
     args, block, tree = run.args, run.block, run.tree
     acc = np.array(t.acc)
     k = run.draft.config.verify_length(block)  # tokens a step verifies (a DSpark block of B slots verifies B + 1)

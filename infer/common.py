@@ -178,6 +178,7 @@ def load_models(args, prompts: list[dict] = ()):
     import dflash_jax as dj
     from dflash_jax import sharding
     from dflash_jax.checkpoints import load_tokenizer
+    from dflash_jax.decode.memory import param_dtype
 
     # one process of a multi-host launch: before anything touches the backend (auto_dtype asks for it)
     sharding.maybe_initialize_distributed()
@@ -206,13 +207,6 @@ def load_models(args, prompts: list[dict] = ()):
           + (f", draft {draft.path} ({param_dtype(draft)})" if draft is not None else ", no draft: plain decoding"),
           file=sys.stderr)
     return target, draft, load_tokenizer(target.path)
-
-
-def param_dtype(model) -> str:
-    """The dtype a loaded model's parameters (and so its compute) are in."""
-    import jax
-
-    return str(jax.tree_util.tree_leaves(model.params)[0].dtype)
 
 
 # The options' names in the shared checks' messages (``dflash_jax.decode.options.option_names``).
@@ -368,6 +362,7 @@ def add_max_batch_arg(g) -> None:
 def paging_kwargs(args) -> dict:
     """``Engine``'s ``page`` and ``kv_cache_memory`` from the flags (a fraction resolved against the device's free
     memory now, after the weights loaded); dies on a bad value."""
+    from dflash_jax.decode.memory import free_device_bytes
     from dflash_jax.decode.slots import PAGE
 
     page = getattr(args, "page_size", PAGE)
@@ -379,13 +374,11 @@ def paging_kwargs(args) -> dict:
     kind, value = args.kv_cache_memory
     if kind == "bytes":
         return dict(out, kv_cache_memory=int(value))
-    import jax
-
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
+    free = free_device_bytes()
+    if free is None:
         die("--kv-cache-memory as a fraction needs a device that reports its memory (TPU, GPU); on this one give "
             "bytes (for example 2GiB)")
-    return dict(out, kv_cache_memory=int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * value))
+    return dict(out, kv_cache_memory=int(free * value))
 
 
 def check_overrides(args, overrides: list[dict]) -> None:
@@ -418,37 +411,9 @@ def max_batch(args, target, draft, prompts, overrides, kw: dict) -> int:
     if args.max_batch is not None:
         return args.max_batch
     from dflash_jax.decode import DecodeOptions, cache_length
+    from dflash_jax.decode.memory import slots_that_fit
 
     budget = [own.get("max_new_tokens", kw["max_new_tokens"]) for own in overrides]
     max_block = DecodeOptions(**kw).max_block(draft)
     cache_len = cache_length([len(p) for p in prompts], budget, max_block)
     return slots_that_fit(target, draft, cache_len, min(DEFAULT_MAX_BATCH, len(prompts)), max_block)
-
-
-def row_cache_bytes(target_config, draft_config, cache_len: int, dtype, max_block: int = 16, page: int = 0) -> int:
-    """Bytes of one row's caches of ``cache_len`` slots, the target's and the draft's (None: plain decoding) in
-    ``dtype``: all of them (``page`` 0: ``--page-size 0``), or with pages the part no page pool holds (sliding
-    rings, recurrent states, lengths)."""
-    import jax
-
-    from dflash_jax.drafts import model as draft_lib
-    from dflash_jax import target as target_lib
-
-    caches = [jax.eval_shape(lambda: target_lib.new_cache(target_config, 1, cache_len, dtype, max_block, page=page))]
-    if draft_config is not None:
-        caches.append(jax.eval_shape(lambda: draft_lib.new_cache(draft_config, 1, cache_len, dtype, page=page)))
-    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(caches))
-
-
-def slots_that_fit(target, draft, cache_len: int, n: int, max_block: int = 16) -> int:
-    """At most ``n`` rows of ``cache_len`` cache slots (forwards of up to ``max_block`` tokens rolled back: the
-    rings and recurrent stashes grow with it): fewer where their caches would pass a quarter of the device's free
-    memory (TPU / GPU report it; CPU: no cap)."""
-    import jax
-
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-        return n
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    per_row = row_cache_bytes(target.config, draft and draft.config, cache_len, param_dtype(target), max_block)
-    return max(1, min(n, int(free // 4 // max(per_row, 1))))

@@ -14,7 +14,7 @@ import sys
 
 from dflash_jax.launch import launch
 from infer.common import (adaptive_kwargs, add_max_batch_arg, add_model_args, check_overrides, decoding_kwargs, die,
-                          encode, exits_on_interrupt, load_models, max_batch, paging_kwargs, param_dtype, read_prompts_file,
+                          encode, exits_on_interrupt, load_models, max_batch, paging_kwargs, read_prompts_file,
                           requests_of, resolve_block, draft_kwargs, shows_bar, block_policy)
 
 DEMO_PROMPT = 'import os\n\n\ndef read_lines(path):\n    """Return the lines of the text file at path."""\n'
@@ -138,6 +138,7 @@ def main(argv=None) -> int:
     if args.chat and not (args.prompt or args.prompts_file):
         die("--chat applies to text prompts: pass --prompt or --prompts-file")
     from dflash_jax.decode import RunStats
+    from dflash_jax.decode.memory import param_dtype
 
     sources = prompt_sources(args)  # every option the command line alone can check, before loading
     overrides = overrides_of(sources)
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
               f"{overall_rate(results, stats)}, slot occupancy {stats.occupancy:.2f}, {stats.programs} programs "
               "compiled", file=sys.stderr)
         if stats.blocks:
-            print(f"--block-size auto: block per bucket of live rows (1 = plain steps): "
+            print("--block-size auto: block per bucket of live rows (1 = plain steps): "
                   + ", ".join(f"{b} rows: {k}" for b, k in stats.blocks.items()), file=sys.stderr)
     for i, r in enumerate(results):
         row = dict(index=i, **r.to_json())

@@ -13,7 +13,6 @@ import json
 import re
 import sys
 
-import numpy as np
 
 from dflash_jax.launch import launch
 from dflash_jax.machine import machine, warn_if_busy

@@ -22,7 +22,7 @@ import sys
 
 from infer.serve.protocol import DEFAULT_MAX_BODY
 from infer.common import (DEFAULT_MAX_BATCH, adaptive_kwargs, add_max_batch_arg, add_model_args, decoding_kwargs, die,
-                          fixed_block_size, load_models, paging_kwargs, slots_that_fit, draft_kwargs, block_policy)
+                          fixed_block_size, load_models, paging_kwargs, draft_kwargs, block_policy)
 
 from dflash_jax.launch import launch
 from dflash_jax.decode.slots import PROGRESS_STEPS
@@ -125,6 +125,7 @@ def resolve_defaults(args) -> int | None:
 def build_service(args):
     """Load the models and build the ``Service`` the options describe (the engine is not started)."""
     from dflash_jax.decode import DecodeOptions, cache_length
+    from dflash_jax.decode.memory import slots_that_fit
     from infer.serve.service import Limits, Service, model_name
 
     default_max_tokens = resolve_defaults(args)
