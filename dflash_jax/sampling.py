@@ -22,7 +22,9 @@ tau 1.35 vs 1.26 at T = 0.7 and 1.27 vs 1.08 at T = 1.0 (docs/sampling.md).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -52,6 +54,35 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@flax.struct.dataclass
+class RowSampling:
+    """Each row's sampling settings, passed whole: [B] arrays (or scalars, for every row). A new sampling knob is one
+    field here (its dtype and its off value in ``FIELDS``) and its step in ``filtered_scores``; the engine moves,
+    pads and releases rows through ``FIELDS`` without naming any knob."""
+
+    temperature: jax.Array  # 0: greedy (the argmax)
+    top_k: jax.Array  # 0: off
+    top_p: jax.Array  # 1: off
+    FIELDS: ClassVar[dict] = {"temperature": (jnp.float32, 0.0), "top_k": (jnp.int32, 0), "top_p": (jnp.float32, 1.0)}
+
+    @classmethod
+    def of(cls, settings, fill: int = 0) -> "RowSampling":
+        """Host arrays of ``settings`` (objects with the fields: ``DecodeOptions`` / ``Request`` settings), then
+        ``fill`` rows of off values."""
+        import numpy as np
+
+        return cls(**{f: np.array([getattr(s, f) for s in settings] + [off] * fill, dtype)
+                      for f, (dtype, off) in cls.FIELDS.items()})
+
+    def off(self, rows) -> "RowSampling":
+        """Rows ``rows`` (a boolean mask [B], or indices [A]; out of range: ignored) set to greedy and unfiltered, so
+        a batch without a sampling row skips the draws and the sorts (``if_sampling``, ``filtered_scores``)."""
+        if getattr(rows, "dtype", None) == jnp.bool_:
+            return self.replace(**{f: jnp.where(rows, jnp.asarray(off, getattr(self, f).dtype), getattr(self, f))
+                                   for f, (_, off) in self.FIELDS.items()})
+        return self.replace(**{f: getattr(self, f).at[rows].set(off, mode="drop") for f, (_, off) in self.FIELDS.items()})
+
+
 def per_row(x, ndim: int):
     """A per-row setting ([B], or a scalar for every row) shaped to broadcast against a [B, ..., V] array of ``ndim``."""
     x = jnp.asarray(x)
@@ -76,15 +107,14 @@ def if_sampling(temperature, sample, otherwise):
     return jax.lax.cond(jnp.any(jnp.asarray(temperature) > 0), sample, lambda: otherwise)
 
 
-def choose(logits, keys, temperature, top_k, top_p, *, greedy: bool):
-    """logits [B, ..., V] -> token ids [B, ...]; ``keys`` [B, 2] and the settings (runtime, [B] or scalars) are per
-    row, and a row at temperature 0 takes the argmax. ``greedy`` (static): every row is greedy."""
+def choose(logits, keys, sampling: RowSampling, *, greedy: bool):
+    """logits [B, ..., V] -> token ids [B, ...]; ``keys`` [B, 2] and the ``sampling`` settings (runtime) are per row,
+    and a row at temperature 0 takes the argmax. ``greedy`` (static): every row is greedy."""
     best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if greedy:
         return best
-    drawn = if_sampling(temperature, lambda: categorical(keys, filtered_scores(logits, temperature, top_k, top_p)),
-                        best)
-    return jnp.where(per_row(temperature, best.ndim) == 0, best, drawn)
+    drawn = if_sampling(sampling.temperature, lambda: categorical(keys, filtered_scores(logits, sampling)), best)
+    return jnp.where(per_row(sampling.temperature, best.ndim) == 0, best, drawn)
 
 
 def apply_bitmask(logits, bitmask):
@@ -104,13 +134,13 @@ def token_logps(logits, tokens, temperature):
     return jnp.take_along_axis(scaled, tokens[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(scaled, axis=-1)
 
 
-def filtered_scores(logits, temperature, top_k, top_p):
+def filtered_scores(logits, sampling: RowSampling):
     """logits [B, ..., V] -> tempered scores, -inf outside the top-k / top-p set: the log-weights of the
     distribution ``choose`` samples from (softmax of them: its probabilities). Settings per row ([B]) or scalars;
     a temperature of 0 is taken as 1e-6 (its row is greedy: ``choose`` takes the argmax)."""
     nd = logits.ndim
-    top_k, top_p = per_row(top_k, nd), per_row(top_p, nd)
-    scores = logits.astype(jnp.float32) / jnp.maximum(per_row(temperature, nd), 1e-6)
+    top_k, top_p = per_row(sampling.top_k, nd), per_row(sampling.top_p, nd)
+    scores = logits.astype(jnp.float32) / jnp.maximum(per_row(sampling.temperature, nd), 1e-6)
 
     def truncate(scores):
         vocab = scores.shape[-1]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import decode as S
-from dflash_jax.sampling import choose
+from dflash_jax.sampling import RowSampling, choose
 from pairs import adaptive_lossless, random_pair
 from tolerances import assert_close, draft_depth
 
@@ -177,12 +177,12 @@ def test_top_k_top_p_restrict_support():
 
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32)).repeat(4000, 0)
     key = jax.random.split(jax.random.PRNGKey(0), 4000)  # a key per row
-    k2 = np.asarray(choose(logits, key, 1.0, 2, 1.0, greedy=False))
+    k2 = np.asarray(choose(logits, key, RowSampling(1.0, 2, 1.0), greedy=False))
     assert set(k2.tolist()) == {0, 1}
-    p = np.asarray(choose(logits, key, 1.0, 0, 0.7, greedy=False))  # 0.5 + 0.3 reaches 0.7
+    p = np.asarray(choose(logits, key, RowSampling(1.0, 0, 0.7), greedy=False))  # 0.5 + 0.3 reaches 0.7
     assert set(p.tolist()) == {0, 1}
     assert abs((p == 0).mean() - 0.5 / 0.8) < 0.03
-    full = np.asarray(choose(logits, key, 1.0, 0, 1.0, greedy=False))
+    full = np.asarray(choose(logits, key, RowSampling(1.0, 0, 1.0), greedy=False))
     assert set(full.tolist()) == {0, 1, 2, 3}
 
 

@@ -14,6 +14,7 @@ from dflash_jax.decode import proposers
 from dflash_jax.decode.options import DecodeOptions, check_tree_target
 from dflash_jax.decode.types import EngineSpec, Inputs, Rows
 from dflash_jax.target import Target, check_token_ids
+from dflash_jax.sampling import RowSampling
 
 MIN_PROMPT_BUCKET = 32
 
@@ -121,13 +122,11 @@ def make_rows(spec: EngineSpec, prompts: Sequence[np.ndarray], budget, settings:
     stops = np.full((pad_to, spec.stop_width), -1, np.int32)
     for i, s in enumerate(settings):
         stops[i, :len(s.stop_token_ids)] = s.stop_token_ids
-    pick = lambda f, dtype, fill: np.array([getattr(s, f) for s in settings] + [fill] * (pad_to - n), dtype)  # noqa
     keys = np.zeros((pad_to, 2), np.uint32)
     for i, (s, stream) in enumerate(zip(settings, streams)):
         keys[i] = row_key(s.seed, stream)
     return Rows(prompts=padded, lens=lens, start=np.concatenate([starts, np.zeros((pad_to - n,), np.int32)]),
-                budget=budget, stop_ids=stops, temperature=pick("temperature", np.float32, 0.0),
-                top_k=pick("top_k", np.int32, 0), top_p=pick("top_p", np.float32, 1.0), key=keys)
+                budget=budget, stop_ids=stops, sampling=RowSampling.of(settings, pad_to - n), key=keys)
 
 
 def place_rows(spec: EngineSpec, rows: Rows) -> Rows:

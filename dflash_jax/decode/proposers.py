@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from dflash_jax.drafts import model as draft_lib
 from dflash_jax.drafts import dspark
 from dflash_jax import tree as tree_lib
-from dflash_jax.sampling import categorical, filtered_scores, if_sampling
+from dflash_jax.sampling import RowSampling, categorical, filtered_scores, if_sampling
 
 
 @flax.struct.dataclass
@@ -53,7 +53,7 @@ class StepView:
     block_len: jax.Array  # [B] block positions that can still be committed (the rest is left out)
     dcache: Any  # the draft's context cache (``draft.cache_kv``)
     key: jax.Array  # [B, 2] per-row keys
-    sampling: tuple  # (temperature, top_k, top_p) per row [B]
+    sampling: RowSampling  # per row [B]
     args: Any = None  # the proposer's runtime arrays (``Proposer.arrays``)
 
 
@@ -114,9 +114,9 @@ class Chain(Proposer):
         best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         if not self.sampled:
             return Proposal(best, logits)
-        scores = filtered_scores(logits, *view.sampling)
-        greedy = (view.sampling[0] == 0)[:, None]
-        drawn = if_sampling(view.sampling[0], lambda: categorical(view.key, scores), best)
+        scores = filtered_scores(logits, view.sampling)
+        greedy = (view.sampling.temperature == 0)[:, None]
+        drawn = if_sampling(view.sampling.temperature, lambda: categorical(view.key, scores), best)
         return Proposal(jnp.where(greedy, best, drawn), scores)
 
 
@@ -126,7 +126,7 @@ class Selector(Proposer):
 
     def propose(self, spec, view: StepView) -> Proposal:
         logits, h = self.draft_forward(spec, view)
-        temperature = view.sampling[0] if self.sampled else None
+        temperature = view.sampling.temperature if self.sampled else None
         tokens, cand, s = draft_lib.select(spec.draft_config, view.dparams, h, logits, view.block[:, 0],
                                            temperature=temperature, key=view.key if self.sampled else None)
         t = 1.0 if temperature is None else jnp.maximum(temperature, 1e-6)[:, None, None]

@@ -38,10 +38,10 @@ def prefill(spec: EngineSpec, inp: Inputs, rows: Rows, pools=None, table=None) -
                                                   attention_impl=spec.attention_impl)
     key, sub = row_keys(rows.key, 2)
     logits = logits[:, 0] if rows.allowed is None else apply_bitmask(logits[:, 0], rows.allowed)
-    first = choose(logits, sub, rows.temperature, rows.top_k, rows.top_p, greedy=spec.greedy)
+    first = choose(logits, sub, rows.sampling, greedy=spec.greedy)
     idx = jnp.arange(b)
     logps = jnp.zeros((b, spec.cache_len), jnp.float32).at[idx, lens].set(  # one position: always kept
-        token_logps(logits, first, rows.temperature))
+        token_logps(logits, first, rows.sampling.temperature))
     tokens = jnp.zeros((b, spec.cache_len), jnp.int32).at[idx[:, None], jnp.where(positions >= 0, positions,
                                                                                   spec.cache_len)].set(
         prompts, mode="drop").at[idx, lens].set(first)  # a cached prefix's tokens: ``put_prefix``
@@ -57,7 +57,7 @@ def prefill(spec: EngineSpec, inp: Inputs, rows: Rows, pools=None, table=None) -
     state = DecodeState(tokens=tokens, tcache=tcache.commit(lens), dcache=dcache, prompt_len=lens,
                         generated=jnp.ones((b,), jnp.int32), budget=budget, finish=finish, acceptance=zeros,
                         verified=zeros, steps=jnp.zeros((b,), jnp.int32), key=key, stop_ids=rows.stop_ids,
-                        temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p, logps=logps, pages=table)
+                        sampling=rows.sampling, logps=logps, pages=table)
     return spec.place(split(state) if spec.page else state)
 
 
@@ -112,8 +112,7 @@ def release(spec: EngineSpec, state: DecodeState, at) -> DecodeState:
     the sorts over the vocabulary (``sampling.if_sampling``, ``filtered_scores``)."""
     put = lambda x, v: x.at[at].set(v, mode="drop")  # noqa: E731
     pages = state.pages if state.pages is None else put(state.pages, NO_PAGE)
-    return state.replace(finish=put(state.finish, Finish.FREE), temperature=put(state.temperature, 0.0),
-                         top_k=put(state.top_k, 0), top_p=put(state.top_p, 1.0), pages=pages)
+    return state.replace(finish=put(state.finish, Finish.FREE), sampling=state.sampling.off(at), pages=pages)
 
 
 def step(spec: EngineSpec, inp: Inputs, state: DecodeState, given=None, allowed=None) -> DecodeState:
@@ -150,7 +149,7 @@ def _gather(spec: EngineSpec, inp: Inputs, state: DecodeState, at):
     pad = at >= state.finish.shape[0]
     rows = jax.tree_util.tree_map(take, state.replace(pools=None))
     rows = rows.replace(finish=jnp.where(pad, Finish.FREE, rows.finish).astype(jnp.int32),
-                        temperature=jnp.where(pad, 0.0, rows.temperature), pools=state.pools)
+                        sampling=rows.sampling.off(pad), pools=state.pools)
     if spec.page:
         rows = rows.replace(pages=jnp.where(pad[:, None], NO_PAGE, rows.pages))
     return rows, inp.replace(proposer_args=jax.tree_util.tree_map(take, inp.proposer_args)), pad
@@ -246,7 +245,7 @@ def empty(spec: EngineSpec, inp: Inputs, rows: Rows, pages: int = 0) -> DecodeSt
     shapes = jax.eval_shape(functools.partial(prefill, spec), inp, rows, pools, table)
     state = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     return spec.place(state.replace(finish=jnp.full(state.finish.shape, Finish.FREE, jnp.int32),
-                                    top_p=jnp.ones_like(state.top_p),  # free rows: greedy settings (``release``)
+                                    sampling=state.sampling.off(jnp.ones(state.finish.shape, bool)),  # free rows
                                     pages=table))
 
 

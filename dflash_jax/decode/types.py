@@ -12,6 +12,7 @@ import numpy as np
 
 from dflash_jax import sharding
 from dflash_jax.drafts import DraftConfig
+from dflash_jax.sampling import RowSampling
 from dflash_jax.state import PagedKV
 
 
@@ -126,9 +127,7 @@ class Rows:
     start: jax.Array  # [A] positions the row's pages already hold (a cached prefix; 0: none)
     budget: jax.Array  # [A] most tokens each row may generate
     stop_ids: jax.Array  # [A, W] int32 stop ids, padded with -1
-    temperature: jax.Array  # [A] float32 (0: greedy)
-    top_k: jax.Array  # [A] int32 (0: off)
-    top_p: jax.Array  # [A] float32 (1: off)
+    sampling: RowSampling  # [A] each row's sampling settings
     key: jax.Array  # [A, 2] uint32: each row's own key
     allowed: Any = None  # [A, words] int32: each row's grammar bitmask of its first token (None: no row constrained)
 
@@ -149,9 +148,7 @@ class DecodeState:
     steps: jax.Array  # [B] verify steps taken
     key: jax.Array  # [B, 2] each row's key
     stop_ids: jax.Array  # [B, W]
-    temperature: jax.Array  # [B]
-    top_k: jax.Array  # [B]
-    top_p: jax.Array  # [B]
+    sampling: RowSampling  # [B] each row's settings (a free row's: greedy)
     # [B, S] float32 by position, as ``tokens``: log p(tokens[b, t] | tokens[b, :t]) at the row's temperature, for
     # the generated positions (written by the prefill, and by steps of a ``logprobs`` spec)
     logps: jax.Array
@@ -162,13 +159,9 @@ class DecodeState:
     def done(self):
         return self.finish != Finish.RUNNING
 
-    @property
-    def sampling(self):
-        return self.temperature, self.top_k, self.top_p
-
 
 ROW_FIELDS = ("tokens", "prompt_len", "generated", "budget", "finish", "acceptance", "verified", "steps", "key",
-              "stop_ids", "temperature", "top_k", "top_p", "logps")
+              "stop_ids", "sampling", "logps")
 
 
 @dataclasses.dataclass

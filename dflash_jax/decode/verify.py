@@ -101,7 +101,7 @@ def draft_view(spec: EngineSpec, inp: Inputs, state: DecodeState, keys) -> StepV
 def _logps(spec: EngineSpec, state: DecodeState, logits, tokens):
     """The log-probabilities of ``tokens`` [B, K] under ``logits`` [B, K, V] at each row's temperature, when the
     spec keeps them (``EngineSpec.logprobs``; else None: nothing computed)."""
-    return token_logps(logits, tokens, state.temperature) if spec.logprobs else None
+    return token_logps(logits, tokens, state.sampling.temperature) if spec.logprobs else None
 
 
 def chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_target, given=None, allowed=None):
@@ -134,17 +134,17 @@ def chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_t
         logits = apply_bitmask(logits, allowed)
     # p_0..p_{k-1}; with the rejection rule only greedy rows use these (the argmax), sampled rows draw below
     posterior = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if spec.rejection
-                 else choose(logits, k_target, *state.sampling, greedy=spec.greedy))
+                 else choose(logits, k_target, state.sampling, greedy=spec.greedy))
     verified = length - 1  # drafts the target verifies: the verify length's, or fewer where a proposal was cut
     if spec.drafting and proposal.length is not None:
         verified = jnp.minimum(verified, proposal.length)
         length = verified + 1  # recorded per row: the tokens whose verification counted
     a = jnp.minimum(accepted_length(block[:, 1:], posterior), verified) if k > 1 else jnp.zeros((b,), jnp.int32)
     if spec.rejection:  # sampled rows: d_1..d_a, then the residual / bonus token; greedy rows keep the match rule
-        sampled = state.temperature > 0
+        sampled = state.sampling.temperature > 0
         a_r, posterior_r = if_sampling(
-            jnp.where(active, state.temperature, 0),
-            lambda: rejection_sample(proposal.scores, proposal.tokens, filtered_scores(logits, *state.sampling),
+            jnp.where(active, state.sampling.temperature, 0),
+            lambda: rejection_sample(proposal.scores, proposal.tokens, filtered_scores(logits, state.sampling),
                                      k_target, verified=verified), (a, posterior))
         a, posterior = jnp.where(sampled, a_r, a), jnp.where(sampled[:, None], posterior_r, posterior)
     return posterior, a, length, tcache, dcache, _logps(spec, state, logits, posterior)
@@ -165,7 +165,7 @@ def tree_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_ta
     logits, features, tcache = target_lib.forward(spec.target_config, inp.tparams, tokens, positions, state.tcache,
                                                   spec.feature_layer_ids, attention_impl=spec.attention_impl,
                                                   new_mask=tree_lib.ancestor_mask(tree.parents, d_max=k - 1))
-    y = choose(logits, k_target, *state.sampling, greedy=spec.greedy)  # every node independently (one categorical)
+    y = choose(logits, k_target, state.sampling, greedy=spec.greedy)  # every node independently (one categorical)
     path, a, _ = tree_lib.walk(tree, y)  # path [B, K]: accepted slots root first, -1 after
     on_path, slots = path >= 0, jnp.maximum(path, 0)
     dst = n[:, None] + jnp.arange(k, dtype=jnp.int32)

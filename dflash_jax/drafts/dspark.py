@@ -74,7 +74,7 @@ def walk(step, h, base_logits, anchor, *, state_width: int, confident: bool, pre
 
     Slot j's previous token is the token drafted at slot j - 1, or ``prev[:, j - 1]`` when ``prev`` [B, T - 1] is
     given (teacher forcing). Greedy (``sampling`` None): the argmax of l'_j and scores = l'_j. Sampled
-    (``sampling`` = per-row (temperature, top_k, top_p), ``key`` [B, 2]): a draw from the processed l'_j (a row at
+    (``sampling`` the rows' ``RowSampling``, ``key`` [B, 2]): a draw from the processed l'_j (a row at
     temperature 0 takes the argmax) and scores = those processed log-weights: the q of the rejection rule.
     ``confidence_logits``: the confidence head's raw logits u_j instead of sigmoid(u_j) (training's
     BCE-with-logits; differentiable, as the scores are)."""
@@ -90,8 +90,8 @@ def walk(step, h, base_logits, anchor, *, state_width: int, confident: bool, pre
         scores = logits_j + bias
         token = jnp.argmax(scores, axis=-1).astype(jnp.int32)
         if sampling is not None:
-            temperature = sampling[0]
-            scores = filtered_scores(scores, *sampling)
+            temperature = sampling.temperature
+            scores = filtered_scores(scores, sampling)
             drawn = if_sampling(temperature, lambda: categorical(key_j, scores), token)
             token = jnp.where(per_row(temperature, 1) == 0, token, drawn)
         nxt = token if prev is None else forced_j
