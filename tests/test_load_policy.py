@@ -51,6 +51,19 @@ def test_no_cliff_the_block_moves_one_size_per_bucket():
     assert all(pol.rates(b)[table[b]] > pol.rates(b)[1] for b in (1, 2, 4, 8))
 
 
+def test_the_table_follows_what_it_is_computed_from():
+    """``table()`` is kept between engine runs and computed again when its inputs change: a draft that stops being
+    accepted turns the drafting buckets to plain steps, new step costs change the choice."""
+    pol = policy(lambda b, k: 1e-3 * (1 + 0.02 * k), p=0.9)  # a longer verify costs a little more
+    assert set(pol.table().values()) == {16}
+    pol.acceptance.observe([1] * 50000, [16] * 50000)  # every draft rejected: the estimate falls
+    assert set(pol.table().values()) == {1}
+    pol = policy(lambda b, k: 1e-3, p=0.9)
+    assert set(pol.table().values()) == {16}
+    pol.step_s.update({key: 1e-3 * key[1] for key in pol.step_s})  # in place: a step of k tokens costs k plain ones
+    assert set(pol.table().values()) == {1}
+
+
 def test_acceptance_follows_observed_steps():
     """Plain steps teach nothing, the last step of a request (cut by its budget) is left out, one rejected step
     does not turn drafting off (the start is worth ``START_WEIGHT`` steps), and older steps are forgotten: a

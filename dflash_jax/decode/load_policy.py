@@ -108,6 +108,7 @@ class BlockPolicy:
     acceptance: Acceptance
     plain_steps: int = 0  # plain steps since the last drafting one
     exploring: bool = False  # the last ``choose`` drafts only to learn
+    _table: tuple | None = dataclasses.field(default=None, repr=False, compare=False)  # (its inputs, ``table()``)
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -123,7 +124,15 @@ class BlockPolicy:
         return {k: expected_tau(p, k) / self.step_s[bucket, k] for k in self.blocks if (bucket, k) in self.step_s}
 
     def table(self) -> dict:
-        """Bucket -> the block its steps verify (measured buckets)."""
+        """Bucket -> the block its steps verify (measured buckets); computed again only when the costs or the
+        acceptance counts changed (every engine run asks)."""
+        a = self.acceptance
+        key = (tuple(self.step_s.items()), a.reached.tobytes(), a.accepted.tobytes())
+        if self._table is None or self._table[0] != key:
+            self._table = (key, self._choose_table())
+        return dict(self._table[1])
+
+    def _choose_table(self) -> dict:
         blocks, best, top = self.blocks, {}, None
         for b in self.buckets:  # each bucket's best (ties: the shorter block), never longer than a smaller bucket's
             rates = self.rates(b)

@@ -610,7 +610,7 @@ class Engine:
         """Pages for the next ``LOOKAHEAD_STEPS`` steps (``LOOKAHEAD_PAGES`` pages at least) of every running row,
         oldest first; the newest rows are preempted while the pool cannot give them -> (state, the running rows)."""
         host = self._seen or sharding.to_host((state.finish, state.tcache.lengths))
-        running = sorted((r for r in range(self.rows) if host[0][r] == Finish.RUNNING), key=self._order.get)
+        running = sorted(np.flatnonzero(np.asarray(host[0]) == int(Finish.RUNNING)).tolist(), key=self._order.get)
         ahead = max(LOOKAHEAD_STEPS * self.spec.max_block, LOOKAHEAD_PAGES * self.spec.page)
         i = 0
         while i < len(running):
