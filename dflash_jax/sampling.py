@@ -27,6 +27,7 @@ from typing import ClassVar
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 ACCEPTANCE_RULES = ("match", "rejection")
@@ -69,8 +70,6 @@ class RowSampling:
     def of(cls, settings, fill: int = 0) -> "RowSampling":
         """Host arrays of ``settings`` (objects with the fields: ``DecodeOptions`` / ``Request`` settings), then
         ``fill`` rows of off values."""
-        import numpy as np
-
         return cls(**{f: np.array([getattr(s, f) for s in settings] + [off] * fill, dtype)
                       for f, (dtype, off) in cls.FIELDS.items()})
 
