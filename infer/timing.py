@@ -165,6 +165,7 @@ def _state(spec, tcache, dcache):
     import jax.numpy as jnp
 
     from dflash_jax.decode.types import DecodeState
+    from dflash_jax.sampling import RowSampling
 
     b = tcache.lengths.shape[0]
     return DecodeState(tokens=jnp.zeros((b, spec.cache_len), jnp.int32), tcache=tcache, dcache=dcache,
@@ -173,7 +174,7 @@ def _state(spec, tcache, dcache):
                        acceptance=jnp.zeros((b, spec.cache_len), jnp.int32),
                        verified=jnp.zeros((b, spec.cache_len), jnp.int32), steps=jnp.zeros((b,), jnp.int32),
                        key=jnp.zeros((b, 2), jnp.uint32), stop_ids=jnp.full((b, spec.stop_width), -1, jnp.int32),
-                       temperature=jnp.zeros((b,)), top_k=jnp.zeros((b,), jnp.int32), top_p=jnp.ones((b,)),
+                       sampling=RowSampling(jnp.zeros((b,)), jnp.zeros((b,), jnp.int32), jnp.ones((b,))),
                        logps=jnp.zeros((b, spec.cache_len), jnp.float32))
 
 

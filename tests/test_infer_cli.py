@@ -80,7 +80,7 @@ def test_generate_demo_shows_plain_beside_dflash(capsys):
     (["--prompt-ids", "1,2", "--temperature", "-1"], "temperature"),
     (["--prompt-ids", "1,2", "--block-size", "64"], "block_size"),
     (["--prompt-ids", "1,2", "--verify-lengths", "2,x"], "comma-separated integers"),
-    (["--prompt-ids", "1,2", "--verify-lengths", "2,64"], "verify_lengths"),
+    (["--prompt-ids", "1,2", "--verify-lengths", "2,64"], "--verify-lengths must be in [1, 8]"),
     (["--prompt-ids", "1,99999"], "outside the vocabulary"),
     (["--prompts-file", "/no/such/file"], "does not exist"),
 ])
