@@ -223,12 +223,11 @@ def check_before_loading(args, target_path: str, draft_path: str | None, prompts
     from dflash_jax.decode.options import DecodeOptions, check_tree_target, option_names
     from dflash_jax.drafts import DraftConfig
     from dflash_jax.families import config_from_hf
-    from dflash_jax.sampling import SamplingParams
 
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.acceptance)  # raises on bad values
     try:
-        with option_names(FLAGS):  # the library's own checks, naming the flags
-            options = DecodeOptions(max_new_tokens=args.max_new_tokens, seed=args.seed,
+        with option_names(FLAGS):  # the library's own checks (sampling settings too), naming the flags
+            options = DecodeOptions(max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature,
+                                    top_k=args.top_k, top_p=args.top_p, acceptance=args.acceptance,
                                     block_size=fixed_block_size(args), **adaptive_kwargs(args), **draft_kwargs(args))
     except ValueError as e:
         die(str(e))

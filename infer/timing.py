@@ -174,7 +174,7 @@ def _state(spec, tcache, dcache):
                        acceptance=jnp.zeros((b, spec.cache_len), jnp.int32),
                        verified=jnp.zeros((b, spec.cache_len), jnp.int32), steps=jnp.zeros((b,), jnp.int32),
                        key=jnp.zeros((b, 2), jnp.uint32), stop_ids=jnp.full((b, spec.stop_width), -1, jnp.int32),
-                       sampling=RowSampling(jnp.zeros((b,)), jnp.zeros((b,), jnp.int32), jnp.ones((b,))),
+                       sampling=RowSampling.of((), b),  # greedy rows
                        logps=jnp.zeros((b, spec.cache_len), jnp.float32))
 
 
