@@ -226,16 +226,19 @@ class Engine:
                 f"length, more when shorter), up to {self.rows} rows in flight; {sharing}")
 
     # --- programs -------------------------------------------------------------------------------------------
-    def _compiled(self, name: str, fn, *args, spec=None):
+    def _compiled(self, name: str, fn, *args, spec=None, **static):
         """The executable of ``fn`` for ``args`` (the state first: of one structure for the engine's life, so a
-        program is looked up by its other arguments' signature, cheaply, on every step); ``spec``: the engine's, or
-        a step block's (``EngineSpec.at_block``)."""
+        program is looked up by its other arguments' signature, cheaply, on every step) and its ``static``
+        keywords; ``spec``: the engine's, or a step block's (``EngineSpec.at_block``). An executable, unlike a
+        jitted function, takes its arguments whether or not they are committed to a device (a state from a run is,
+        an empty one is not): what ``warm`` compiled is what serving calls."""
         spec = spec or self.spec
-        quick = (name, spec.load_block, spec.logprobs, signature(*args[1:]))  # what a step's spec may vary
+        fixed = tuple(sorted(static.items()))
+        quick = (name, spec.load_block, spec.logprobs, fixed, signature(*args[1:]))  # what a step's spec may vary
         if quick not in self._quick:
-            key = (name, spec, self._inputs_signature, signature(*args))
+            key = (name, spec, self._inputs_signature, signature(*args), fixed)
             self.used.add(key)
-            self._quick[quick] = self.programs.get(key, lambda: fn.lower(spec, self.inputs, *args).compile())
+            self._quick[quick] = self.programs.get(key, lambda: fn.lower(spec, self.inputs, *args, **static).compile())
         return self._quick[quick]
 
     def empty(self) -> DecodeState:
@@ -662,7 +665,7 @@ class Engine:
         if n > PROGRESS_STEPS:
             raise ValueError(f"progress reads at most {PROGRESS_STEPS} steps back, asked {n}")
         n = 1 << (n - 1).bit_length()
-        out = sharding.to_host(steps.recent_jit(state, n * self.spec.max_block + 1, n))
+        out = sharding.to_host(self._compiled("read", steps.read_jit, state, steps=n)(self.inputs, state))
         self._seen = (out["finish"], out.pop("lengths"))  # the next run's page check reads these
         return out
 

@@ -300,3 +300,12 @@ def recent(state: DecodeState, width: int, steps: int = 1):
 empty_jit = jax.jit(_on_mesh(empty), static_argnames=("spec", "pages"))
 take_jit = jax.jit(take, static_argnames=("logprobs",))
 recent_jit = jax.jit(recent, static_argnames=("width", "steps"))
+
+
+def read(spec: EngineSpec, inp: Inputs, state: DecodeState, *, steps: int):
+    """What a streaming host reads after a run of at most ``steps`` steps: ``recent`` of every row, its tail wide
+    enough for them (``Engine.progress``)."""
+    return recent(state, steps * spec.max_block + 1, steps)
+
+
+read_jit = jax.jit(read, static_argnames=("spec", "steps"))
