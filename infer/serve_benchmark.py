@@ -2,7 +2,8 @@
 
 Starts two servers in this process, DFlash and plain decoding of the same target (``--plain``), each on a free
 localhost port, and drives both with the same streamed greedy completions through the official ``openai`` client at
-each concurrency (a fixed number of requests, at most C in flight), level by level side by side (each level's two
+each concurrency (a fixed number of requests, at most C in flight; the client runs in a process of its own,
+``infer.serve_client``), level by level side by side (each level's two
 runs back to back, their order alternating) so that the machine's drift lands on both. With ``--block-size auto``
 (the default) the DFlash server's block follows the load; the block per bucket of live rows is reported.
 Reported per concurrency and server: output tokens/s (all requests' tokens over the level's span: from the first
@@ -18,110 +19,15 @@ printed beside the numbers: publish only what a quiet rerun reproduces.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import dataclasses
 import json
 import os
 import sys
-import time
-
-import numpy as np
 
 from dflash_jax.launch import launch
 from infer.common import add_model_args, die, parse_ints
+from infer.serve_client import ClientProcess, check_samples, summarize
 
 DEFAULT_CONCURRENCY = "1,4,16"
-
-
-@dataclasses.dataclass
-class Sample:
-    """One streamed response as the client saw it."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    completion_tokens: int
-    acceptance_lengths: list[int]
-    start: float
-    first: float | None
-    end: float
-    chunks: int
-    cached_tokens: int = 0  # the server's usage.prompt_tokens_details.cached_tokens
-
-    @property
-    def ttft(self) -> float:
-        return (self.first if self.first is not None else self.end) - self.start
-
-    @property
-    def tpot(self) -> float | None:
-        n = self.completion_tokens
-        return (self.end - self.first) / (n - 1) if self.first is not None and n > 1 else None
-
-
-async def drive(url: str, model: str, prompts: list, max_tokens, concurrency: int, *, timeout: float = 600,
-                **extra) -> list[Sample]:
-    """Stream a greedy completion of every prompt (``max_tokens``: one for all, or one per prompt), at most
-    ``concurrency`` at a time -> a ``Sample`` per prompt, in order. ``extra``: more request fields (``ignore_eos``,
-    ``stop``)."""
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=timeout)
-    gate = asyncio.Semaphore(concurrency)
-    budgets = max_tokens if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
-    known = {"stop"}
-    fields = {k: v for k, v in extra.items() if k in known}
-    body = {k: v for k, v in extra.items() if k not in known}
-
-    async def one(i: int, prompt) -> Sample:
-        async with gate:
-            start, first, parts, chunks = time.perf_counter(), None, [], 0
-            finish, usage, ids, acc = None, None, [], []
-            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=budgets[i],
-                                                     temperature=0, stream=True, stream_options={"include_usage": True},
-                                                     extra_body=body or None, **fields)
-            async for chunk in stream:
-                if chunk.choices:
-                    c = chunk.choices[0]
-                    if c.text:
-                        first = first or time.perf_counter()
-                        parts.append(c.text)
-                    chunks += 1
-                    if c.finish_reason:
-                        finish = c.finish_reason
-                        extra_fields = c.model_extra or {}
-                        ids, acc = extra_fields.get("token_ids", []), extra_fields.get("acceptance_lengths", [])
-                if chunk.usage is not None:
-                    usage = chunk.usage
-            details = getattr(usage, "prompt_tokens_details", None)
-            return Sample(i, "".join(parts), ids, finish, usage.completion_tokens if usage else -1, acc, start, first,
-                          time.perf_counter(), chunks, getattr(details, "cached_tokens", None) or 0)
-
-    try:
-        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-    finally:
-        await client.close()
-
-
-def check_samples(samples: list[Sample]) -> None:
-    """Every response complete: a finish reason, and usage equal to the tokens it carried."""
-    for s in samples:
-        if s.finish_reason not in ("stop", "length"):
-            raise RuntimeError(f"request {s.index}: finish_reason {s.finish_reason!r}")
-        if s.completion_tokens != len(s.token_ids):
-            raise RuntimeError(f"request {s.index}: usage says {s.completion_tokens} tokens, the answer has "
-                               f"{len(s.token_ids)}")
-
-
-def summarize(samples: list[Sample], wall: float) -> dict:
-    ttft = [s.ttft for s in samples]
-    tpot = [s.tpot for s in samples if s.tpot is not None]
-    acc = [a for s in samples for a in s.acceptance_lengths]
-    tokens = sum(s.completion_tokens for s in samples)
-    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
-    return {"requests": len(samples), "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
-            "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "tpot_p50_s": pct(tpot, 50),
-            "tpot_p90_s": pct(tpot, 90), "tau": float(np.mean(acc)) if acc else None}
 
 
 def opening(level: int, words: int) -> str:
@@ -130,9 +36,10 @@ def opening(level: int, words: int) -> str:
     return f"Level {level}. " + " ".join(f"rule{i % 97} holds" for i in range(words // 2)) + "\n"
 
 
-def run_levels(url: str, model: str, prompts: list, levels: list[int], max_tokens: int, num_requests: int,
-               shared_prefix: int = 0) -> dict:
-    """Each concurrency level over the first ``num_requests`` prompts -> {level: (summary, samples)}. With
+def run_levels(client: ClientProcess, url: str, model: str, prompts: list, levels: list[int], max_tokens: int,
+               num_requests: int, shared_prefix: int = 0) -> dict:
+    """Each concurrency level over the first ``num_requests`` prompts, driven by ``client`` -> {level: (summary,
+    samples)}. With
     ``shared_prefix`` words, every prompt of a level opens with the same text and the level runs twice: the first
     wave (its opening not cached yet) under the key ``level``, the second under ``(level, 2)``."""
     out = {}
@@ -141,7 +48,7 @@ def run_levels(url: str, model: str, prompts: list, levels: list[int], max_token
         waves = [(c, batch)] if not shared_prefix else [(key, [opening(c, shared_prefix) + p for p in batch])
                                                         for key in (c, (c, 2))]
         for key, wave in waves:
-            samples = asyncio.run(drive(url, model, wave, max_tokens, c))
+            samples = client.drive(url, model, wave, max_tokens, c)
             wall = max(s.end for s in samples) - min(s.start for s in samples)  # the client's set-up is not timed
             check_samples(samples)
             extra = {} if not shared_prefix else {"wave": 1 if key == c else 2,
@@ -190,7 +97,7 @@ def prompts_of(args) -> list[str]:
     return prompts
 
 
-def serve_both(args, prompts, levels) -> dict:
+def serve_both(client: ClientProcess, args, prompts, levels) -> dict:
     """DFlash and plain decoding, both served here and driven level by level side by side (each level's two runs
     back to back, the order alternating, so that the machine's drift lands on both) -> {kind: levels' results}."""
     from infer.common import decoding_kwargs, fixed_block_size, load_models
@@ -230,12 +137,12 @@ def serve_both(args, prompts, levels) -> dict:
         for server in servers.values():
             # untimed: the HTTP path, and the turns' pace settled at one row (each timed level then measures a
             # server that has served before, as ``engine_batch1``'s untimed first call)
-            asyncio.run(drive(server.url, "bench", prompts[:2], args.max_new_tokens, 1))
+            client.drive(server.url, "bench", prompts[:2], args.max_new_tokens, 1)
         for i, c in enumerate(levels):  # side by side: each level's two runs back to back, in alternating order
             for kind in (("dflash", "plain") if i % 2 == 0 else ("plain", "dflash")):
                 print(f"{kind}:", file=sys.stderr)
-                out[kind].update(run_levels(servers[kind].url, "bench", prompts, [c], args.max_new_tokens,
-                                            args.num_requests, args.shared_prefix))
+                out[kind].update(run_levels(client, servers[kind].url, "bench", prompts, [c],
+                                            args.max_new_tokens, args.num_requests, args.shared_prefix))
     for kind, (service, d, opts) in services.items():
         if service.engine.block_policy is not None:  # after the levels: the acceptance they taught it
             out[kind]["blocks"] = service.engine.block_table()
@@ -267,14 +174,15 @@ def main(argv=None) -> int:
         die(f"--num-requests must be >= 1, got {args.num_requests}")
     prompts = prompts_of(args)
     load = os.getloadavg()
-    if args.url:
-        import openai
+    with ClientProcess() as client:  # the load client in a process of its own, as a server's clients are
+        if args.url:
+            import openai
 
-        model = args.model or openai.OpenAI(base_url=args.url, api_key="none").models.list().data[0].id
-        results = {"server": run_levels(args.url, model, prompts, levels, args.max_new_tokens, args.num_requests,
-                                        args.shared_prefix)}
-    else:
-        results = serve_both(args, prompts, levels)
+            model = args.model or openai.OpenAI(base_url=args.url, api_key="none").models.list().data[0].id
+            results = {"server": run_levels(client, args.url, model, prompts, levels, args.max_new_tokens,
+                                            args.num_requests, args.shared_prefix)}
+        else:
+            results = serve_both(client, args, prompts, levels)
     engine = {kind: by.pop("engine") for kind, by in results.items() if "engine" in by}
     blocks = {kind: by.pop("blocks") for kind, by in results.items() if "blocks" in by}
     rows = [dict(server=kind, **summary) for kind, by in results.items() for summary, _ in by.values()]

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import dflash_jax as dj
 from dflash_jax.demo import DEMO_TARGET
-from infer.serve_benchmark import check_samples, drive
+from infer.serve_client import check_samples, drive
 from serve_process import serve_cli
 
 SLOTS, QUEUE, MAX_LENGTH = 4, 40, 512
