@@ -1,7 +1,7 @@
 """The serving benchmark's load client: streamed greedy completions through the official ``openai`` client
 (``drive``), each response as the client saw it (``Sample``), checked and summarised; ``ClientProcess`` runs it in
 a process of its own, as any client of a server runs: beside the server, the two would share one interpreter lock
-and each would wait on the other's Python (measured: 17 vs 9 ms to the first token at one user)."""
+and each would wait on the other's Python."""
 from __future__ import annotations
 
 import asyncio
