@@ -3,6 +3,7 @@ running rows alone, and a pool too small for its load preempts rows and admits t
 output (greedy or sampled); pages are never leaked or shared; a pool too small for one row fails at start-up."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from dflash_jax import decode
 from dflash_jax.decode import DecodeOptions, Engine, Request
 from dflash_jax.decode.pages import PagePool
+from dflash_jax.decode.slots import PROGRESS_STEPS
 from dflash_jax.state import NO_PAGE
 from pairs import tight_pool
 
@@ -60,6 +62,32 @@ def test_engine_pages_follow_its_rows(trained):
     assert result.output_ids == decode.speculative_generate(target, None, [prompts[0]], max_new_tokens=20,
                                                             stop_token_ids=[])[0].output_ids
     assert len(engine.pool.free) == engine.pool.pages and (engine.pool.table == NO_PAGE).all()
+
+
+def test_a_warmed_streaming_engine_compiles_nothing_while_serving(trained):
+    """After ``warm(streaming=True)`` (a server's start-up), what a server does with a request (admit, its first
+    token read, runs of every read size each followed by its progress read, release) compiles nothing: counted by
+    jax.monitoring's backend-compile events. (A jitted read compiled again on the first state a run returned.)"""
+    target, _, prompts = trained
+    engine = Engine(target, None, DecodeOptions(max_new_tokens=8, stop_token_ids=()), max_batch=1, max_length=200)
+    engine.warm([len(prompts[0])], streaming=True)
+    compiles = []
+    listener = lambda name, secs, **kw: compiles.append(name) if name.endswith("backend_compile_duration") else 0  # noqa
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        state, rows = engine.admit(engine.empty(), [Request(prompts[0], max_new_tokens=150)])
+        before = engine.progress(state, 1)["generated"][rows[0]]
+        for k in (1 << i for i in range(PROGRESS_STEPS.bit_length())):  # 127 steps in all, one token each
+            ran = 0
+            while ran < k:  # a row short of pages returns early, for the host to give it more
+                state, taken = engine.run(state, k - ran)
+                ran += taken
+            assert engine.progress(state, k)["generated"][rows[0]] == before + k
+            before += k
+        state, _ = engine.release(state, rows)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
 
 
 def test_pool_errors(trained):
