@@ -78,7 +78,7 @@ def test_gpu_script_commands_parse():
 
 
 def _demo_stage(stage: str):
-    from train.demo.__main__ import build_parser
+    from train.demo_recipe.__main__ import build_parser
 
     sub = next(a for a in build_parser()._actions if a.dest == "stage")
     return sub.choices[stage]
@@ -95,7 +95,7 @@ def test_demo_options_all_have_help_and_say_each_default_once(stage):
 
 
 def test_demo_draft_defaults_are_the_documented_first_run():
-    """The docs give the embedded draft's first run as ``python -m train.demo draft --num-prompts N --steps S``:
+    """The docs give the embedded draft's first run as ``python -m train.demo_recipe draft --num-prompts N --steps S``:
     the bare command is that run (its --help shows those numbers)."""
     import shlex
     from pathlib import Path
@@ -103,6 +103,6 @@ def test_demo_draft_defaults_are_the_documented_first_run():
     root = Path(__file__).resolve().parent.parent
     pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
     line = next(x for p in pages if p.is_file() for x in p.read_text().splitlines()
-                if x.startswith("python -m train.demo draft --num-prompts"))
+                if x.startswith("python -m train.demo_recipe draft --num-prompts"))
     parser = _demo_stage("draft")
     assert vars(parser.parse_args(shlex.split(line.split("#")[0])[4:])) == vars(parser.parse_args([]))

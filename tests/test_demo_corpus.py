@@ -7,7 +7,7 @@ import pytest
 
 from dflash_jax.demo import corpus
 from dflash_jax.target import init_params
-from train.demo.pretrain import (EOS_TOKEN, MASK_TOKEN, TrainHParams, check_export, evaluate, export_hf,
+from train.demo_recipe.pretrain import (EOS_TOKEN, MASK_TOKEN, TrainHParams, check_export, evaluate, export_hf,
                                  model_config, pretrain, tokenize_files, train_tokenizer,
                                  PackedBatches)
 
@@ -122,7 +122,7 @@ def test_tiny_pretraining_lowers_loss_resumes_exactly_and_exports(tiny_data):
 
 
 def test_demo_draft_bad_init_draft_fails_before_any_work(tmp_path, capsys):
-    from train.demo.__main__ import main
+    from train.demo_recipe.__main__ import main
 
     assert main(["draft", "--init-draft", str(tmp_path / "none"), "--work", str(tmp_path / "w")]) == 2
     assert "--init-draft" in capsys.readouterr().err
@@ -134,7 +134,7 @@ def test_demo_stages_do_not_overwrite_the_shipped_pair(stage, tmp_path, capsys):
     """The default export goes to the work directory; --out naming the shipped pair needs --replace-shipped,
     refused before any work."""
     from dflash_jax.demo import DEMO_DRAFT, DEMO_TARGET
-    from train.demo.__main__ import _out_dir, build_parser, main
+    from train.demo_recipe.__main__ import _out_dir, build_parser, main
 
     args = build_parser().parse_args([stage, "--work", str(tmp_path / "w")])
     assert _out_dir(args, stage) == str(tmp_path / "w" / stage / "export")
@@ -151,7 +151,7 @@ def test_demo_draft_refuses_another_drafts_export_before_any_work(tmp_path, caps
     import shutil
 
     from dflash_jax.demo import DEMO_DRAFT
-    from train.demo.__main__ import main
+    from train.demo_recipe.__main__ import main
 
     shutil.copytree(DEMO_DRAFT, tmp_path / "out")
     assert main(["draft", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "w")]) == 2
@@ -160,7 +160,7 @@ def test_demo_draft_refuses_another_drafts_export_before_any_work(tmp_path, caps
 
 
 def test_demo_draft_prompt_chars_option(capsys):
-    from train.demo.__main__ import build_parser
+    from train.demo_recipe.__main__ import build_parser
 
     assert build_parser().parse_args(["draft", "--prompt-chars", "200,600"]).prompt_chars == (200, 600)
     assert build_parser().parse_args(["draft"]).prompt_chars == (120, 400)

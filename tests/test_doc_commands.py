@@ -108,7 +108,7 @@ def parse_function(module: str):
     name = PARSER_HOME.get(module, module)
     mod = importlib.import_module(name)
     if not (hasattr(mod, "build_parser") or hasattr(mod, "parse_args")):
-        mod = importlib.import_module(name + ".__main__")  # a package CLI: python -m infer.serve, train.demo
+        mod = importlib.import_module(name + ".__main__")  # a package CLI: python -m infer.serve, train.demo_recipe
     if hasattr(mod, "build_parser"):
         return lambda argv: mod.build_parser().parse_args(argv)
     return mod.parse_args
@@ -143,7 +143,7 @@ def test_the_pages_show_every_cli():
     """The extraction finds the commands the pages show (an empty list would pass everything above)."""
     modules = {c.values[0] for c in COMMANDS}
     assert {"infer.generate", "infer.benchmark", "infer.serve", "infer.serve_benchmark", "train", "train.make_data",
-            "train.export", "train.bench", "train.demo", "dflash_jax.kernels.bench",
+            "train.export", "train.bench", "train.demo_recipe", "dflash_jax.kernels.bench",
             "dflash_jax.kernels.check"} <= modules, modules
 
 

@@ -157,7 +157,7 @@ def test_console_script_runs_from_a_folder_that_shadows_the_packages(tmp_path):
     assert r.returncode == 0 and "--tree-budget" in r.stdout, r.stderr
 
 
-@pytest.mark.parametrize("module", ["infer.generate", "train.demo", "train"])
+@pytest.mark.parametrize("module", ["infer.generate", "train.demo_recipe", "train"])
 def test_a_clone_folder_named_dflash_jax_is_named_as_the_cause(module, tmp_path):
     """From the folder holding a clone named ``dflash_jax`` (here: an empty ``dflash_jax/``), Python imports that
     folder as a namespace package before the editable install's finder: the CLIs say so in one line, exit 2."""

@@ -1,6 +1,6 @@
 """The embedded demo pair (``target/``, ``draft/``: package data) and its corpus (``corpus.py``).
 
-``python -m train.demo`` reproduces the pair into these directories; ``infer`` uses them by default.
+``python -m train.demo_recipe`` reproduces the pair into these directories; ``infer`` uses them by default.
 """
 import os
 

@@ -1,6 +1,6 @@
 """Pretrain a small Qwen3-architecture causal LM from scratch with the project's own model code.
 
-Pieces (``train/demo/__main__.py`` chains them into the demo target):
+Pieces (``train/demo_recipe/__main__.py`` chains them into the demo target):
   * ``train_tokenizer``: a byte-level BPE (``tokenizers``) with ``<|endoftext|>`` (EOS and pad) and
     ``<|MASK|>`` (the DFlash mask token), saved as ``tokenizer.json`` + ``tokenizer_config.json``;
   * ``tokenize_files``: one flat uint16 token stream, EOS after every file;

@@ -1,20 +1,20 @@
 """Reproduce the embedded demo pair, one stage per subcommand.
 
-  python -m train.demo target [--minutes 45] [--out DIR] [--work DIR]
+  python -m train.demo_recipe target [--minutes 45] [--out DIR] [--work DIR]
 
 ``target``: the demo target model, end to end on the CPU:
   1. corpus: the Python standard library (``dflash_jax/demo/corpus.py``: test code and data modules excluded,
      a fixed ~5% of the modules held out);
   2. a byte-level BPE tokenizer (vocab 4096, ``<|endoftext|>`` = EOS/pad, ``<|MASK|>`` = mask) trained
      on the training modules;
-  3. pretraining of a Qwen3-architecture model from scratch (``train/demo/pretrain.py``), resumable:
+  3. pretraining of a Qwen3-architecture model from scratch (``train/demo_recipe/pretrain.py``), resumable:
      rerunning the same command continues from the last checkpoint in the work directory;
   4. export in the Hugging Face layout (config.json, bf16 model.safetensors, tokenizer files,
      training.json) to ``--out`` (default ``runs/demo/target/export``) and a reload check with transformers
      and ``dj.load_target``.
 Work files (tokenizer, token streams, checkpoint, metrics.jsonl) live in ``runs/demo/target/``.
 
-  python -m train.demo draft [--steps 650] [--target DIR] [--out DIR] [--work DIR] [--init-draft DIR]
+  python -m train.demo_recipe draft [--steps 650] [--target DIR] [--out DIR] [--work DIR] [--init-draft DIR]
 
 ``draft``: a block-16 DFlash draft for the demo target with the project's training pipeline:
   1. prompts cut from the TRAINING modules at def/class lines (``corpus.code_prompts``), and held-out
@@ -55,7 +55,7 @@ def _log(msg: str) -> None:
 def prepare_data(work: str, vocab_size: int, log=_log):
     """Tokenizer + token streams in ``work`` (reused when present); returns (tokenizer_dir, train, heldout)."""
     from dflash_jax.demo import corpus
-    from train.demo.pretrain import tokenize_files, train_tokenizer
+    from train.demo_recipe.pretrain import tokenize_files, train_tokenizer
 
     train_files, heldout_files = corpus.train_files(), corpus.heldout_files()
     train_texts = [corpus.read_text(f) for f in train_files]
@@ -107,7 +107,7 @@ def cmd_target(args) -> int:
     import jax
 
     from dflash_jax.demo import corpus
-    from train.demo.pretrain import TrainHParams, check_export, count_params, export_hf, model_config, pretrain
+    from train.demo_recipe.pretrain import TrainHParams, check_export, count_params, export_hf, model_config, pretrain
 
     out = _out_dir(args, "target")
     if out is None:
@@ -133,7 +133,7 @@ def cmd_target(args) -> int:
         return 130
     summary = {
         "model": "demo target: Qwen3 architecture pretrained from scratch on the Python standard library",
-        "reproduce": "python -m train.demo target" + (f" --minutes {minutes:g}" if minutes else "")
+        "reproduce": "python -m train.demo_recipe target" + (f" --minutes {minutes:g}" if minutes else "")
                      + (f" --steps {args.steps}" if args.steps else ""),
         "params": count_params(params),
         "steps": summary["step"], "tokens_seen": summary["tokens_seen"],
@@ -179,7 +179,7 @@ def cmd_draft(args) -> int:
     if out is None:
         return 2
     if not os.path.isfile(os.path.join(args.target, "config.json")):
-        _log(f"no target at {args.target}: run `python -m train.demo target` first")
+        _log(f"no target at {args.target}: run `python -m train.demo_recipe target` first")
         return 2
     if args.init_draft and not os.path.isfile(os.path.join(args.init_draft, "config.json")):
         _log(f"--init-draft {args.init_draft}: no draft there (expected an exported draft directory with "
@@ -241,7 +241,7 @@ class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train.demo", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m train.demo_recipe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="stage", required=True, metavar="STAGE")
     t = sub.add_parser("target", help="tokenizer + pretraining of the demo target (resumable)",
