@@ -571,7 +571,7 @@ class Engine:
                 self.inputs, state, at)
             proposal, candidates, seen = sharding.to_host((given.tokens, top, seen))
         else:
-            seen = sharding.to_host(steps.recent_jit(state, self.spec.max_block + 1, 1))
+            seen = sharding.to_host(self._compiled("read", steps.read_jit, state, steps=1)(self.inputs, state))
             seen = {k: seen[k][np.minimum(at, self.rows - 1)] for k in ("tail", "generated")}
         self.constraints.catch_up(at, seen["tail"], seen["generated"], state)
         proposal, allowed = self.constraints.masks(at, proposal, candidates, spec.step_block)

@@ -299,7 +299,6 @@ def recent(state: DecodeState, width: int, steps: int = 1):
 
 empty_jit = jax.jit(_on_mesh(empty), static_argnames=("spec", "pages"))
 take_jit = jax.jit(take, static_argnames=("logprobs",))
-recent_jit = jax.jit(recent, static_argnames=("width", "steps"))
 
 
 def read(spec: EngineSpec, inp: Inputs, state: DecodeState, *, steps: int):
