@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import dflash_jax as dj
 from dflash_jax.demo import DEMO_TARGET
-from infer.serve_client import check_samples, drive
+from infer.serve_client import ClientProcess, check_samples, drive
 from serve_process import serve_cli
 
 SLOTS, QUEUE, MAX_LENGTH = 4, 40, 512
@@ -181,6 +181,17 @@ def test_concurrent_streams_each_equal_its_solo_output(server, demo):
     want = plain(demo, [tok(p)["input_ids"] for p in prompts], budgets, stop=False)
     for s, w, n in zip(samples, want, budgets):
         assert len(w) == n and s.token_ids == w and s.text == text_of(demo, w) and s.finish_reason == "length"
+
+
+def test_the_benchmarks_client_process_drives_the_same_answers(server, demo):
+    """``ClientProcess`` (the serving benchmark's client, spawned): its samples come back whole and equal plain
+    decoding, as the in-process ``drive``'s do."""
+    tok = demo[1]
+    with ClientProcess() as client:
+        samples = client.drive(server[1] + "/v1", "dflash-demo", PROMPTS[:2], [6, 9], 2, ignore_eos=True)
+    check_samples(samples)
+    want = plain(demo, [tok(p)["input_ids"] for p in PROMPTS[:2]], [6, 9], stop=False)
+    assert [s.token_ids for s in samples] == want and all(s.end >= s.start for s in samples)
 
 
 def test_stop_strings_cut_the_text_streamed_or_not(client, demo):
