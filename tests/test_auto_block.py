@@ -32,10 +32,11 @@ def test_expected_tau_and_choice():
     p = [0.9] * 15
     assert ab.expected_tau(p, 1) == 1.0
     assert ab.expected_tau(p, 4) == pytest.approx(1 + 0.9 + 0.81 + 0.729)
+    tau = {k: ab.expected_tau(p, k) for k in (4, 8, 16)}
     # a verify that costs the same at every block: the whole block; one whose cost grows with it: a short one
-    assert ab.choose({4: 1.0, 8: 1.0, 16: 1.0}, p) == 16
-    assert ab.choose({4: 1.0, 8: 2.0, 16: 4.0}, p) == 4
-    assert ab.choose({4: 1.0, 8: 1.0, 16: 1.0}, [0.0] * 15) == 4  # ties: the shorter block
+    assert ab.choose({4: 1.0, 8: 1.0, 16: 1.0}, tau) == 16
+    assert ab.choose({4: 1.0, 8: 2.0, 16: 4.0}, tau) == 4
+    assert ab.choose({4: 1.0, 8: 1.0, 16: 1.0}, {4: 1.0, 8: 1.0, 16: 1.0}) == 4  # ties: the shorter block
     assert ab.candidates(16) == (4, 8, 16) and ab.candidates(10) == (4, 8, 10) and ab.candidates(3) == (3,)
     # probed only with a choice to make and a run long enough to pay for the probes
     assert ab.worth_probing(16, ab.MIN_PROBED_TOKENS) and not ab.worth_probing(16, ab.MIN_PROBED_TOKENS - 1)
@@ -62,6 +63,24 @@ def test_probes_decode_a_bounded_spread_subset(monkeypatch):
     assert seen and all(p == ab.probe_prompts(prompts) for p in seen) and len(seen[0]) == ab.PROBE_ROWS
     assert seen[0][0] == prompts[0] and seen[0][-1] == prompts[-1]
     assert choice.probe_rows == ab.PROBE_ROWS and f"probe of {ab.PROBE_ROWS} prompts" in choice.describe()
+
+
+def test_each_block_is_judged_by_its_own_probes(monkeypatch):
+    """A draft trained at 8 that accepts whole blocks at 8 and one token at 4 (its acceptance depends on the block
+    it drafts): pooled over the probes, block 4's steps would say block 8's second token is rejected; each block's
+    own probes choose 8 at equal costs."""
+    import types
+
+    from dflash_jax import decode
+
+    def probe(target, draft, prompts, max_new_tokens, block_size, **kw):
+        return [types.SimpleNamespace(wall_time_s=1e-3 * max_new_tokens,
+                                      acceptance_lengths=[8 if block_size == 8 else 2] * 12)] * len(prompts)
+
+    monkeypatch.setattr(decode, "speculative_generate", probe)
+    config = types.SimpleNamespace(block_size=8, verify_length=lambda k: k)
+    choice = ab.choose_block_size(None, types.SimpleNamespace(config=config), [[1, 2, 3]], {"max_new_tokens": 128})
+    assert choice.block_size == 8 and choice.expected_tau[8] > 7 and choice.expected_tau[4] < 2.1
 
 
 def test_a_dspark_block_verifies_one_more_token(monkeypatch):
@@ -117,4 +136,4 @@ def test_benchmark_json_reports_the_choice(pair_dirs, capsys, tmp_path):
     assert code == 0 and summary["identical"] and summary["block_size"] == choice["chosen"]
     rates = {int(k): v for k, v in choice["expected_tokens_per_s"].items()}
     assert choice["chosen"] == max(sorted(rates), key=rates.get)
-    assert np.all(np.asarray(choice["position_acceptance"]) <= 1.0)
+    assert all(len(p) == int(k) - 1 and np.all(np.asarray(p) <= 1.0) for k, p in choice["position_acceptance"].items())

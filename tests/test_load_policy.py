@@ -18,8 +18,9 @@ BLOCKS = (1, 4, 8, 16)
 def policy(cost, p=0.8) -> lp.BlockPolicy:
     """A policy over ``cost(bucket, block)`` seconds per step, with every position accepted at ``p`` (seen in
     many steps: the prior no longer matters)."""
-    acc = lp.Acceptance(16)
-    acc.reached[1:], acc.accepted[1:] = 1e6, 1e6 * p
+    acc = lp.Acceptance()
+    for k in BLOCKS[1:]:
+        acc.reached[k], acc.accepted[k] = np.full(k, 1e6), np.full(k, 1e6 * p)
     return lp.BlockPolicy({(b, k): cost(b, k) for b in BUCKETS for k in BLOCKS}, acc)
 
 
@@ -56,7 +57,7 @@ def test_the_table_follows_what_it_is_computed_from():
     accepted turns the drafting buckets to plain steps, new step costs change the choice."""
     pol = policy(lambda b, k: 1e-3 * (1 + 0.02 * k), p=0.9)  # a longer verify costs a little more
     assert set(pol.table().values()) == {16}
-    pol.acceptance.observe([1] * 50000, [16] * 50000)  # every draft rejected: the estimate falls
+    pol.acceptance.observe([1] * 60000, [4, 8, 16] * 20000)  # every draft rejected, at every block: it falls
     assert set(pol.table().values()) == {1}
     pol = policy(lambda b, k: 1e-3, p=0.9)
     assert set(pol.table().values()) == {16}
@@ -68,16 +69,33 @@ def test_acceptance_follows_observed_steps():
     """Plain steps teach nothing, the last step of a request (cut by its budget) is left out, one rejected step
     does not turn drafting off (the start is worth ``START_WEIGHT`` steps), and older steps are forgotten: a
     draft that stops being accepted lowers the estimate."""
-    acc = lp.Acceptance(4, memory=8)
+    acc = lp.Acceptance(memory=8)
     acc.observe([1, 1, 1, 3], [1, 1, 1, 4])  # plain steps, then a cut last step: nothing
-    assert acc.steps == 0 and acc.p().tolist() == [lp.START] * 3
+    assert acc.steps == 0 and acc.p(4).tolist() == [lp.START] * 3
     acc.observe([1, 1], [4, 4])  # one rejected step (and the cut last one)
-    assert acc.p()[0] > 0.6
+    assert acc.p(4)[0] > 0.8
     acc.observe([4] * 200 + [1], [4] * 201)
-    assert acc.p()[0] > 0.98
+    assert acc.p(4)[0] > 0.98
     acc.observe([1] * 200 + [1], [4] * 201)
-    assert acc.p()[0] < 0.03
+    assert acc.p(4)[0] <= lp.START * lp.START_WEIGHT / 200  # what is left is the start, worth 8 of 208 steps
     assert lp.candidates(16) == BLOCKS and lp.candidates(4) == (1, 4)
+
+
+def test_each_block_has_its_own_acceptance():
+    """A draft accepts differently at each block (trained at 16, it may accept most of a 16-token block and little
+    of an 8-token one): steps of one block teach only that block; a block never tried expects every token accepted,
+    so it is tried; a position seldom reached follows the estimate of the positions before it; and a block left
+    unused drifts back to its start as other blocks' steps are observed."""
+    acc = lp.Acceptance(memory=64)
+    acc.observe([16] * 40 + [5] * 10 + [1], [16] * 51)  # block 16: 4 of 5 steps accept the whole block
+    acc.observe([2] * 50 + [1], [8] * 51)  # block 8: each step accepts one draft token, rejects the next
+    assert acc.tau(16) > 10 and acc.tau(8) < 2.2 and acc.tau(4) == pytest.approx(4.0)  # block 4: never tried
+    assert acc.p(8)[0] > 0.95 and acc.p(8)[1] < 0.2 and np.allclose(acc.p(8)[2:], acc.p(8)[1])  # 3..7: unreached
+    pol = lp.BlockPolicy({(1, k): 1e-3 * (1 + k / 16) for k in BLOCKS}, acc)  # a longer verify costs a little more
+    assert pol.block_for(1) == 16  # pooled over blocks, block 8's steps would make it pick a short block
+    was = acc.tau(8)
+    acc.observe([16] * 300 + [1], [16] * 301)
+    assert acc.tau(8) > was + 1  # unused: back toward its start, so it is tried again one day
 
 
 def test_plain_buckets_explore_after_many_plain_steps():

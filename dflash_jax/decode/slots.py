@@ -302,8 +302,7 @@ class Engine:
         finally:
             self._bookkeeping(kept)
         if self.block_policy == "auto":
-            self.block_policy = load_policy.BlockPolicy(self.probe_costs(most_rows),
-                                                        load_policy.Acceptance(self.spec.block_size))
+            self.block_policy = load_policy.BlockPolicy(self.probe_costs(most_rows), load_policy.Acceptance())
 
     def probe_costs(self, most_rows: int | None = None, blocks: Sequence[int] | None = None,
                     on_probe=None) -> dict:
