@@ -67,6 +67,11 @@ def test_a_cached_prefix_gives_the_cold_output(trained):
                                         max_new_tokens=24, stop_token_ids=[])
     assert [r.output_ids for r in plain] == [hot[i].output_ids for i in greedy[:3]]
     assert hot[5].output_ids == hot[6].output_ids  # the same seed: the same draws, hit or not
+    # a second run on the same engine starts from a new state (``Engine.empty``: pools that hold nothing yet): the
+    # first run's cached pages are not in it, so its prompts are prefilled again, not read from empty pages
+    again = dict(stream_requests(engine, requests))
+    assert [again[i].output_ids for i in range(len(requests))] == [r.output_ids for r in cold]
+    engine.pool.check()
 
 
 def test_eviction_under_pressure_keeps_outputs(trained):

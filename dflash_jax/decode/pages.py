@@ -80,7 +80,8 @@ class PagePool:
         self.version += len(pages) > 0
 
     def drop_cached(self) -> None:
-        """Forget every cached page (new weights: their K/V is stale); none may be held by a row."""
+        """Forget every cached page (new weights: their K/V is stale; a new state: its pools do not hold them); none
+        may be held by a row."""
         if any(self.refs[p] for p in self.hash_of):
             raise ValueError("cached pages are held by rows: release them first")
         self.free.extend(self.idle)

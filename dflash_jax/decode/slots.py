@@ -242,13 +242,15 @@ class Engine:
         return self._quick[quick]
 
     def empty(self) -> DecodeState:
-        """A state of S free rows (paged: every page free)."""
+        """A state of S free rows (paged: every page free, none cached: its pools hold nothing yet, so a prompt
+        cached in an earlier state's pages is prefilled again)."""
         rows = self._rows([Request([0])], [self.options], [1], pad_to=self.rows, bucket=1)
         self._seen = None
         if self.paged:
             for r in range(self.rows):
                 self._forget(r)
             self._preempted.clear()
+            self.pool.drop_cached()
         return steps.empty_jit(self.spec, self.inputs, rows, self.pool.pages if self.paged else 0)
 
     def _rows(self, requests, settings, budget, pad_to, bucket=None, starts=None):
