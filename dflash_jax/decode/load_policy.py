@@ -17,11 +17,13 @@ import numpy as np
 # long block's positions, each seen in few steps, and biases the choice toward short blocks.
 PRIOR, PRIOR_WEIGHT = 0.5, 0.1
 MEMORY_STEPS = 2048  # the running acceptance forgets with this time constant (in observed verify steps)
-# Each block's running acceptance starts from P(accepted) = START at its first position, worth START_WEIGHT steps,
-# and every later position from the estimate of the one before it: a block not yet tried expects every token
-# accepted, so each block is tried before its estimate can rule it out (a draft accepts differently at each block:
-# the demo draft, trained at 16, accepts 10.6 tokens a step at block 16 and 2.2 at block 8 on the same prompts), and a
-# position seldom reached follows the positions before it instead of a fixed guess. Firm enough that one rejected
+# The running acceptance of a block position is its own steps' over a prior worth START_WEIGHT steps: the position's
+# estimate over the other blocks' steps (a draft accepts a little differently at each block: the demo draft's 8-token
+# blocks accept 5.31 tokens a step where its 16-token blocks' first 8 positions predict 4.91), itself over the estimate
+# of the position before it, START before the first. So a block seldom run is judged by the others' steps at its
+# positions, a position past every block run so far follows the ones before it (a fixed 0.7 there kept a server at
+# block 4, expecting 5.7 tokens a step at block 16, which gave 8.2), and an engine that has seen nothing expects
+# every token accepted, so its first steps draft the block that is best if they are. Firm enough that one rejected
 # step does not turn drafting off (measured: a start worth 0.1 steps did, for good).
 START, START_WEIGHT = 1.0, 8.0
 # Plain steps teach nothing, so after this many of them in a row a policy drafts for one short run (at the
@@ -72,7 +74,7 @@ def expected_tau(p, block: int) -> float:
 class Acceptance:
     """The draft's running per-position acceptance at each verify length, over every request's verify steps: counts
     that forget with a time constant of ``memory`` steps (every block's at every observed step, so a block left
-    unused drifts back to its start and is tried again), so the estimate follows the traffic."""
+    unused drifts back to what the others' steps say), so the estimate follows the traffic."""
 
     def __init__(self, memory: int = MEMORY_STEPS):
         self.memory = memory
@@ -98,13 +100,19 @@ class Acceptance:
         self.steps += len(a)
 
     def p(self, block: int) -> np.ndarray:
-        """P(token j accepted | 1..j-1 were) at steps verifying ``block`` tokens, j = 1..block-1: each position's
-        counts over a prior worth ``START_WEIGHT`` steps, ``START`` at the first position, the estimate of the one
-        before it at every other."""
-        reached, accepted = self.reached.get(block, np.zeros(block)), self.accepted.get(block, np.zeros(block))
-        out, prior = np.empty(block - 1), START
+        """P(token j accepted | 1..j-1 were) at steps verifying ``block`` tokens, j = 1..block-1: the block's own
+        counts over a prior worth ``START_WEIGHT`` steps, the position's estimate over the other blocks' steps (each
+        of those over the estimate of the position before it; ``START`` before the first), so a block seldom run
+        is judged by the others' steps at its positions and a position none reached follows the ones before it."""
+        reached, accepted = np.zeros(block), np.zeros(block)
+        for k in (k for k in self.reached if k != block):
+            n = min(k, block)
+            reached[:n], accepted[:n] = reached[:n] + self.reached[k][:n], accepted[:n] + self.accepted[k][:n]
+        own_r, own_a = self.reached.get(block, np.zeros(block)), self.accepted.get(block, np.zeros(block))
+        out, pooled = np.empty(block - 1), START
         for j in range(1, block):
-            out[j - 1] = prior = (accepted[j] + prior * START_WEIGHT) / (reached[j] + START_WEIGHT)
+            pooled = (accepted[j] + pooled * START_WEIGHT) / (reached[j] + START_WEIGHT)
+            out[j - 1] = (own_a[j] + pooled * START_WEIGHT) / (own_r[j] + START_WEIGHT)
         return out
 
     def tau(self, block: int) -> float:
@@ -116,9 +124,9 @@ class Acceptance:
 class BlockPolicy:
     """The block each bucket of live rows verifies: of the ``candidates``, the one of the most expected tokens per
     second, ``acceptance.tau(k)`` / step_s[bucket, k] (k = 1: one token per plain step), so a step never costs more than
-    its expected gain allows. Never longer at more rows, and no cliff: a bucket's block is at most one candidate
-    longer than the next larger bucket's (the choice moves one block size at a time as rows are added; with a rate
-    that rises then falls in k, each capped choice is still at least plain decoding's rate). ``step_s``:
+    its expected gain allows. Never longer at more rows, and no cliff: a bucket's block is at most one step of the
+    ``ladder`` longer than the next larger bucket's (the choice moves one block size at a time as rows are added;
+    with a rate that rises then falls in k, each capped choice is still at least plain decoding's rate). ``step_s``:
     (bucket, k) -> seconds of one engine step (``Engine.probe_costs``); a bucket not measured takes the choice of
     the largest measured one below it. After ``EXPLORE_EVERY`` plain steps in a row one short run drafts
     (``exploring``; the engine cuts it to ``EXPLORE_RUN_STEPS`` steps and reports every run to ``ran``)."""
@@ -149,10 +157,22 @@ class BlockPolicy:
             self._table = (key, self._choose_table())
         return dict(self._table[1])
 
+    def ladder(self) -> tuple[int, ...]:
+        """The blocks a choice steps through: each expected to commit more tokens a step than every shorter one (a
+        longer block costs at least as much, so one that commits no more never pays: a draft may accept less of an
+        8-token block than of a 4-token one)."""
+        out, most = [], 0.0
+        for k in self.blocks:
+            tau = self.acceptance.tau(k)
+            if tau > most:
+                out.append(k)
+                most = tau
+        return tuple(out)
+
     def _choose_table(self) -> dict:
-        blocks, best, top = self.blocks, {}, None
+        blocks, best, top = self.ladder(), {}, None
         for b in self.buckets:  # each bucket's best (ties: the shorter block), never longer than a smaller bucket's
-            rates = self.rates(b)
+            rates = {k: r for k, r in self.rates(b).items() if k in blocks}
             i = blocks.index(max(sorted(rates), key=rates.get))
             best[b] = top = i if top is None else min(i, top)
         out, cap = {}, None
