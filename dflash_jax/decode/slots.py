@@ -34,6 +34,7 @@ from dflash_jax.decode.options import DecodeOptions, Request
 from dflash_jax.decode.pages import PagePool
 from dflash_jax.decode.programs import PROGRAMS, signature
 from dflash_jax.decode.types import DecodeState, Finish, GenerationResult, row_result
+from dflash_jax.grammar import Grammar
 from dflash_jax.state import NO_PAGE
 from dflash_jax.target import Target
 
@@ -46,6 +47,7 @@ PROGRESS_STEPS = 64  # the most steps one ``progress`` read covers (it reads for
 PROBE_STEPS = 8  # steps each (bucket, block) program is timed for (``Engine.probe_costs``)
 PROBE_ROUNDS = 3  # the best of this many rounds over the blocks
 PROBE_PROMPT = 64  # tokens of the probes' prompts
+WARM_GRAMMAR = Grammar.regex("[a-z ]*")  # what ``warm(grammars=True)`` constrains its row with (any grammar would do)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,13 +275,14 @@ class Engine:
         return sorted({min(1 << i, self.rows) for i in range(self.rows.bit_length() + 1)})
 
     def warm(self, prompt_lengths: Iterable[int], most_rows: int | None = None, *,
-             tails: Iterable[int] | None = None, streaming: bool = False) -> None:
+             tails: Iterable[int] | None = None, streaming: bool = False, grammars: bool = False) -> None:
         """Compile, and run once on a scratch state, every program a run over prompts of these lengths can use
         (each admission group x prompt bucket; ``run`` of every row bucket up to ``most_rows`` rows, ``release``),
         so that timings exclude compilation and first-run setup (on CPU a cold first run is several times
         slower). With prefix caching a hit prefills a prompt's tail: ``tails``, the tail lengths hits may prefill
         (None: any length below the longest prompt, a server's case), get their buckets and the cached tokens'
-        writes compiled too. ``streaming``: also every ``progress`` read (a server's). ``block_policy="auto"``: the
+        writes compiled too. ``streaming``: also every ``progress`` read (a server's). ``grammars``: also one row with
+        a grammar: its admission and its constrained steps (``_warm_constrained``). ``block_policy="auto"``: the
         step costs of every bucket up to ``most_rows`` at every candidate block are measured here
         (``probe_costs``), which makes the policy. The engine's pages are left as they were."""
         lengths = list(prompt_lengths)
@@ -301,6 +304,8 @@ class Engine:
                 self.progress(state, 1 << k)
             for b in buckets if tails else []:  # a hit's cached tokens written beside its tail's prefill
                 state = self._put_prefix(state, [self.rows], [Request([0] * b)], [b])
+            if grammars:
+                self._warm_constrained(buckets)
         finally:
             self._bookkeeping(kept)
         if self.block_policy == "auto":
@@ -360,6 +365,24 @@ class Engine:
         if self.can_admit(requests):
             state, rows = self.admit(state, requests)
             state, _ = self.run(state, 1)
+            jax.block_until_ready(self.release(state, rows)[0])
+
+    def _warm_constrained(self, buckets: Sequence[int]) -> None:
+        """A row with a grammar admitted with a prompt of each of ``buckets`` (the first token's masked draw), the
+        first then through a constrained step at every block a run may verify (the policy's candidates, else the
+        engine's block): one row's constrained programs, so that a first request with a grammar compiles nothing
+        (more rows at once compile theirs at first use)."""
+        blocks = load_policy.candidates(self.spec.block_size) if self.block_policy is not None else [None]
+        for i, b in enumerate(buckets):
+            n = min(b, self.max_length - 2)
+            budget = min(len(blocks) * self.spec.max_block + 1, self.max_length - n - 1)
+            request = Request([0] * n, max_new_tokens=budget, stop_token_ids=[], grammar=WARM_GRAMMAR)
+            state = self.empty()
+            if not self.can_admit([request]):
+                continue
+            state, rows = self.admit(state, [request])
+            for k in blocks if i == 0 else []:
+                state, _ = self.run(state, 1, block=k)
             jax.block_until_ready(self.release(state, rows)[0])
 
     def _bookkeeping(self, kept=None):

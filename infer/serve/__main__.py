@@ -59,7 +59,8 @@ def parse_args(argv=None):
                         "at once): few host round trips per token, tokens streamed in chunks of up to a turn")
     s.add_argument("--steps-per-turn", type=int, default=None,
                    help=f"a fixed number of decode steps per turn instead (1-{PROGRESS_STEPS}; 1: stream every step)")
-    s.add_argument("--no-warm", action="store_true", help="skip compiling the short-prompt programs before serving")
+    s.add_argument("--no-warm", action="store_true",
+                   help="skip compiling the short-prompt programs (one constrained row's too) before serving")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY,
                    help=f"request bodies above this size get 413 (default {DEFAULT_MAX_BODY})")
     s.add_argument("--no-access-log", action="store_true", help="no access log line per request (method, path, "

@@ -67,9 +67,10 @@ class Service:
         return self._scorer
 
     def start(self, warm: bool = True) -> None:
-        """Compile (and run once) the programs of short prompts, then start the engine thread."""
-        if warm:
-            self.engine.warm([1], streaming=True)
+        """Compile (and run once) the programs of short prompts (one row's constrained steps too), then start the
+        engine thread."""
+        if warm:  # a first request with a grammar (response_format, guided_*) compiles nothing either
+            self.engine.warm([1], streaming=True, grammars=self.engine.constraints.tokenizer is not None)
         self.scheduler.start()
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
