@@ -372,6 +372,10 @@ class Engine:
         first then through a constrained step at every block a run may verify (the policy's candidates, else the
         engine's block): one row's constrained programs, so that a first request with a grammar compiles nothing
         (more rows at once compile theirs at first use)."""
+        try:
+            self.constraints.grammars  # noqa: B018 (llguidance's view of the tokenizer, built once)
+        except (ImportError, ValueError):  # no grammars here: each request with one is refused, saying why
+            return
         blocks = load_policy.candidates(self.spec.block_size) if self.block_policy is not None else [None]
         for i, b in enumerate(buckets):
             n = min(b, self.max_length - 2)
