@@ -1,6 +1,7 @@
 """Tiny target + draft pairs for engine tests (random weights; no network)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from dflash_jax.config import TargetConfig
@@ -247,3 +248,18 @@ class Alternate:
 
     def observe(self, results):
         pass
+
+
+@contextlib.contextmanager
+def backend_compiles():
+    """A list that fills with the XLA backend compiles (jax.monitoring events) while the block runs: what a warmed
+    engine must leave empty."""
+    import jax
+
+    compiles = []
+    listener = lambda name, secs, **kw: compiles.append(name) if name.endswith("backend_compile_duration") else 0  # noqa
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

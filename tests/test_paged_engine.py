@@ -3,7 +3,6 @@ running rows alone, and a pool too small for its load preempts rows and admits t
 output (greedy or sampled); pages are never leaked or shared; a pool too small for one row fails at start-up."""
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,7 +13,7 @@ from dflash_jax.decode import DecodeOptions, Engine, Request
 from dflash_jax.decode.pages import PagePool
 from dflash_jax.decode.slots import PROGRESS_STEPS
 from dflash_jax.state import NO_PAGE
-from pairs import tight_pool
+from pairs import backend_compiles, tight_pool
 
 BUDGETS = [30, 12, 26, 7, 22, 18]
 
@@ -71,10 +70,7 @@ def test_a_warmed_streaming_engine_compiles_nothing_while_serving(trained):
     target, _, prompts = trained
     engine = Engine(target, None, DecodeOptions(max_new_tokens=8, stop_token_ids=()), max_batch=1, max_length=200)
     engine.warm([len(prompts[0])], streaming=True)
-    compiles = []
-    listener = lambda name, secs, **kw: compiles.append(name) if name.endswith("backend_compile_duration") else 0  # noqa
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiles:
         state, rows = engine.admit(engine.empty(), [Request(prompts[0], max_new_tokens=150)])
         before = engine.progress(state, 1)["generated"][rows[0]]
         for k in (1 << i for i in range(PROGRESS_STEPS.bit_length())):  # 127 steps in all, one token each
@@ -85,8 +81,6 @@ def test_a_warmed_streaming_engine_compiles_nothing_while_serving(trained):
             assert engine.progress(state, k)["generated"][rows[0]] == before + k
             before += k
         state, _ = engine.release(state, rows)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
 
 

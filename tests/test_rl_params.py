@@ -4,7 +4,6 @@ admitted, are refused; ``per_token_logps`` equals the target's own log-softmax a
 from __future__ import annotations
 
 import jax
-import jax.monitoring
 import numpy as np
 import pytest
 
@@ -16,7 +15,7 @@ from dflash_jax.decode import DecodeOptions, Engine, Request
 from dflash_jax.decode.programs import PROGRAMS
 from dflash_jax.decode.slots import stream_requests
 from dflash_jax.target import Target, init_params
-from pairs import random_draft, random_pair
+from pairs import backend_compiles, random_draft, random_pair
 
 BUDGET = 12
 # one prompt past a page (16 tokens): a cached prompt page of the old weights would be shared after the swap
@@ -57,15 +56,10 @@ def test_update_params_decodes_the_new_weights_and_compiles_nothing(mesh):
         target, draft = ms.shard_target(target, mesh), ms.shard_draft(draft, mesh)
     engine = _engine(target, draft)
     assert _rollout(engine) == old_plain
-    compiles = []
-    listener = lambda name, secs, **kw: compiles.append(name) if name.endswith("backend_compile_duration") else 0  # noqa
     used, table = len(engine.used), len(PROGRAMS._table)
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiles:
         engine.update_params(new.params, random_draft(target.config, seed=9).params)
         assert _rollout(engine) == new_plain
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == [] and (len(engine.used), len(PROGRAMS._table)) == (used, table)
     assert engine.target.params is engine.inputs.tparams and engine.draft.params is engine.inputs.dparams
     if mesh is not None:

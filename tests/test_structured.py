@@ -18,7 +18,7 @@ import pytest
 from dflash_jax import decode
 from dflash_jax.decode import Request
 from dflash_jax.grammar import Grammar
-from pairs import Alternate, CharTokenizer
+from pairs import Alternate, CharTokenizer, backend_compiles
 
 CHARS = ' ",:{}[]-.' + "0123456789" + "abcdefghijklmnopqrstuvwxyz" + "ABCDEFGHIJKLMNOP"
 EOS = 62
@@ -96,18 +96,13 @@ def test_a_warmed_engine_compiles_nothing_for_a_first_constrained_request(traine
     """``warm(grammars=True)`` (a server's start-up): a request with a grammar, admitted, stepped at every block a
     policy may choose (plain steps, 4, the draft's block), read and released, compiles nothing (jax.monitoring's
     backend-compile events): a server's first structured request does not wait for the compiler."""
-    import jax
-
     from dflash_jax.decode import load_policy
 
     target, draft, prompts = trained
     engine = decode.Engine(target, draft, decode.DecodeOptions(max_new_tokens=40, stop_token_ids=()), max_batch=1,
                            max_length=200, block_policy=Alternate(), tokenizer=TOKENIZER)
     engine.warm([len(prompts[0])], streaming=True, grammars=True)
-    compiles = []
-    listener = lambda name, secs, **kw: compiles.append(name) if name.endswith("backend_compile_duration") else 0  # noqa
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiles:
         request = Request(prompts[0], max_new_tokens=40, grammar=GRAMMARS["broad"], stop_token_ids=[])
         state, rows = engine.admit(engine.empty(), [request])
         for k in load_policy.candidates(engine.spec.block_size):
@@ -115,8 +110,6 @@ def test_a_warmed_engine_compiles_nothing_for_a_first_constrained_request(traine
             assert taken == 1
         engine.progress(state, 1)
         engine.release(state, rows)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
 
 

@@ -69,8 +69,8 @@ class Service:
     def start(self, warm: bool = True) -> None:
         """Compile (and run once) the programs of short prompts (one row's constrained steps too), then start the
         engine thread."""
-        if warm:  # a first request with a grammar (response_format, guided_*) compiles nothing either
-            self.engine.warm([1], streaming=True, grammars=self.engine.constraints.tokenizer is not None)
+        if warm:  # a first request with a grammar compiles nothing either (skipped where none can be read)
+            self.engine.warm([1], streaming=True, grammars=True)
         self.scheduler.start()
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
