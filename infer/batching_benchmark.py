@@ -20,14 +20,14 @@ import json
 import numpy as np
 
 from dflash_jax.decode.memory import param_dtype, row_cache_bytes
-from infer.common import die, paging_kwargs, shows_bar
+from infer.flags import die, paging_kwargs, shows_bar
 
 WAYS = (("continuous", "continuous"), ("static", "static"), ("one_at_a_time", "continuous"))
 
 
 def requests_with_budgets(args, prompts, overrides) -> list:
     """The workload: a request per prompt, its budget from its row, from ``--mixed-budgets``, or the default."""
-    from infer.common import requests_of
+    from infer.prompt_input import requests_of
 
     if args.mixed_budgets:
         try:

@@ -44,9 +44,11 @@ from dflash_jax.launch import launch
 from infer import bench_sets
 from infer import synthetic_benchmark
 from infer.timing import fastest, first_mismatch, step_split, time_forwards
-from infer.common import (DEMO_TARGET, adaptive_kwargs, add_model_args, check_overrides, decoding_kwargs, die, encode,
-                          exits_on_interrupt, load_models, memory_arg, read_prompts_file, resolve_block,
-                          draft_kwargs, shows_bar)
+from dflash_jax.demo import DEMO_TARGET
+from infer.flags import (adaptive_kwargs, add_model_args, decoding_kwargs, die, draft_kwargs, exits_on_interrupt,
+                         memory_arg, resolve_block, shows_bar)
+from infer.loading import load_models
+from infer.prompt_input import check_overrides, encode, read_prompts_file
 
 
 def parse_args(argv=None):

@@ -16,7 +16,7 @@ import numpy as np
 
 from dflash_jax.launch import launch
 from dflash_jax.decode.memory import row_cache_bytes
-from infer.common import die, parse_ints
+from infer.flags import die, parse_ints
 
 DEFAULT_MEMORY = "16,32,80,141"
 DEFAULT_MEAN = "1024,2048,4096"

@@ -13,7 +13,7 @@ import json
 import sys
 
 from dflash_jax.launch import launch
-from infer.common import die, parse_ints
+from infer.flags import die, parse_ints
 
 
 def parse_args(argv=None):

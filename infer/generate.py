@@ -13,9 +13,10 @@ import json
 import sys
 
 from dflash_jax.launch import launch
-from infer.common import (adaptive_kwargs, add_max_batch_arg, add_model_args, check_overrides, decoding_kwargs, die,
-                          encode, exits_on_interrupt, load_models, max_batch, paging_kwargs, read_prompts_file,
-                          requests_of, resolve_block, draft_kwargs, shows_bar, block_policy)
+from infer.flags import (adaptive_kwargs, add_max_batch_arg, add_model_args, block_policy, decoding_kwargs, die,
+                         draft_kwargs, exits_on_interrupt, max_batch, paging_kwargs, resolve_block, shows_bar)
+from infer.loading import load_models
+from infer.prompt_input import check_overrides, encode, read_prompts_file, requests_of
 
 DEMO_PROMPT = 'import os\n\n\ndef read_lines(path):\n    """Return the lines of the text file at path."""\n'
 

@@ -16,7 +16,9 @@ import os
 import sys
 
 from dflash_jax.launch import launch
-from infer.common import add_model_args, decoding_kwargs, die, fixed_block_size, load_models, read_prompts_file
+from infer.flags import add_model_args, decoding_kwargs, die, fixed_block_size
+from infer.loading import load_models
+from infer.prompt_input import read_prompts_file
 
 
 def parse_args(argv=None):

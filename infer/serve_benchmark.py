@@ -24,7 +24,7 @@ import os
 import sys
 
 from dflash_jax.launch import launch
-from infer.common import add_model_args, die, parse_ints
+from infer.flags import add_model_args, die, parse_ints
 from infer.serve_client import ClientProcess, check_samples, summarize
 
 DEFAULT_CONCURRENCY = "1,4,16"
@@ -83,7 +83,7 @@ def parse_args(argv=None):
 
 def prompts_of(args) -> list[str]:
     from infer.benchmark import default_prompts
-    from infer.common import read_prompts_file
+    from infer.prompt_input import read_prompts_file
 
     if args.prompts_file:
         records = read_prompts_file(args.prompts_file)
@@ -100,7 +100,8 @@ def prompts_of(args) -> list[str]:
 def serve_both(client: ClientProcess, args, prompts, levels) -> dict:
     """DFlash and plain decoding, both served here and driven level by level side by side (each level's two runs
     back to back, the order alternating, so that the machine's drift lands on both) -> {kind: levels' results}."""
-    from infer.common import decoding_kwargs, fixed_block_size, load_models
+    from infer.flags import decoding_kwargs, fixed_block_size
+    from infer.loading import load_models
     from infer.serve.launch import Running
     from infer.serve.service import Limits, Service
     from dflash_jax.decode import DecodeOptions

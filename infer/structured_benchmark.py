@@ -16,8 +16,10 @@ import sys
 
 from dflash_jax.launch import launch
 from dflash_jax.machine import machine, warn_if_busy
-from infer.common import (add_max_batch_arg, add_model_args, decoding_kwargs, die, encode, exits_on_interrupt,
-                          fixed_block_size, load_models, paging_kwargs, read_prompts_file, shows_bar)
+from infer.flags import (add_max_batch_arg, add_model_args, decoding_kwargs, die, exits_on_interrupt, fixed_block_size,
+                         paging_kwargs, shows_bar)
+from infer.loading import load_models
+from infer.prompt_input import encode, read_prompts_file
 
 DEFAULT_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "size", "tags"],
                   "properties": {"name": {"type": "string", "maxLength": 12}, "size": {"type": "integer"},

@@ -33,7 +33,7 @@ import types
 import numpy as np
 
 from dflash_jax.progress import progress_bar
-from infer.common import die, fixed_block_size, parse_ints, shows_bar
+from infer.flags import die, fixed_block_size, parse_ints, shows_bar
 from infer.timing import fastest, first_mismatch, step_split, time_forwards
 
 TOLERANT_DTYPES = ("bfloat16", "float16")  # a near-tie may flip between block and one-token forwards

@@ -92,7 +92,7 @@ def chat_pair(tmp_path_factory):
 def test_the_benchmark_applies_the_chat_template_without_thinking(local_copies, chat_pair, capsys):
     from dflash_jax.checkpoints import load_tokenizer
     from infer import benchmark
-    from infer.common import encode
+    from infer.prompt_input import encode
 
     tdir, ddir = chat_pair
     tok = load_tokenizer(tdir)

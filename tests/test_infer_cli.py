@@ -409,7 +409,7 @@ def test_cache_memory_and_page_flags(capsys):
     report: a clear error); ``--page-size`` below 0 refused."""
     import argparse
 
-    from infer.common import memory_arg, paging_kwargs
+    from infer.flags import memory_arg, paging_kwargs
 
     assert memory_arg("2GiB") == ("bytes", 2 * 2 ** 30) and memory_arg("512MB") == ("bytes", 512e6)
     assert memory_arg("3e9") == ("bytes", 3e9) and memory_arg("0.9") == ("fraction", 0.9)

@@ -61,7 +61,7 @@ def _make_data_prompt(tok, pfile: str, out: str, chat: bool) -> list[int]:
 @pytest.mark.parametrize("chat", [False, True])
 def test_generate_benchmark_make_data_and_eval_encode_a_prompt_alike(tok_dir, tmp_path, chat):
     from infer import benchmark, generate
-    from infer.common import encode
+    from infer.prompt_input import encode
     from train.evaluate import load_eval_prompts
 
     tok = load_tokenizer(tok_dir)

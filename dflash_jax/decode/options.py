@@ -15,7 +15,7 @@ from dflash_jax.sampling import SamplingParams
 from dflash_jax.state import KVSpec
 
 # How the checks name the options in their messages: the library's parameter names or, under ``option_names`` (the
-# CLIs check under their flags' names, ``infer.common.FLAGS``), the caller's: each rule is written once.
+# CLIs check under their flags' names, ``infer.flags.FLAGS``), the caller's: each rule is written once.
 PARAMS = {**{name: name for name in ("max_new_tokens", "seed", "block_size", "attention_impl", "verify_lengths",
                                      "verify_threshold", "tree_budget", "confidence_threshold", "max_length",
                                      "cache_len")}, "draft": "a draft"}

@@ -21,8 +21,9 @@ import signal
 import sys
 
 from infer.serve.protocol import DEFAULT_MAX_BODY
-from infer.common import (DEFAULT_MAX_BATCH, adaptive_kwargs, add_max_batch_arg, add_model_args, decoding_kwargs, die,
-                          fixed_block_size, load_models, paging_kwargs, draft_kwargs, block_policy)
+from infer.flags import (DEFAULT_MAX_BATCH, adaptive_kwargs, add_max_batch_arg, add_model_args, block_policy,
+                         decoding_kwargs, die, draft_kwargs, fixed_block_size, paging_kwargs)
+from infer.loading import load_models
 
 from dflash_jax.launch import launch
 from dflash_jax.decode.slots import PROGRESS_STEPS

@@ -1,16 +1,13 @@
-"""Options, model loading and prompt reading shared by ``infer.generate`` and ``infer.benchmark``."""
+"""The command-line options the ``infer`` CLIs share, and what they resolve to: decoding options, stop ids, the
+block choice, paging and row counts; ``die`` / ``exits_on_interrupt``: how a CLI ends."""
 from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 
 from dflash_jax.attention import DECODE_IMPLS
-from dflash_jax.checkpoints import has_chat_template, has_tokenizer, resolve_path
-from dflash_jax.cli_flags import add_dtype_arg, resolve_dtype_arg
-from dflash_jax.demo import DEMO_DIR, DEMO_DRAFT, DEMO_TARGET
-from dflash_jax.prompts import PromptError, encode_prompt, read_prompts
+from dflash_jax.cli_flags import add_dtype_arg
 from infer.auto_block import PROBE_ROWS
 
 
@@ -171,105 +168,11 @@ def exits_on_interrupt(main):
     return run
 
 
-def load_models(args, prompts: list[dict] = ()):
-    """(target, draft or None, tokenizer or None) from the parsed options; ``prompts``: the run's prompt records
-    (``{"prompt": text}`` / ``{"prompt_ids": ids}`` / ``{"messages": ...}``), checked against the target's config
-    and tokenizer files before any weight loads."""
-    import dflash_jax as dj
-    from dflash_jax import sharding
-    from dflash_jax.checkpoints import load_tokenizer
-    from dflash_jax.decode.memory import param_dtype
-
-    # one process of a multi-host launch: before anything touches the backend (auto_dtype asks for it)
-    sharding.maybe_initialize_distributed()
-    target_path = args.target or DEMO_TARGET
-    draft_path = args.draft
-    if args.target is None:
-        if not os.path.isfile(os.path.join(DEMO_TARGET, "config.json")):
-            die(f"the embedded demo pair is missing ({DEMO_DIR}); pass --target and --draft")
-        draft_path = draft_path or DEMO_DRAFT
-    try:
-        check_before_loading(args, target_path, draft_path, prompts)
-        dtype = resolve_dtype_arg(args.dtype, target_path)
-        if getattr(args, "mesh", None):
-            from dflash_jax import model_sharding
-
-            target, draft = model_sharding.load_sharded(target_path, draft_path, sharding.make_mesh(args.mesh), dtype)
-        else:
-            target = dj.load_target(target_path, dtype=dtype)
-            draft = dj.load_draft(draft_path, dtype=dtype) if draft_path else None
-        if draft is not None:
-            from dflash_jax.drafts.model import check_pair
-            check_pair(target, draft)
-    except (OSError, ValueError) as e:  # missing / unreadable files, malformed checkpoints and configs
-        die(str(e))
-    print(f"target {target.path} ({target.config.model_type}, {param_dtype(target)})"
-          + (f", draft {draft.path} ({param_dtype(draft)})" if draft is not None else ", no draft: plain decoding"),
-          file=sys.stderr)
-    return target, draft, load_tokenizer(target.path)
-
-
 # The options' names in the shared checks' messages (``dflash_jax.decode.options.option_names``).
 FLAGS = {"max_new_tokens": "--max-new-tokens", "seed": "--seed", "block_size": "--block-size",
          "draft": "a draft (--draft)", "attention_impl": "--attention", "verify_lengths": "--verify-lengths",
          "verify_threshold": "--verify-threshold", "tree_budget": "--tree-budget",
          "confidence_threshold": "--confidence-threshold", "max_length": "--max-length"}
-
-
-def check_before_loading(args, target_path: str, draft_path: str | None, prompts: list[dict] = ()) -> None:
-    """Every option and prompt that the configs alone can check, before seconds (or minutes) of weight loading."""
-    import warnings
-
-    from dflash_jax.decode.options import DecodeOptions, check_tree_target, option_names
-    from dflash_jax.drafts import DraftConfig
-    from dflash_jax.families import config_from_hf
-
-    try:
-        with option_names(FLAGS):  # the library's own checks (sampling settings too), naming the flags
-            options = DecodeOptions(max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature,
-                                    top_k=args.top_k, top_p=args.top_p, acceptance=args.acceptance,
-                                    block_size=fixed_block_size(args), **adaptive_kwargs(args), **draft_kwargs(args))
-    except ValueError as e:
-        die(str(e))
-    target_dir = resolve_path(target_path)
-    tcfg = config_from_hf(target_dir)
-    check_prompt_records(prompts, tcfg.vocab_size, target_dir, getattr(args, "chat", False))
-    vocab = tcfg.vocab_size
-    bad = [i for i in stop_ids(args, tcfg) if not 0 <= i < vocab]
-    if bad:
-        die(f"--stop-token-ids {bad} are outside the target vocabulary [0, {vocab})")
-    dcfg = None if draft_path is None else DraftConfig.from_hf(resolve_path(draft_path))
-    if dcfg is not None:
-        with warnings.catch_warnings():  # the full check (and its warnings) runs again once the weights are in
-            warnings.simplefilter("ignore")
-            dcfg.check_fits(tcfg)
-    try:
-        with option_names(FLAGS):
-            block = options.check_draft(dcfg)
-            if options.tree_budget and dcfg is not None:
-                check_tree_target(tcfg, block)
-    except ValueError as e:
-        die(str(e))
-
-
-def check_prompt_records(prompts: list[dict], vocab: int, target_dir: str, chat: bool) -> None:
-    """Dies naming the first prompt (its index in the run) that cannot run: empty, ids outside the vocabulary, text
-    without the target's tokenizer, a chat (``--chat``, ``messages``) without its chat template."""
-    for i, r in enumerate(prompts):
-        ids = r.get("prompt_ids")
-        if r.get("prompt") == "" or ids == []:
-            die(f"prompt {i} is empty")
-        bad = sorted({t for t in ids or () if not 0 <= t < vocab})
-        if bad:
-            die(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-    text = [i for i, r in enumerate(prompts) if "prompt_ids" not in r]
-    if text and not has_tokenizer(target_dir):
-        die(f"prompt {text[0]} is text, and the target directory {target_dir} has no tokenizer; give token ids "
-            "instead (--prompt-ids, or JSONL with a \"prompt_ids\" field)")
-    chats = [i for i in text if chat or "messages" in prompts[i]]
-    if chats and not has_chat_template(target_dir):
-        die(f"prompt {chats[0]} needs a chat template ({'--chat' if chat else 'messages'}), and the target's "
-            f"tokenizer in {target_dir} has none")
 
 
 def stop_ids(args, target) -> list[int]:
@@ -282,29 +185,6 @@ def stop_ids(args, target) -> list[int]:
         except ValueError:
             die(f"--stop-token-ids {args.stop_token_ids!r}: expected comma-separated integers")
     return list(getattr(target, "config", target).eos_token_id)
-
-
-def read_prompts_file(path: str) -> list[dict]:
-    """The records of a prompts file (``dflash_jax.prompts.read_prompts``); a bad file exits with its message."""
-    try:
-        return read_prompts(path)
-    except PromptError as e:
-        die(str(e))
-
-
-def encode(tokenizer, records: list[dict], chat: bool = False, chat_kwargs: dict | None = None) -> list[list[int]]:
-    """Prompt ids of ``records`` by the one rule of ``dflash_jax.prompts`` (as training encodes them; ``chat_kwargs``:
-    the chat template's variables); a prompt that cannot be encoded, or encodes to no tokens, exits with the reason."""
-    out = []
-    for r in records:
-        try:
-            ids = encode_prompt(r, tokenizer, chat, chat_kwargs)
-        except PromptError as e:
-            die(str(e))
-        if not ids:
-            die(f"prompt {r.get('prompt', r.get('prompt_ids'))!r} encodes to no tokens")
-        out.append(ids)
-    return out
 
 
 def parse_ints(text: str, flag: str) -> list[int]:
@@ -378,30 +258,6 @@ def paging_kwargs(args) -> dict:
         die("--kv-cache-memory as a fraction needs a device that reports its memory (TPU, GPU); on this one give "
             "bytes (for example 2GiB)")
     return dict(out, kv_cache_memory=int(free * value))
-
-
-def check_overrides(args, overrides: list[dict]) -> None:
-    """Every prompt's own settings over the command line's, checked before loading (dies naming the prompt)."""
-    from dflash_jax.decode import DecodeOptions
-
-    if args.max_batch is not None and args.max_batch < 1:
-        die(f"--max-batch must be >= 1, got {args.max_batch}")
-    base = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, seed=args.seed, acceptance=args.acceptance)
-    for i, own in enumerate(overrides):
-        if own:
-            try:
-                DecodeOptions(**dict(base, **own))
-            except ValueError as e:
-                die(f"prompt {i}: {e}")
-
-
-def requests_of(prompts: list[list[int]], overrides: list[dict]) -> list:
-    """``decode.Request`` per prompt: its own settings, and its key stream (its index; 0 with its own seed, so a
-    seeded row draws the same tokens wherever it is in the file)."""
-    from dflash_jax.decode import Request
-
-    return [Request(p, stream=0 if "seed" in own else i, **own) for i, (p, own) in enumerate(zip(prompts, overrides))]
 
 
 def max_batch(args, target, draft, prompts, overrides, kw: dict) -> int:
