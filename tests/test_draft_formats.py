@@ -147,8 +147,11 @@ def test_target_and_draft_mixed_up():
         DraftConfig.from_hf({**_hf(architectures=["Qwen3ForCausalLM"]), "dflash_config": None})
     from dflash_jax.families import config_from_hf
 
-    with pytest.raises(ValueError, match="is a DFlash draft .* not a target model"):
-        config_from_hf(_hf(architectures=["DFlash2DraftModel"]))
+    from dflash_jax.drafts.formats import architecture_formats
+
+    for arch in architecture_formats():  # every draft format's, and the DSpark stacks families bring
+        with pytest.raises(ValueError, match="is a DFlash / DSpark draft .* not a target model"):
+            config_from_hf(_hf(architectures=[arch]))
 
 
 def test_dflash2_config_and_errors():

@@ -75,8 +75,10 @@ def draft_stacks() -> dict[str, DraftStack]:
 def config_from_hf(path_or_dict) -> Any:
     """A target config of whichever family the ``config.json`` (path, directory or dict) names."""
     d = read_config_json(path_or_dict)
-    drafts = [a for a in architectures(d) if "DFlash" in a]
+    # the draft formats' architectures (DFlashDraftModel, DFlash2DraftModel, Qwen3DSparkModel) and the DSpark stacks
+    # families bring: the registry in ``dflash_jax.drafts`` builds on this package, so it is read by name here
+    drafts = [a for a in architectures(d) if "DFlash" in a or "DSpark" in a or a in draft_stacks()]
     if drafts:
-        raise ValueError(f"this config.json is a DFlash draft (architectures {drafts}), not a target model: pass it "
-                         "as the draft")
+        raise ValueError(f"this config.json is a DFlash / DSpark draft (architectures {drafts}), not a target model: "
+                         "pass it as the draft")
     return family_for(d.get("model_type")).config.from_hf(d)
