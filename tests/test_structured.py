@@ -94,22 +94,28 @@ def test_constrained_engines_agree(trained):
 
 def test_a_warmed_engine_compiles_nothing_for_a_first_constrained_request(trained):
     """``warm(grammars=True)`` (a server's start-up): a request with a grammar, admitted, stepped at every block a
-    policy may choose (plain steps, 4, the draft's block), read and released, compiles nothing (jax.monitoring's
-    backend-compile events): a server's first structured request does not wait for the compiler."""
+    policy may choose (plain steps, 4, the draft's block) alone and then beside a second running row (the next
+    bucket of live rows: every step of it is a constrained one), read and released, compiles nothing
+    (jax.monitoring's backend-compile events): a server's first structured requests do not wait for the compiler."""
     from dflash_jax.decode import load_policy
 
     target, draft, prompts = trained
-    engine = decode.Engine(target, draft, decode.DecodeOptions(max_new_tokens=40, stop_token_ids=()), max_batch=1,
+    engine = decode.Engine(target, draft, decode.DecodeOptions(max_new_tokens=40, stop_token_ids=()), max_batch=2,
                            max_length=200, block_policy=Alternate(), tokenizer=TOKENIZER)
-    engine.warm([len(prompts[0])], streaming=True, grammars=True)
+    engine.warm([len(prompts[0]), len(prompts[1])], streaming=True, grammars=True)
+    blocks = load_policy.candidates(engine.spec.block_size)
     with backend_compiles() as compiles:
-        request = Request(prompts[0], max_new_tokens=40, grammar=GRAMMARS["broad"], stop_token_ids=[])
+        request = Request(prompts[0], max_new_tokens=80, grammar=GRAMMARS["broad"], stop_token_ids=[])
         state, rows = engine.admit(engine.empty(), [request])
-        for k in load_policy.candidates(engine.spec.block_size):
+        for k in blocks:
             state, taken = engine.run(state, 1, block=k)
             assert taken == 1
+        state, more = engine.admit(state, [Request(prompts[1], max_new_tokens=40, stop_token_ids=[])])
+        for k in blocks:
+            state, taken = engine.run(state, 1, block=k)
+            assert taken == 1 and not engine.finished_rows(state)  # both rows ran: the bucket of two
         engine.progress(state, 1)
-        engine.release(state, rows)
+        engine.release(state, rows + more)
     assert compiles == []
 
 

@@ -281,10 +281,11 @@ class Engine:
         so that timings exclude compilation and first-run setup (on CPU a cold first run is several times
         slower). With prefix caching a hit prefills a prompt's tail: ``tails``, the tail lengths hits may prefill
         (None: any length below the longest prompt, a server's case), get their buckets and the cached tokens'
-        writes compiled too. ``streaming``: also every ``progress`` read (a server's). ``grammars``: also one row with
-        a grammar: its admission and its constrained steps (``_warm_constrained``). ``block_policy="auto"``: the
-        step costs of every bucket up to ``most_rows`` at every candidate block are measured here
-        (``probe_costs``), which makes the policy. The engine's pages are left as they were."""
+        writes compiled too. ``streaming``: also every ``progress`` read (a server's). ``grammars``: also a row with a
+        grammar: its admission, and its constrained steps among every bucket of rows up to ``most_rows``
+        (``_warm_constrained``). ``block_policy="auto"``: the step costs of every bucket up to ``most_rows`` at every
+        candidate block are measured here (``probe_costs``), which makes the policy. The engine's pages are left as
+        they were."""
         lengths = list(prompt_lengths)
         tails = list(range(1, max(lengths)) if tails is None else tails) if self.prefix_cache else []
         buckets = sorted({prepare.prompt_bucket(n, self.spec.cache_len) for n in lengths + tails})
@@ -305,7 +306,7 @@ class Engine:
             for b in buckets if tails else []:  # a hit's cached tokens written beside its tail's prefill
                 state = self._put_prefix(state, [self.rows], [Request([0] * b)], [b])
             if grammars:
-                self._warm_constrained(buckets)
+                self._warm_constrained(buckets, most_rows)
         finally:
             self._bookkeeping(kept)
         if self.block_policy == "auto":
@@ -367,27 +368,35 @@ class Engine:
             state, _ = self.run(state, 1)
             jax.block_until_ready(self.release(state, rows)[0])
 
-    def _warm_constrained(self, buckets: Sequence[int]) -> None:
-        """A row with a grammar admitted with a prompt of each of ``buckets`` (the first token's masked draw), the
-        first then through a constrained step at every block a run may verify (the policy's candidates, else the
-        engine's block): one row's constrained programs, so that a first request with a grammar compiles nothing
-        (more rows at once compile theirs at first use)."""
+    def _warm_constrained(self, buckets: Sequence[int], most_rows: int | None = None) -> None:
+        """A row with a grammar admitted with a prompt of each of ``buckets`` (the first token's masked draw); then,
+        for every bucket of live rows up to ``most_rows``, a grammar row among that many running rows through a
+        constrained step at every block a run may verify (the policy's candidates, else the engine's block): while
+        one row has a grammar, every step of its bucket is a constrained one, so that a first request with a
+        grammar, alone or among others, compiles nothing."""
         try:
             self.constraints.grammars  # noqa: B018 (llguidance's view of the tokenizer, built once)
         except (ImportError, ValueError):  # no grammars here: each request with one is refused, saying why
             return
         blocks = load_policy.candidates(self.spec.block_size) if self.block_policy is not None else [None]
-        for i, b in enumerate(buckets):
-            n = min(b, self.max_length - 2)
+
+        def request(prompt: int, grammar=WARM_GRAMMAR) -> Request:
+            n = min(prompt, self.max_length - 2)
             budget = min(len(blocks) * self.spec.max_block + 1, self.max_length - n - 1)
-            request = Request([0] * n, max_new_tokens=budget, stop_token_ids=[], grammar=WARM_GRAMMAR)
-            state = self.empty()
-            if not self.can_admit([request]):
-                continue
-            state, rows = self.admit(state, [request])
-            for k in blocks if i == 0 else []:
-                state, _ = self.run(state, 1, block=k)
-            jax.block_until_ready(self.release(state, rows)[0])
+            return Request([0] * n, max_new_tokens=budget, stop_token_ids=[], grammar=grammar)
+
+        every = self.buckets()  # as ``probe_costs``: up to the bucket that most_rows running rows step in
+        top = every[-1] if most_rows is None else next((n for n in every if n >= most_rows), every[-1])
+        for i, b in enumerate(buckets):
+            first = [request(b)]
+            for n in [n for n in every if n <= top] if i == 0 else [1]:  # the first also steps every bucket
+                warm = first + [request(1, None)] * (n - 1)
+                if not self.can_admit(warm):
+                    continue
+                state, at = self.admit(self.empty(), warm)
+                for k in blocks if i == 0 else []:
+                    state, _ = self.run(state, 1, block=k)
+                jax.block_until_ready(self.release(state, at)[0])
 
     def _bookkeeping(self, kept=None):
         """The host's record of one state (pages, admissions) -> a copy; ``kept`` given: put it back."""

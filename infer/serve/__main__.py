@@ -61,7 +61,11 @@ def parse_args(argv=None):
     s.add_argument("--steps-per-turn", type=int, default=None,
                    help=f"a fixed number of decode steps per turn instead (1-{PROGRESS_STEPS}; 1: stream every step)")
     s.add_argument("--no-warm", action="store_true",
-                   help="skip compiling the short-prompt programs (one constrained row's too) before serving")
+                   help="skip compiling the short-prompt programs (the constrained steps' too) before serving")
+    s.add_argument("--no-warm-grammars", action="store_true",
+                   help="compile the constrained steps (structured outputs) on first use instead of at start: a "
+                        "shorter start-up for a server that serves few requests with a grammar, which then wait "
+                        "for the compiler (each bucket of live rows and block once)")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY,
                    help=f"request bodies above this size get 413 (default {DEFAULT_MAX_BODY})")
     s.add_argument("--no-access-log", action="store_true", help="no access log line per request (method, path, "
@@ -175,7 +179,7 @@ def main(argv=None) -> int:
           f"{service.engine.describe()}; queue {args.queue_size}; defaults: temperature {o.temperature}, top_p "
           f"{o.top_p}, top_k {o.top_k or 'off'}" + ("" if args.no_warm else "; compiling the short-prompt programs..."),
           file=sys.stderr)
-    service.start(warm=not args.no_warm)
+    service.start(warm=not args.no_warm, grammars=not args.no_warm_grammars)
     policy = service.engine.block_policy
     if policy == "auto":
         print("--block-size auto: not measured (--no-warm), every step verifies the block", file=sys.stderr)

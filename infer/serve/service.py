@@ -66,11 +66,12 @@ class Service:
             self._scorer = Scorer(self.target, self.tokenizer)
         return self._scorer
 
-    def start(self, warm: bool = True) -> None:
-        """Compile (and run once) the programs of short prompts (one row's constrained steps too), then start the
-        engine thread."""
-        if warm:  # a first request with a grammar compiles nothing either (skipped where none can be read)
-            self.engine.warm([1], streaming=True, grammars=True)
+    def start(self, warm: bool = True, grammars: bool = True) -> None:
+        """Compile (and run once) the programs of short prompts, then start the engine thread. ``grammars``: the
+        constrained steps too, at every bucket of live rows (skipped where no grammar can be read), so that
+        requests with a grammar compile nothing either."""
+        if warm:
+            self.engine.warm([1], streaming=True, grammars=grammars)
         self.scheduler.start()
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
