@@ -1,12 +1,12 @@
 """What every command line (``python -m infer.*`` / ``train*``, the ``dflash-*`` scripts) does first, in its
-``main()``: stop in one line when ``dflash_jax`` is a shadowing folder, and re-run itself with huge pages. Importing a
-package does neither."""
+``main()``: stop in one line when ``dflash_jax`` is a shadowing folder, re-run itself with huge pages, and turn on the
+persistent compilation cache. Importing a package does none of these."""
 from __future__ import annotations
 
 import sys
 
 import dflash_jax
-from dflash_jax import huge_pages
+from dflash_jax import compile_cache, huge_pages
 
 
 def require_the_package(package=dflash_jax) -> None:
@@ -21,9 +21,11 @@ def require_the_package(package=dflash_jax) -> None:
 
 
 def launch() -> None:
-    """The start of a CLI's ``main()``: the package check, then the huge-pages re-run where this process is one of
-    the project's command lines (``huge_pages.command_line``; the new process starts over, before any work)."""
+    """The start of a CLI's ``main()``: the package check; then, where this process is one of the project's command
+    lines (``huge_pages.command_line``; not a ``main()`` called from a test or a notebook), the huge-pages re-run (the
+    new process starts over, before any work) and the persistent compilation cache (``compile_cache``)."""
     require_the_package()
     main_module = getattr(sys.modules.get("__main__"), "__spec__", None)
     if huge_pages.command_line(getattr(main_module, "name", None), sys.argv[0]):
         huge_pages.reexec()
+        compile_cache.enable()

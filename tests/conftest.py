@@ -9,6 +9,9 @@ Runs before any test module imports jax or huggingface_hub:
 - PyTorch (the reference models) uses one thread: on a shared 2-core machine its default thread pool
   spins, and a tiny forward takes ~1 s instead of ~3 ms.
 - The Hugging Face hub is offline: no test may touch the network (CI has none).
+- The command lines' persistent compilation cache is off (``DFLASH_COMPILATION_CACHE=0``): the CLIs the tests run
+  compile afresh and write nothing into the user's cache (``tests/test_compile_cache.py`` turns it on in a folder of
+  its own).
 - After each module its compiled programs are released (``_release_compiled_programs``).
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["DFLASH_COMPILATION_CACHE"] = "0"
 
 import pytest  # noqa: E402
 
