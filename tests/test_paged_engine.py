@@ -84,6 +84,21 @@ def test_a_warmed_streaming_engine_compiles_nothing_while_serving(trained):
     assert compiles == []
 
 
+def test_a_short_run_compiles_nothing_after_its_warm_up(trained):
+    """``continuous_generate``'s warm-up, then its timed run, where prompt + budget is shorter than the smallest
+    prompt bucket (``infer.generate --max-new-tokens 4``): the run compiles nothing, so its timings exclude
+    compilation. Bugs caught: the warm-up's dummy prompt filled max_length, finished at its prefill and left the
+    run program to the timed run; a finished row's results were read by a jitted gather and release compiled again
+    for a state a run returned."""
+    target, draft, prompts = trained
+    requests = [Request(prompts[0][:3], max_new_tokens=4)]
+    engine = Engine(target, draft, DecodeOptions(max_new_tokens=4, stop_token_ids=()), max_batch=1, max_length=7)
+    engine.warm([3], most_rows=1, tails=[])
+    with backend_compiles() as compiles:
+        (_, result), = decode.stream_requests(engine, requests)
+    assert compiles == [] and result.num_generated == 4
+
+
 def test_pool_errors(trained):
     target, draft, prompts = trained
     opts = DecodeOptions(max_new_tokens=8, stop_token_ids=())

@@ -43,6 +43,7 @@ PAGE = 16  # tokens per page of the paged caches (``Engine``'s default)
 _ADMISSIONS = itertools.count()  # admission order across engines (only its order within one engine is read)
 LOOKAHEAD_STEPS = 8  # a run gives each running row pages for this many more steps (then returns for more)
 LOOKAHEAD_PAGES = 4  # and at least this many pages more (plain decoding's steps commit one token each)
+RESULT_PROGRAMS = ("take", "release")  # a finished row's results read and its slot freed: not counted in RunStats
 PROGRESS_STEPS = 64  # the most steps one ``progress`` read covers (it reads for a power of two of them: few programs)
 PROBE_STEPS = 8  # steps each (bucket, block) program is timed for (``Engine.probe_costs``)
 PROBE_ROUNDS = 3  # the best of this many rounds over the blocks
@@ -274,6 +275,12 @@ class Engine:
             return [self.rows]
         return sorted({min(1 << i, self.rows) for i in range(self.rows.bit_length() + 1)})
 
+    def buckets_up_to(self, most_rows: int | None) -> list[int]:
+        """The buckets that runs of at most ``most_rows`` running rows step in (None: every bucket)."""
+        every = self.buckets()
+        top = every[-1] if most_rows is None else next((b for b in every if b >= most_rows), every[-1])
+        return [b for b in every if b <= top]
+
     def warm(self, prompt_lengths: Iterable[int], most_rows: int | None = None, *,
              tails: Iterable[int] | None = None, streaming: bool = False, grammars: bool = False) -> None:
         """Compile, and run once on a scratch state, every program a run over prompts of these lengths can use
@@ -296,10 +303,10 @@ class Engine:
                 for g in self.groups():
                     n = 1 if g == self.unit else g // 2 + 1
                     self._warm_run([Request([0] * min(b, self.max_length - 1))] + [Request([0])] * (n - 1))
-            for n in self.buckets()[:-1] if self.paged else []:  # admissions above ran the largest
-                if most_rows is not None and n > most_rows:
-                    break
-                self._warm_run([Request([0])] * n)
+            # every bucket's run, by 1-token prompts that run a step (a prompt above that fills max_length is done
+            # at its prefill: no run); unpaged, every row steps whatever runs
+            for n in self.buckets_up_to(most_rows) if self.paged else [1]:
+                self._warm_run([Request([0], stop_token_ids=[])] * n)
             state = self.empty()
             for k in range(PROGRESS_STEPS.bit_length()) if streaming else []:  # every read a streaming host makes
                 self.progress(state, 1 << k)
@@ -321,9 +328,7 @@ class Engine:
         rows the pool cannot hold is left out. Greedy rows: a sampled row's draws are not in the cost.
         ``on_probe(bucket, block, seconds)`` after each. The engine's pages are left as they were."""
         blocks = list(blocks or load_policy.candidates(self.spec.block_size))
-        every = self.buckets()
-        top = every[-1] if most_rows is None else next((b for b in every if b >= most_rows), every[-1])
-        buckets = [b for b in every if b <= top]
+        buckets = self.buckets_up_to(most_rows)
         length = min(PROBE_PROMPT, self.max_length // 2)
         budget = self.max_length - length
         kept, policy = self._bookkeeping(), self.block_policy
@@ -385,11 +390,9 @@ class Engine:
             budget = min(len(blocks) * self.spec.max_block + 1, self.max_length - n - 1)
             return Request([0] * n, max_new_tokens=budget, stop_token_ids=[], grammar=grammar)
 
-        every = self.buckets()  # as ``probe_costs``: up to the bucket that most_rows running rows step in
-        top = every[-1] if most_rows is None else next((n for n in every if n >= most_rows), every[-1])
         for i, b in enumerate(buckets):
             first = [request(b)]
-            for n in [n for n in every if n <= top] if i == 0 else [1]:  # the first also steps every bucket
+            for n in self.buckets_up_to(most_rows) if i == 0 else [1]:  # the first also steps every bucket
                 warm = first + [request(1, None)] * (n - 1)
                 if not self.can_admit(warm):
                     continue
@@ -669,7 +672,7 @@ class Engine:
         self._preempted.append((row, Resumed(self._requests[row], {f: v[0] for f, v in saved.items()})))
         self._admitted_at.pop(row, None)
         self._forget(row)
-        return steps.release_jit(self.spec, state, at)
+        return self._compiled("release", steps.release_jit, state, at)(self.inputs, state, at)
 
     def _forget(self, row: int) -> None:
         """Row ``row`` holds no request: its pages back to the pool."""
@@ -714,7 +717,9 @@ class Engine:
         self._seen = None
         at = np.zeros((min(1 << (len(rows) - 1).bit_length(), self.rows),), np.int32)  # a few gather shapes
         at[:len(rows)] = rows
-        host = sharding.to_host(steps.take_jit(state, at, logprobs=any(self._logprobs.get(r, False) for r in rows)))
+        logprobs = any(self._logprobs.get(r, False) for r in rows)
+        host = sharding.to_host(self._compiled("take", steps.take_jit, state, at, logprobs=logprobs)(self.inputs,
+                                                                                                    state, at))
         now = time.perf_counter()
         results = [row_result(host, j, int(host["prompt_length"][j]), now - self._admitted_at.pop(r, now),
                               self._logprobs.get(r, False), cached_tokens=self._cached.get(r, 0))
@@ -725,7 +730,7 @@ class Engine:
             self._forget(r)
         if self._chooser is not None:
             self._chooser.observe(results)
-        return steps.release_jit(self.spec, state, free), results
+        return self._compiled("release", steps.release_jit, state, free)(self.inputs, state, free), results
 
 
 @dataclasses.dataclass
@@ -814,7 +819,7 @@ def _stream(engine: Engine, requests: Iterable[Request], stats: RunStats,
             stats.row_steps += len(result.acceptance_lengths)
             yield active.pop(row), dataclasses.replace(result, queue_time_s=queued.pop(row))
     stats.wall_time_s = time.perf_counter() - start
-    stats.programs = len(engine.used)
+    stats.programs = sum(key[0] not in RESULT_PROGRAMS for key in engine.used)
     if engine._chooser is not None:
         stats.blocks = engine.block_table()
 

@@ -106,7 +106,8 @@ def put_prefix(state: DecodeState, at, prefix, start) -> DecodeState:
 RESUMED = ("tokens", "prompt_len", "generated", "budget", "finish", "acceptance", "verified", "steps", "key", "logps")
 
 
-def release(spec: EngineSpec, state: DecodeState, at) -> DecodeState:
+# positional: an engine program's arguments (spec, inputs, state, ...: ``Engine._compiled``), the inputs unused here
+def release(spec: EngineSpec, inp: Inputs, state: DecodeState, at) -> DecodeState:
     """``state`` with its rows ``at`` [A] marked free (out of range: ignored); their caches stay until overwritten.
     A free row's sampling settings are reset to greedy, so that a batch with no sampling row skips the draws and
     the sorts over the vocabulary (``sampling.if_sampling``, ``filtered_scores``)."""
@@ -273,7 +274,8 @@ def page_specs(spec: EngineSpec) -> tuple[tuple, tuple]:
     return target, draft_lib.state_specs(spec.draft_config) if spec.speculative else ()
 
 
-def take(state: DecodeState, at, logprobs: bool = False):
+# positional: an engine program's arguments (spec, inputs, state, ...: ``Engine._compiled``), spec and inputs unused
+def take(spec: EngineSpec, inp: Inputs, state: DecodeState, at, *, logprobs: bool = False):
     """The fields a result reads, of rows ``at`` [A] only (what ``types.row_result`` takes, prompt lengths added;
     ``logprobs``: the rows' log-probabilities too)."""
     pick = lambda x: jnp.take(x, at, axis=0)  # noqa: E731
@@ -298,7 +300,7 @@ def recent(state: DecodeState, width: int, steps: int = 1):
 
 
 empty_jit = jax.jit(_on_mesh(empty), static_argnames=("spec", "pages"))
-take_jit = jax.jit(take, static_argnames=("logprobs",))
+take_jit = jax.jit(take, static_argnames=("spec", "logprobs"))
 
 
 def read(spec: EngineSpec, inp: Inputs, state: DecodeState, *, steps: int):
