@@ -27,13 +27,17 @@ def test_where_the_cache_lives():
     assert cc.cache_dir({"JAX_COMPILATION_CACHE_DIR": "/j", cc.ENV: "/d"}) == "/d"
 
 
-def _probe(code: str, **env) -> list[str]:
+def _run(code: str, **env) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != cc.ENV}
     # the probe's program compiles in milliseconds: JAX caches only programs slower than its threshold (1 s)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **env})
     assert out.returncode == 0, out.stderr
-    return out.stdout.split()
+    return out
+
+
+def _probe(code: str, **env) -> list[str]:
+    return _run(code, **env).stdout.split()
 
 
 def test_a_command_line_caches_its_programs_and_a_second_run_compiles_none(tmp_path):
@@ -49,8 +53,5 @@ def test_a_command_line_caches_its_programs_and_a_second_run_compiles_none(tmp_p
     assert _probe(PROBE.replace(AS_MODULE, ""), **{cc.ENV: str(tmp_path / "other")})[1] == "None"
     assert not (tmp_path / "other").exists()
     (tmp_path / "file").write_text("")
-    environ = {k: v for k, v in os.environ.items() if k != cc.ENV}
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120,
-                         env={**environ, cc.ENV: str(tmp_path / "file" / "xla")})
-    assert out.returncode == 0 and out.stdout.split()[1] == "None"
-    assert "warning: no compilation cache" in out.stderr
+    out = _run(PROBE, **{cc.ENV: str(tmp_path / "file" / "xla")})
+    assert out.stdout.split()[1] == "None" and "warning: no compilation cache" in out.stderr

@@ -281,6 +281,11 @@ class Engine:
         top = every[-1] if most_rows is None else next((b for b in every if b >= most_rows), every[-1])
         return [b for b in every if b <= top]
 
+    def _warm_rows(self, most_rows: int | None) -> list[int]:
+        """How many rows to run so that each run program up to ``most_rows`` rows compiles: a bucket's worth,
+        paged; one, unpaged (every row steps whatever runs)."""
+        return self.buckets_up_to(most_rows) if self.paged else [1]
+
     def warm(self, prompt_lengths: Iterable[int], most_rows: int | None = None, *,
              tails: Iterable[int] | None = None, streaming: bool = False, grammars: bool = False) -> None:
         """Compile, and run once on a scratch state, every program a run over prompts of these lengths can use
@@ -304,8 +309,8 @@ class Engine:
                     n = 1 if g == self.unit else g // 2 + 1
                     self._warm_run([Request([0] * min(b, self.max_length - 1))] + [Request([0])] * (n - 1))
             # every bucket's run, by 1-token prompts that run a step (a prompt above that fills max_length is done
-            # at its prefill: no run); unpaged, every row steps whatever runs
-            for n in self.buckets_up_to(most_rows) if self.paged else [1]:
+            # at its prefill: no run)
+            for n in self._warm_rows(most_rows):
                 self._warm_run([Request([0], stop_token_ids=[])] * n)
             state = self.empty()
             for k in range(PROGRESS_STEPS.bit_length()) if streaming else []:  # every read a streaming host makes
@@ -392,7 +397,7 @@ class Engine:
 
         for i, b in enumerate(buckets):
             first = [request(b)]
-            for n in self.buckets_up_to(most_rows) if i == 0 else [1]:  # the first also steps every bucket
+            for n in self._warm_rows(most_rows) if i == 0 else [1]:  # the first also steps every bucket
                 warm = first + [request(1, None)] * (n - 1)
                 if not self.can_admit(warm):
                     continue
