@@ -63,6 +63,62 @@ def test_engine_pages_follow_its_rows(trained):
     assert len(engine.pool.free) == engine.pool.pages and (engine.pool.table == NO_PAGE).all()
 
 
+def _stream_launched(engine, state, rows, pending):
+    """The server's turns over ``Engine.launch`` by hand: the next run launched before the last one's read is
+    collected, finished rows released while a run steps -> (state, each row's tokens as read off the tails)."""
+    sent, live = {r: [] for r in rows}, set(rows)
+    while live:
+        state, launched = engine.launch(state, 2)
+        assert launched is not None
+        pending.append(launched)
+        while len(pending) > 1:
+            _, p = engine.collect(pending.pop(0))
+            width, done = p["tail"].shape[1], []
+            for r in sorted(live):
+                fresh = int(p["generated"][r]) - len(sent[r])
+                sent[r] += p["tail"][r, width - fresh:].tolist() if fresh > 0 else []
+                if int(p["finish"][r]) in (decode.Finish.LENGTH, decode.Finish.STOP):
+                    done.append(r)
+            if done:
+                state, _ = engine.release(state, done)
+                live -= set(done)
+    for launched in pending:
+        engine.collect(launched)
+    return state, sent
+
+
+def test_launched_runs_stream_the_tokens_of_plain_decoding(trained):
+    """``launch`` / ``collect`` as the server drives them: every row's streamed tokens equal plain decoding, every
+    page is back at the end; an admission waits for the launches; a pool that must preempt dispatches nothing while
+    a launch is out (None), and preempts once every read is in."""
+    target, draft, prompts = trained
+    requests = [Request(p, max_new_tokens=b) for p, b in zip(prompts[:3], (30, 12, 22))]
+    opts = DecodeOptions(max_new_tokens=30, stop_token_ids=())
+    engine = Engine(target, draft, opts, max_batch=3, max_length=64)
+    state, rows = engine.admit(engine.empty(), requests)
+    pending = [engine.read(state)]
+    with pytest.raises(ValueError, match="collect every launch"):
+        engine.admit(state, [Request(prompts[0], max_new_tokens=4)])
+    state, sent = _stream_launched(engine, state, rows, pending)
+    for r, req in zip(rows, requests):
+        alone = decode.speculative_generate(target, None, [req.prompt_ids], max_new_tokens=req.max_new_tokens,
+                                            stop_token_ids=[])[0]
+        assert sent[r] == alone.generated_ids, r
+    engine.pool.check()
+    assert engine.pool.available() == engine.pool.pages and (engine.pool.table == NO_PAGE).all()
+
+    tight = Engine(target, draft, opts, max_batch=3, max_length=64,
+                   kv_cache_memory=tight_pool(target, draft, requests, 3))
+    state, rows = tight.admit(tight.empty(), requests)
+    first = tight.read(state)
+    state, refused = tight.launch(state, 2)
+    assert refused is None and not tight.take_preempted()  # giving every row its pages would preempt one
+    tight.collect(first)
+    state, launched = tight.launch(state, 2)
+    assert launched is not None and tight.take_preempted()
+    tight.collect(launched)
+
+
 def test_a_warmed_streaming_engine_compiles_nothing_while_serving(trained):
     """After ``warm(streaming=True)`` (a server's start-up), what a server does with a request (admit, its first
     token read, runs of every read size each followed by its progress read, release) compiles nothing: counted by

@@ -52,6 +52,17 @@ WARM_GRAMMAR = Grammar.regex("[a-z ]*")  # what ``warm(grammars=True)`` constrai
 
 
 @dataclasses.dataclass(frozen=True)
+class Launched:
+    """A run and the read of its progress, dispatched by ``Engine.launch`` (device arrays until ``collect``); a read
+    alone (``Engine.read``): no spec, nothing taken."""
+
+    spec: object
+    taken: object
+    read: dict
+    begun: float  # when it was launched (perf_counter)
+
+
+@dataclasses.dataclass(frozen=True)
 class Resumed:
     """A preempted request (its pages were needed): admitted again (``Engine.admit``) it is prefilled from its
     committed tokens and continues with the decode fields it had (``saved``: tokens, counters, key), so its output is
@@ -136,6 +147,8 @@ class Engine:
         self.used: set = set()  # the programs this engine ran (each compiled once per process, shared)
         self._quick: dict = {}  # (name, signature of the arguments after the state) -> the executable
         self._seen = None  # (finish, lengths) of the current state on the host, while no call has changed them
+        self._unread: collections.deque[int] = collections.deque()  # launches not collected: positions each may write
+        self._last_read = None  # (finish, lengths) of the newest collected launch
         self._placed = -1  # the pool's version the current state's block tables hold
         self._admitted_at: dict[int, float] = {}
         self.block_policy = self._policy(block_policy, options)
@@ -248,7 +261,8 @@ class Engine:
         """A state of S free rows (paged: every page free, none cached: its pools hold nothing yet, so a prompt
         cached in an earlier state's pages is prefilled again)."""
         rows = self._rows([Request([0])], [self.options], [1], pad_to=self.rows, bucket=1)
-        self._seen = None
+        self._seen, self._last_read = None, None
+        self._unread.clear()  # the old state's launches are nobody's now
         if self.paged:
             for r in range(self.rows):
                 self._forget(r)
@@ -409,7 +423,7 @@ class Engine:
     def _bookkeeping(self, kept=None):
         """The host's record of one state (pages, admissions) -> a copy; ``kept`` given: put it back."""
         names = ("pool", "_need", "_order", "_requests", "_preempted", "_admitted_at", "_seen", "_placed",
-                 "_cached", "cached_tokens", "prefix_cache")
+                 "_cached", "cached_tokens", "prefix_cache", "_unread", "_last_read")
         if kept is None:
             return {n: copy.deepcopy(getattr(self, n)) for n in names}
         for n in names:
@@ -483,9 +497,12 @@ class Engine:
         requests = list(requests)
         if not requests:
             return state, []
+        if self._unread:
+            raise ValueError("collect every launch before admitting (a launched run does not step the new rows)")
         self._seen = None
         settings = self.check(requests)
-        free = self.free_rows(state)
+        host = sharding.to_host((state.finish, state.tcache.lengths) if self.paged else (state.finish,))
+        free = np.flatnonzero(np.asarray(host[0]) == int(Finish.FREE)).tolist()
         rows = free[:len(requests)] if rows is None else [int(r) for r in rows]
         if len(rows) < len(requests):
             raise ValueError(f"{len(requests)} requests, {len(free)} free rows")
@@ -550,6 +567,11 @@ class Engine:
             self.inputs = self.inputs.replace(proposer_args=self.spec.proposer.admitted(
                 self.spec, self.inputs.proposer_args, rows, [self._requests[r].stream for r in rows]))
         self._admitted_at.update({r: begun for r in rows})
+        if self.paged:  # what a launch before the next read gives pages from: the new rows hold their prompts
+            finish, lengths = np.array(host[0]), np.array(host[1])
+            for r, req in zip(rows, requests):
+                finish[r], lengths[r] = int(Finish.RUNNING), len(req.prompt_ids)
+            self._last_read = (finish, lengths)
         return state, rows
 
     def _groups(self, requests) -> list[list[int]]:
@@ -587,25 +609,69 @@ class Engine:
         the pool cannot hold are preempted first (``take_preempted``); a row short of pages also returns. Each step
         verifies ``block`` tokens (1: plain steps; default: the block policy's choice for the bucket, else the
         engine's block)."""
+        state, spec, taken = self._dispatch(state, max_steps, block)
+        return state, self._ran(spec, int(taken))
+
+    def launch(self, state: DecodeState, max_steps: int, *, block: int | None = None
+               ) -> tuple[DecodeState, Launched | None]:
+        """``run`` of at most ``max_steps`` (<= ``PROGRESS_STEPS``) steps and the ``progress`` read after it,
+        dispatched without waiting (``collect`` brings them to the host): the host streams the last run's tokens
+        while the device steps this one. While a launch is not collected the running rows' lengths are bounded
+        (the last read, plus the block for each step launched since) to give them pages; a row the pool could not
+        give them would be preempted, which waits for the reads: then nothing is dispatched (None), and the
+        caller collects its launches and calls again."""
+        if not 1 <= max_steps <= PROGRESS_STEPS:
+            raise ValueError(f"launch runs 1 to {PROGRESS_STEPS} steps, asked {max_steps}")
+        begun = time.perf_counter()
+        dispatched = self._dispatch(state, max_steps, block, wait=False)
+        if dispatched is None:
+            return state, None
+        state, spec, taken = dispatched
+        return state, self.read(state, max_steps, spec=spec, taken=taken, begun=begun)
+
+    def read(self, state: DecodeState, steps_taken: int = 1, *, spec=None, taken=0, begun=None) -> Launched:
+        """``progress`` dispatched without waiting (``collect`` brings it to the host, in launch order): after an
+        admission, its rows' first tokens."""
+        n = 1 << (max(int(steps_taken), 1) - 1).bit_length()
+        out = self._compiled("read", steps.read_jit, state, steps=n)(self.inputs, state)
+        for leaf in jax.tree_util.tree_leaves((taken, out)):
+            if isinstance(leaf, jax.Array):
+                leaf.copy_to_host_async()
+        self._unread.append(int(steps_taken) * self.spec.max_block if spec is not None else 0)
+        return Launched(spec, taken, out, time.perf_counter() if begun is None else begun)
+
+    def collect(self, launched: Launched) -> tuple[int, dict]:
+        """The oldest launch not collected, on the host -> (steps it took, its ``progress`` read)."""
+        taken, out = sharding.to_host((launched.taken, launched.read))
+        self._unread.popleft()
+        self._last_read = (out["finish"], out.pop("lengths"))
+        return (self._ran(launched.spec, int(taken)) if launched.spec is not None else 0), out
+
+    def _dispatch(self, state: DecodeState, max_steps: int, block: int | None, wait: bool = True):
+        """``run``'s program dispatched -> (state, its spec, the steps it takes: on the device, or 1 for a
+        constrained step); None when ``wait`` is False and running rows would be preempted (``launch``)."""
         if not self.paged:
             spec, n = self._step_spec(self.rows, block, max_steps)
             if self.constraints.rows:
-                return self._constrained(state, np.arange(self.rows, dtype=np.int32), spec), self._ran(spec, 1)
+                return self._constrained(state, np.arange(self.rows, dtype=np.int32), spec), spec, 1
             state, taken = self._compiled("run", steps.run_jit, state, n, spec=spec)(self.inputs, state, n)
-            return state, self._ran(spec, int(taken))
-        state, live = self._reserve(state)
+            return state, spec, taken
+        reserved = self._reserve(state, preempt=wait or not self._unread)
+        if reserved is None:
+            return None
+        state, live = reserved
         self._seen = None
         if not live:
-            return state, 0
+            return state, self.spec, 0
         at = np.full((next(b for b in self.buckets() if b >= len(live)),), self.rows, np.int32)
         at[:len(live)] = live
         state = self._tables(state)
         spec, n = self._step_spec(len(at), block, max_steps)
         if self.constraints.live(live):
-            return self._constrained(state, at, spec), self._ran(spec, 1)
+            return self._constrained(state, at, spec), spec, 1
         state, taken = self._compiled("run_rows", steps.run_rows_jit, state, at, n, spec=spec)(self.inputs, state,
                                                                                               at, n)
-        return state, self._ran(spec, int(taken))
+        return state, spec, taken
 
     def _constrained(self, state: DecodeState, at, spec) -> DecodeState:
         """One step of the rows ``at`` with their grammars' masks (``decode.constrained``): the matchers brought up to
@@ -654,19 +720,30 @@ class Engine:
         read = getattr(policy, "block_for", policy.choose)
         return {b: read(b) for b in self.buckets()}
 
-    def _reserve(self, state: DecodeState) -> tuple[DecodeState, list[int]]:
+    def _reserve(self, state: DecodeState, preempt: bool = True) -> tuple[DecodeState, list[int]] | None:
         """Pages for the next ``LOOKAHEAD_STEPS`` steps (``LOOKAHEAD_PAGES`` pages at least) of every running row,
-        oldest first; the newest rows are preempted while the pool cannot give them -> (state, the running rows)."""
-        host = self._seen or sharding.to_host((state.finish, state.tcache.lengths))
-        running = sorted(np.flatnonzero(np.asarray(host[0]) == int(Finish.RUNNING)).tolist(), key=self._order.get)
+        oldest first; the newest rows are preempted while the pool cannot give them -> (state, the running rows).
+        With launches not collected, from the last read's lengths plus what those may have written; a preemption
+        needed then returns None (``preempt`` False)."""
+        if self._unread and self._last_read is not None:
+            finish, lengths = self._last_read
+            lengths = np.asarray(lengths) + sum(self._unread)
+        else:  # the state itself (waiting for what was launched)
+            finish, lengths = self._seen or sharding.to_host((state.finish, state.tcache.lengths))
+            if not self._unread:  # the base of the launches that follow
+                self._last_read = (finish, lengths)
+        running = sorted((r for r in np.flatnonzero(np.asarray(finish) == int(Finish.RUNNING)).tolist()
+                          if r in self._order), key=self._order.get)  # a read before a release still shows its rows
         ahead = max(LOOKAHEAD_STEPS * self.spec.max_block, LOOKAHEAD_PAGES * self.spec.page)
         i = 0
         while i < len(running):
             r = running[i]
-            want = min(int(host[1][r]) + ahead, self._need[r])
+            want = min(int(lengths[r]) + ahead, self._need[r])
             if self.pool.grow(r, want):
                 i += 1
                 continue
+            if not preempt:
+                return None
             state = self._preempt(state, running.pop())  # the newest (perhaps r itself)
         return state, running
 

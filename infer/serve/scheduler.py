@@ -2,8 +2,10 @@
 between steps, and leave as soon as they finish (a stop id, their budget, a stop string) or their client goes
 away; every step's new tokens go out to each request's channel as text at once (streaming).
 
-One thread owns the engine and its state (JAX calls block; the HTTP side never touches the device). It reads each
-row's counters and newest tokens after every step (``Engine.progress``: a few bytes per row, not the caches)."""
+One thread owns the engine and its state (JAX calls block; the HTTP side never touches the device). Each turn
+launches a run of steps and the read of every row's counters and newest tokens after it (``Engine.launch``: a few
+bytes per row, not the caches), then sends the previous run's tokens while this one steps: the device does not wait
+for the host's text, HTTP and releases. An admission waits for the reads launched before it."""
 from __future__ import annotations
 
 import dataclasses
@@ -104,6 +106,8 @@ class Scheduler:
         self._drain = True
         self._thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
         self.active: dict[int, Job] = {}
+        self.pending: collections.deque = collections.deque()  # ``Engine.launch``es (and reads) not yet sent, oldest first
+        self._delivered = 0.0  # when the last of them was sent
         self.waiting: collections.deque[Job] = collections.deque()  # taken off the queue, first in line: preempted
         self.alive = False
 
@@ -141,6 +145,7 @@ class Scheduler:
                 for job in list(self.active.values()) + self._take_queue():
                     job.emit(Failed(job.index, f"the engine failed: {type(e).__name__}: {e}"))
                 self.active.clear()
+                self.pending.clear()
                 state = self.engine.empty()
         for job in list(self.active.values()) + self._take_queue():
             job.emit(job.done("cancelled"))
@@ -192,9 +197,14 @@ class Scheduler:
                 self.metrics.drafts(result.acceptance_lengths, result.verify_lengths)
 
     def _turn(self, state):
-        """Admit (the new rows' first tokens sent at once), drop the cancelled, a run of steps (rows the pool cannot
-        hold are preempted: they wait, first in line), send every row's new text, release the finished."""
-        state, admitted = self._admit(state)
+        """Admit (once the launched runs' tokens are out), drop the cancelled, launch a run of steps, then send the
+        previous run's new text and release its finished rows while this one steps on the device (rows the pool
+        cannot hold are preempted once the reads are in: they wait, first in line)."""
+        if self.pending and self._changes():
+            state = self._flush(state)
+        admitted = False
+        if not self.pending:
+            state, admitted = self._admit(state)
         gone = [r for r, j in self.active.items() if j.cancelled.is_set()]
         if gone:
             state, results = self.engine.release(state, gone)
@@ -202,25 +212,48 @@ class Scheduler:
             for r in gone:
                 job = self.active.pop(r)
                 job.emit(job.done("cancelled"))
-        if admitted:  # the first token comes from the prefill: its time is the prefill's, not a turn's
-            state = self._send(state, 1)
+        if admitted:  # the first tokens come from the prefill: sent while the first run steps
+            self.pending.append(self.engine.read(state))
         self.metrics.slots_busy.set(len(self.active))
         if not self.active:
-            return state
+            return self._flush(state)
         k = self.pace.steps() if self.queue.empty() and not self.waiting else 1  # waiting: admit sooner
-        begun = time.perf_counter()
-        state, taken = self.engine.run(state, k)
-        self.pace.ran(taken, time.perf_counter() - begun)
-        for row, again in reversed(self.engine.take_preempted()):  # first in line again, the oldest first
-            job = self.active.pop(row)
-            job.resume = again
-            self.waiting.appendleft(job)
-            self.metrics.preemptions.inc()
-        return self._send(state, k, taken)
+        state, launched = self.engine.launch(state, k)
+        if launched is None:  # a row must give its pages up: once every read is in
+            state = self._flush(state)
+            state, launched = self.engine.launch(state, k)
+            for row, again in reversed(self.engine.take_preempted()):  # first in line again, the oldest first
+                job = self.active.pop(row)
+                job.resume = again
+                self.waiting.appendleft(job)
+                self.metrics.preemptions.inc()
+        self.pending.append(launched)
+        while len(self.pending) > 1:
+            state = self._deliver(state, self.pending.popleft())
+        return state
 
-    def _send(self, state, k: int, taken: int = 0):
-        """Every row's new tokens since the last read (at most ``k`` steps ago) out as text; the finished released."""
-        p = self.engine.progress(state, k)
+    def _changes(self) -> bool:
+        """Whether this turn admits or drops a request (which waits for the launched runs' reads)."""
+        return (len(self.active) < self.engine.rows and (bool(self.waiting) or not self.queue.empty())) or any(
+            j.cancelled.is_set() for j in self.active.values())
+
+    def _flush(self, state):
+        """Every launched run's tokens sent."""
+        while self.pending:
+            state = self._deliver(state, self.pending.popleft())
+        return state
+
+    def _deliver(self, state, launched):
+        """A launch's read in (waiting for its run), its tokens out (``_send``); its pace measured."""
+        taken, p = self.engine.collect(launched)
+        now = time.perf_counter()
+        if launched.spec is not None:
+            self.pace.ran(taken, now - max(launched.begun, self._delivered))
+        self._delivered = now
+        return self._send(state, p, taken)
+
+    def _send(self, state, p: dict, taken: int = 0):
+        """Every row's new tokens in the read ``p`` out as text; the finished released."""
         width = p["tail"].shape[1]
         done, accepted = [], []
         for r, job in self.active.items():
