@@ -218,15 +218,15 @@ class Scheduler:
         if not self.active:
             return self._flush(state)
         k = self.pace.steps() if self.queue.empty() and not self.waiting else 1  # waiting: admit sooner
-        state, launched = self.engine.launch(state, k)
+        state, launched = self.engine.launch(state, k)  # it preempts only with nothing launched before it
         if launched is None:  # a row must give its pages up: once every read is in
             state = self._flush(state)
             state, launched = self.engine.launch(state, k)
-            for row, again in reversed(self.engine.take_preempted()):  # first in line again, the oldest first
-                job = self.active.pop(row)
-                job.resume = again
-                self.waiting.appendleft(job)
-                self.metrics.preemptions.inc()
+        for row, again in reversed(self.engine.take_preempted()):  # first in line again, the oldest first
+            job = self.active.pop(row)
+            job.resume = again
+            self.waiting.appendleft(job)
+            self.metrics.preemptions.inc()
         self.pending.append(launched)
         while len(self.pending) > 1:
             state = self._deliver(state, self.pending.popleft())
