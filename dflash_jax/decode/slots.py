@@ -329,8 +329,8 @@ class Engine:
             state = self.empty()
             for k in range(PROGRESS_STEPS.bit_length()) if streaming else []:  # every read a streaming host makes
                 self.progress(state, 1 << k)
-            for b in buckets if tails else []:  # a hit's cached tokens written beside its tail's prefill
-                state = self._put_prefix(state, [self.rows], [Request([0] * b)], [b])
+            for b in buckets if tails else []:  # a hit's cached tokens written beside its tail's prefill (one row)
+                state = self._put_prefix(state, np.full((self.unit,), self.rows), [Request([0] * b)], [b])
             if grammars:
                 self._warm_constrained(buckets, most_rows)
         finally:
@@ -557,7 +557,7 @@ class Engine:
                 self._cached[rows[i]] = start
                 self.cached_tokens += start
             if any(starts):
-                state = self._put_prefix(state, [rows[i] for i in group], [requests[i] for i in group], starts)
+                state = self._put_prefix(state, at, [requests[i] for i in group], starts)
         resumed = [(r, q.saved) for r, q in zip(rows, requests) if isinstance(q, Resumed)]
         if resumed:
             at = np.asarray([r for r, _ in resumed], np.int32)
@@ -587,13 +587,14 @@ class Engine:
         return [g for phase in (leaders, followers) if phase
                 for g in ([phase] if 2 * len(phase) > self.rows else [[i] for i in phase])]
 
-    def _put_prefix(self, state: DecodeState, rows, requests, starts) -> DecodeState:
-        """The cached prefixes' tokens into the rows' token rows (their prefill wrote the rest)."""
+    def _put_prefix(self, state: DecodeState, at, requests, starts) -> DecodeState:
+        """The cached prefixes' tokens into the token rows ``at`` (its admission's rows, padded as its prefill: one
+        program per group size and prefix bucket) of ``requests`` (their prefill wrote the rest)."""
         width = prepare.prompt_bucket(max(starts), self.spec.cache_len)
-        prefix = np.zeros((len(rows), width), np.int32)
+        prefix, begin = np.zeros((len(at), width), np.int32), np.zeros((len(at),), np.int32)
         for j, (req, start) in enumerate(zip(requests, starts)):
-            prefix[j, :start] = req.prompt_ids[:start]
-        return steps.put_prefix_jit(state, np.asarray(rows, np.int32), prefix, np.asarray(starts, np.int32))
+            prefix[j, :start], begin[j] = req.prompt_ids[:start], start
+        return steps.put_prefix_jit(state, np.asarray(at, np.int32), prefix, begin)
 
     def step(self, state: DecodeState) -> DecodeState:
         """One draft + verify + commit of every running row."""
