@@ -89,7 +89,7 @@ def _stream_launched(engine, state, rows, pending):
 
 def test_launched_runs_stream_the_tokens_of_plain_decoding(trained):
     """``launch`` / ``collect`` as the server drives them: every row's streamed tokens equal plain decoding, every
-    page is back at the end; an admission waits for the launches; a pool that must preempt dispatches nothing while
+    page is back at the end; an admission waits for the launches, a launch takes 1 to ``PROGRESS_STEPS`` steps; a pool that must preempt dispatches nothing while
     a launch is out (None), and preempts once every read is in."""
     target, draft, prompts = trained
     requests = [Request(p, max_new_tokens=b) for p, b in zip(prompts[:3], (30, 12, 22))]
@@ -99,6 +99,9 @@ def test_launched_runs_stream_the_tokens_of_plain_decoding(trained):
     pending = [engine.read(state)]
     with pytest.raises(ValueError, match="collect every launch"):
         engine.admit(state, [Request(prompts[0], max_new_tokens=4)])
+    for steps in (0, PROGRESS_STEPS + 1):  # refused before anything is dispatched
+        with pytest.raises(ValueError, match=f"launch runs 1 to {PROGRESS_STEPS} steps, asked {steps}"):
+            engine.launch(state, steps)
     state, sent = _stream_launched(engine, state, rows, pending)
     for r, req in zip(rows, requests):
         alone = decode.speculative_generate(target, None, [req.prompt_ids], max_new_tokens=req.max_new_tokens,

@@ -628,18 +628,21 @@ class Engine:
         if dispatched is None:
             return state, None
         state, spec, taken = dispatched
-        return state, self.read(state, max_steps, spec=spec, taken=taken, begun=begun)
+        return state, self._out(Launched(spec, taken, self._read(state, max_steps), begun),
+                                int(max_steps) * self.spec.max_block)
 
-    def read(self, state: DecodeState, steps_taken: int = 1, *, spec=None, taken=0, begun=None) -> Launched:
-        """``progress`` dispatched without waiting (``collect`` brings it to the host, in launch order): after an
+    def read(self, state: DecodeState) -> Launched:
+        """``progress`` of one step dispatched without waiting (``collect`` brings it in, in launch order): after an
         admission, its rows' first tokens."""
-        n = 1 << (max(int(steps_taken), 1) - 1).bit_length()
-        out = self._compiled("read", steps.read_jit, state, steps=n)(self.inputs, state)
-        for leaf in jax.tree_util.tree_leaves((taken, out)):
+        return self._out(Launched(None, 0, self._read(state, 1), time.perf_counter()), 0)
+
+    def _out(self, launched: Launched, positions: int) -> Launched:
+        """``launched`` on its way to the host (its copies started); ``positions``: the most its run writes a row."""
+        for leaf in jax.tree_util.tree_leaves((launched.taken, launched.read)):
             if isinstance(leaf, jax.Array):
                 leaf.copy_to_host_async()
-        self._unread.append(int(steps_taken) * self.spec.max_block if spec is not None else 0)
-        return Launched(spec, taken, out, time.perf_counter() if begun is None else begun)
+        self._unread.append(positions)
+        return launched
 
     def collect(self, launched: Launched) -> tuple[int, dict]:
         """The oldest launch not collected, on the host -> (steps it took, its ``progress`` read)."""
@@ -784,13 +787,16 @@ class Engine:
         at its newest committed one (W = n x max block + 1, the most an admission and n steps commit), so that a
         host streaming after every ``run(state, n)`` reads each row's new tokens without copying its token row.
         ``steps_taken`` is rounded up to a power of two (one program each), at most ``PROGRESS_STEPS``."""
+        out = sharding.to_host(self._read(state, steps_taken))
+        self._seen = (out["finish"], out.pop("lengths"))  # the next run's page check reads these
+        return out
+
+    def _read(self, state: DecodeState, steps_taken: int) -> dict:
+        """``progress``'s program dispatched (device arrays): one per power of two of steps, up to ``PROGRESS_STEPS``."""
         n = max(int(steps_taken), 1)
         if n > PROGRESS_STEPS:
             raise ValueError(f"progress reads at most {PROGRESS_STEPS} steps back, asked {n}")
-        n = 1 << (n - 1).bit_length()
-        out = sharding.to_host(self._compiled("read", steps.read_jit, state, steps=n)(self.inputs, state))
-        self._seen = (out["finish"], out.pop("lengths"))  # the next run's page check reads these
-        return out
+        return self._compiled("read", steps.read_jit, state, steps=1 << (n - 1).bit_length())(self.inputs, state)
 
     def release(self, state: DecodeState, rows: Sequence[int]) -> tuple[DecodeState, list[GenerationResult]]:
         """The results of ``rows`` (timed from their admission by this engine) -> (state with them free, results)."""
