@@ -219,7 +219,7 @@ def memory_arg(text: str) -> tuple[str, float]:
 
 
 def add_max_batch_arg(g) -> None:
-    from dflash_jax.decode.slots import PAGE
+    from dflash_jax.decode.slots import CPU_PAGE, PAGE
 
     g.add_argument("--max-batch", type=int, default=None,
                    help="the most rows in flight: the prompts stream through N rows, continuously batched (a row "
@@ -231,8 +231,9 @@ def add_max_batch_arg(g) -> None:
                         "or a fraction of the device's free memory after the weights (0.9); rows take pages as "
                         "they grow, and when the pool runs dry the newest row is preempted and resumed later, its "
                         "output unchanged. Default: every row of --max-batch at the max length (never dry)")
-    g.add_argument("--page-size", type=int, default=PAGE,
-                   help=f"tokens per cache page (default {PAGE}; 0: every row owns a cache of the max length)")
+    g.add_argument("--page-size", type=int, default=None,
+                   help=f"tokens per cache page (default {CPU_PAGE} on CPU, {PAGE} on TPU / GPU; 0: every row owns a "
+                        "cache of the max length)")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt whole: no sharing of the pages of prompt prefixes already cached (on "
                         "by default where pages hold every layer; hybrid and sliding-window targets never share)")
@@ -242,10 +243,9 @@ def paging_kwargs(args) -> dict:
     """``Engine``'s ``page`` and ``kv_cache_memory`` from the flags (a fraction resolved against the device's free
     memory now, after the weights loaded); dies on a bad value."""
     from dflash_jax.decode.memory import free_device_bytes
-    from dflash_jax.decode.slots import PAGE
 
-    page = getattr(args, "page_size", PAGE)
-    if page < 0:
+    page = getattr(args, "page_size", None)
+    if page is not None and page < 0:
         die(f"--page-size must be >= 0, got {page}")
     out = dict(page=page, prefix_cache=not getattr(args, "no_prefix_cache", False))
     if args.kv_cache_memory is None:

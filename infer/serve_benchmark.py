@@ -71,6 +71,8 @@ def parse_args(argv=None):
                    help=f"requests in flight, comma-separated levels (default {DEFAULT_CONCURRENCY})")
     g.add_argument("--num-requests", type=int, default=32, help="requests per level (default 32)")
     g.add_argument("--max-batch", type=int, default=16, help="the servers' decode slots (default 16)")
+    g.add_argument("--page-size", type=int, default=None,
+                   help="the servers' tokens per cache page (default: the platform's, as infer.serve's)")
     g.add_argument("--prompts-file", default=None, help="text prompts (default: the demo's held-out code prompts)")
     g.add_argument("--shared-prefix", type=int, default=0, metavar="WORDS",
                    help="every prompt of a level opens with the same text of about WORDS words, and the level runs "
@@ -125,9 +127,9 @@ def serve_both(client: ClientProcess, args, prompts, levels) -> dict:
         print(f"{kind}: compiling{', measuring step costs per bucket and block' if d and auto else ''}...",
               file=sys.stderr)
         opts = options if d is not None else options.replace(block_size=None)  # the plain server has no block
-        service = Service(target, d, tokenizer, opts, Limits(args.max_batch, max_length, 4 * args.num_requests,
-                                                             block_policy="auto" if d is not None and auto else None),
-                          name="bench")
+        limits = Limits(args.max_batch, max_length, 4 * args.num_requests, page=args.page_size,
+                        block_policy="auto" if d is not None and auto else None)
+        service = Service(target, d, tokenizer, opts, limits, name="bench")
         service.engine.warm(lens, streaming=True)  # every prompt bucket compiled before the clock starts
         if service.engine.block_policy is not None:
             print(f"  {service.engine.block_policy.describe()}", file=sys.stderr)
@@ -173,6 +175,8 @@ def main(argv=None) -> int:
     levels = parse_ints(args.concurrency, "--concurrency")
     if args.num_requests < 1:
         die(f"--num-requests must be >= 1, got {args.num_requests}")
+    if args.page_size is not None and args.page_size < 0:
+        die(f"--page-size must be >= 0, got {args.page_size}")
     prompts = prompts_of(args)
     load = os.getloadavg()
     with ClientProcess() as client:  # the load client in a process of its own, as a server's clients are

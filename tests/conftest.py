@@ -13,6 +13,9 @@ Runs before any test module imports jax or huggingface_hub:
   compile afresh and write nothing into the user's cache (``tests/test_compile_cache.py`` turns it on in a folder of
   its own).
 - After each module its compiled programs are released (``_release_compiled_programs``).
+- Engines built in this process page by 16 tokens on CPU too (``_pages_of_16``): the CPU default of 128 would hold
+  each of these tiny tests' rows in one page, and no test would cross a page. The command lines run as processes
+  of their own (the server of ``tests/test_serve.py``) keep the real default.
 """
 from __future__ import annotations
 
@@ -60,6 +63,16 @@ def trained(tmp_path_factory):
     from pairs import trained_pair
 
     return trained_pair(str(tmp_path_factory.mktemp("trained")))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _pages_of_16():
+    """``decode.slots.default_page()`` is 16 on every platform while the suite runs (module docstring)."""
+    from dflash_jax.decode import slots
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(slots, "CPU_PAGE", slots.PAGE)
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)

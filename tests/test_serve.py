@@ -74,6 +74,7 @@ def metrics(base) -> dict:
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["dflash-demo"]
+    assert "pages of 128 tokens" in server[2].read_text()  # the CPU default (the suite's own engines page by 16)
     h = httpx.get(server[1] + "/health").json()
     assert h["status"] == "ok" and h["speculative"] and h["slots"] == SLOTS and h["max_length"] == MAX_LENGTH
 

@@ -35,11 +35,16 @@ from dflash_jax.decode.pages import PagePool
 from dflash_jax.decode.programs import PROGRAMS, signature
 from dflash_jax.decode.types import DecodeState, Finish, GenerationResult, row_result
 from dflash_jax.grammar import Grammar
+from dflash_jax.kernels import tiling
 from dflash_jax.state import NO_PAGE
 from dflash_jax.target import Target
 
 FOREVER = 2 ** 31 - 1  # ``run``'s step limit when only a finishing row should return
-PAGE = 16  # tokens per page of the paged caches (``Engine``'s default)
+PAGE = 16  # tokens per page of the paged caches (``Engine``'s default on TPU / GPU)
+# and on CPU, where the paged attention loop reads a tile of 128 keys: one page of 128 is a slice, 8 pages of 16 a
+# gather that XLA:CPU copies element by element (the demo target's server, one user: 0.71x -> 0.82x of the engine's
+# batch-1 speed; the closed batch's step cost at 128, 1.16 ms at 16 and 64); vLLM's CPU backend also pages by 128
+CPU_PAGE = 128
 _ADMISSIONS = itertools.count()  # admission order across engines (only its order within one engine is read)
 LOOKAHEAD_STEPS = 8  # a run gives each running row pages for this many more steps (then returns for more)
 LOOKAHEAD_PAGES = 4  # and at least this many pages more (plain decoding's steps commit one token each)
@@ -95,7 +100,8 @@ class Engine:
     target and the draft are pages of one pool (``kv_cache_memory`` bytes, default: every row at ``max_length``),
     a row holding pages for its tokens only; ``run`` steps the running rows alone, padded to a power of two (one
     program per bucket), and when the pool runs dry the newest rows are preempted (``take_preempted``: admitted
-    again later, their outputs unchanged). ``page`` = 0: every row owns a cache of ``max_length`` (slots).
+    again later, their outputs unchanged). ``page``: tokens per page (default ``default_page()``: 128 on CPU, 16 on
+    TPU / GPU); 0: every row owns a cache of ``max_length`` (slots).
 
     ``block_policy`` (a draft's chain, no adaptive verify): "auto" = the block each ``run`` verifies follows the
     load (``load_policy.BlockPolicy``: step costs per bucket of live rows and block measured by ``warm``, acceptance
@@ -107,7 +113,7 @@ class Engine:
     and its verify."""
 
     def __init__(self, target: Target, draft, options: DecodeOptions, *, max_batch: int, max_length: int | None = None,
-                 sampled: bool | None = None, stop_width: int = 8, page: int = PAGE,
+                 sampled: bool | None = None, stop_width: int = 8, page: int | None = None,
                  kv_cache_memory: int | None = None, prefix_cache: bool = True, block_policy=None, tokenizer=None):
         if not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
@@ -120,6 +126,7 @@ class Engine:
         self.sampled = options.temperature > 0 if sampled is None else bool(sampled)
         if options.temperature > 0 and not self.sampled:
             raise ValueError("options.temperature > 0 needs a sampled engine (sampled=True)")
+        page = default_page() if page is None else page
         if not isinstance(page, (int, np.integer)) or page < 0:
             raise ValueError(f"page must be an integer >= 0 (tokens per cache page; 0: no paging), got {page!r}")
         cache_len = prepare.cache_length([1], [limit - 1], options.max_block(draft), options.cache_len)
@@ -846,6 +853,11 @@ class RunStats:
 POLICIES = ("continuous", "static")
 
 
+def default_page() -> int:
+    """Tokens per page where ``Engine`` is given none: ``CPU_PAGE`` on CPU, ``PAGE`` on TPU / GPU."""
+    return CPU_PAGE if tiling.platform() == "cpu" else PAGE
+
+
 def stream_requests(engine: Engine, requests: Iterable[Request], stats: RunStats | None = None,
                     policy: str = "continuous") -> Iterator[tuple[int, GenerationResult]]:
     """(index, result) of every request of ``requests`` (any iterable, read as slots free up) as it finishes.
@@ -926,7 +938,7 @@ def _hit_tails(requests: Sequence[Request], page: int) -> list[int]:
 
 def continuous_generate(target: Target, draft, requests: Sequence[Request | Sequence[int]], *, max_batch: int,
                         max_new_tokens: int | None = None, stats: RunStats | None = None, warm: bool = True,
-                        policy: str = "continuous", on_result=None, page: int = PAGE,
+                        policy: str = "continuous", on_result=None, page: int | None = None,
                         kv_cache_memory: int | None = None, prefix_cache: bool = True, block_policy=None,
                         tokenizer=None, **options) -> list[GenerationResult]:
     """Decode ``requests`` (``Request``s, or prompts as lists of ids) through ``max_batch`` slots, continuously

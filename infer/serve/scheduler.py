@@ -24,10 +24,12 @@ from infer.serve.text import TextStream
 
 log = logging.getLogger("infer.serve")
 FINISHED = (int(Finish.LENGTH), int(Finish.STOP))
-TURN_MS = 25.0  # while no request waits, a turn runs the decode steps that fit in about this many milliseconds
-# (a power of two of them, measured from the last turns, at most ``PROGRESS_STEPS``): a host round trip costs about a
-# millisecond on a CPU, a tiny model's step less, so that one user gets the engine's own speed; a row that finishes
-# returns at once, and tokens are streamed in chunks of at most a turn
+TURN_MS = 50.0  # while no request waits, a turn runs the decode steps that fit in about this many milliseconds
+# (a power of two of them, measured from the last turns, at most ``PROGRESS_STEPS``): each turn's host work (its
+# launch, read and text) takes the CPU from the steps where the host is the device, so longer turns serve one user
+# faster (the demo pair, one user, 32 requests: 25 -> 50 ms, DFlash 94 -> 91 ms a request, plain 136 -> 125); a row
+# that finishes returns at once, a waiting request makes the turn one step, and tokens stream in chunks of at most
+# a turn (20 a second)
 
 
 @dataclasses.dataclass

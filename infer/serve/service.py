@@ -8,7 +8,6 @@ import os
 import time
 
 from dflash_jax.decode import DecodeOptions, Engine, Request
-from dflash_jax.decode.slots import PAGE
 from dflash_jax.prompts import PromptError, chat_ids, encode_prompt, token_ids
 from dflash_jax.target import Target, check_token_ids
 from infer.serve.metrics import Metrics
@@ -23,7 +22,7 @@ class Limits:
     max_batch: int  # decode slots
     max_length: int  # prompt + generated tokens per request (sizes the slots' caches)
     queue_size: int  # requests waiting for a slot before 503
-    page: int = PAGE  # tokens per cache page (0: a max-length cache per row)
+    page: int | None = None  # tokens per cache page (0: a max-length cache per row; None: the platform's default)
     kv_cache_memory: int | None = None  # bytes of the page pool (None: every row at the max length)
     steps_per_turn: int | None = None  # decode steps between two reads of the rows' new tokens (None: paced)
     turn_ms: float = TURN_MS  # paced: a turn runs the steps that fit in about this many milliseconds
