@@ -17,6 +17,7 @@ import pytest
 
 from dflash_jax import decode
 from dflash_jax.decode import Request
+from dflash_jax.decode.slots import LOOKAHEAD_STEPS, PROGRESS_STEPS
 from dflash_jax.grammar import Grammar
 from pairs import Alternate, CharTokenizer, backend_compiles
 
@@ -94,9 +95,10 @@ def test_constrained_engines_agree(trained):
 
 def test_a_warmed_engine_compiles_nothing_for_a_first_constrained_request(trained):
     """``warm(grammars=True)`` (a server's start-up): a request with a grammar, admitted, stepped at every block a
-    policy may choose (plain steps, 4, the draft's block) alone and then beside a second running row (the next
-    bucket of live rows: every step of it is a constrained one), read and released, compiles nothing
-    (jax.monitoring's backend-compile events): a server's first structured requests do not wait for the compiler."""
+    policy may choose (plain steps, 4, the draft's block) alone (then a run of several constrained steps) and then
+    beside a second running row (the next bucket of live rows: every step of it is a constrained one), read and
+    released, compiles nothing (jax.monitoring's backend-compile events): a server's first structured requests do
+    not wait for the compiler."""
     from dflash_jax.decode import load_policy
 
     target, draft, prompts = trained
@@ -110,6 +112,9 @@ def test_a_warmed_engine_compiles_nothing_for_a_first_constrained_request(traine
         for k in blocks:
             state, taken = engine.run(state, 1, block=k)
             assert taken == 1
+        # a longer run goes on step after step (no row finishes in it) for the steps its row has pages for
+        state, taken = engine.run(state, PROGRESS_STEPS, block=1)
+        assert taken == LOOKAHEAD_STEPS
         state, more = engine.admit(state, [Request(prompts[1], max_new_tokens=40, stop_token_ids=[])])
         for k in blocks:
             state, taken = engine.run(state, 1, block=k)

@@ -109,8 +109,8 @@ class Engine:
     ``choose(bucket) -> block`` and ``observe(results)``; None: every step verifies the block.
 
     ``tokenizer`` (a Hugging Face fast tokenizer): requests may carry a grammar (``Request.grammar``, structured
-    outputs: ``decode.constrained``); while such a row runs, each ``run`` is one step with the host between its draft
-    and its verify."""
+    outputs: ``decode.constrained``); while such a row runs, each step of a ``run`` has the host between its draft and
+    its verify (a paged run takes at most ``LOOKAHEAD_STEPS`` of them: the steps its rows were given pages for)."""
 
     def __init__(self, target: Target, draft, options: DecodeOptions, *, max_batch: int, max_length: int | None = None,
                  sampled: bool | None = None, stop_width: int = 8, page: int | None = None,
@@ -659,12 +659,13 @@ class Engine:
         return (self._ran(launched.spec, int(taken)) if launched.spec is not None else 0), out
 
     def _dispatch(self, state: DecodeState, max_steps: int, block: int | None, wait: bool = True):
-        """``run``'s program dispatched -> (state, its spec, the steps it takes: on the device, or 1 for a
-        constrained step); None when ``wait`` is False and running rows would be preempted (``launch``)."""
+        """``run``'s program dispatched -> (state, its spec, the steps it takes: on the device, or on the host for
+        constrained steps); None when ``wait`` is False and running rows would be preempted (``launch``)."""
         if not self.paged:
             spec, n = self._step_spec(self.rows, block, max_steps)
             if self.constraints.rows:
-                return self._constrained(state, np.arange(self.rows, dtype=np.int32), spec), spec, 1
+                state, taken = self._constrained(state, np.arange(self.rows, dtype=np.int32), spec, int(n))
+                return state, spec, taken
             state, taken = self._compiled("run", steps.run_jit, state, n, spec=spec)(self.inputs, state, n)
             return state, spec, taken
         reserved = self._reserve(state, preempt=wait or not self._unread)
@@ -678,29 +679,40 @@ class Engine:
         at[:len(live)] = live
         state = self._tables(state)
         spec, n = self._step_spec(len(at), block, max_steps)
-        if self.constraints.live(live):
-            return self._constrained(state, at, spec), spec, 1
+        if self.constraints.live(live):  # the steps the rows have pages for (``_reserve``)
+            state, taken = self._constrained(state, at, spec, min(int(n), LOOKAHEAD_STEPS))
+            return state, spec, taken
         state, taken = self._compiled("run_rows", steps.run_rows_jit, state, at, n, spec=spec)(self.inputs, state,
                                                                                               at, n)
         return state, spec, taken
 
-    def _constrained(self, state: DecodeState, at, spec) -> DecodeState:
-        """One step of the rows ``at`` with their grammars' masks (``decode.constrained``): the matchers brought up to
-        date, the proposal drafted and read, the masks along it computed, the masked verify and commit."""
-        given = proposal = candidates = None
-        if spec.drafting:  # the proposal, its candidates and the rows' newest tokens in one program
-            given, top, seen = self._compiled("propose_rows", steps.propose_rows_jit, state, at, spec=spec)(
-                self.inputs, state, at)
-            proposal, candidates, seen = sharding.to_host((given.tokens, top, seen))
-        else:
-            seen = sharding.to_host(self._compiled("read", steps.read_jit, state, steps=1)(self.inputs, state))
-            seen = {k: seen[k][np.minimum(at, self.rows - 1)] for k in ("tail", "generated")}
-        self.constraints.catch_up(at, seen["tail"], seen["generated"], state)
-        proposal, allowed = self.constraints.masks(at, proposal, candidates, spec.step_block)
-        if proposal is not None:  # greedy rows' proposals rebuilt along their grammars
-            given = given.replace(tokens=jax.device_put(proposal, given.tokens.sharding))
-        run = self._compiled("step_rows", steps.step_rows_jit, state, at, given, allowed, spec=spec)
-        return run(self.inputs, state, at, given, allowed)
+    def _constrained(self, state: DecodeState, at, spec, most: int) -> tuple[DecodeState, int]:
+        """Steps of the rows ``at`` with their grammars' masks (``decode.constrained``) until a row that was running
+        finishes, none runs, or ``most`` steps -> (state, steps taken). Each: the proposal drafted and read with the
+        rows' newest tokens and finish (a plain step reads those alone), the matchers brought up to date, the masks
+        along the proposal, the masked verify and commit; one wait for the device a step (a proposal drafted when a
+        row has just finished is dropped)."""
+        running, taken = None, 0
+        while taken < most:
+            given = proposal = candidates = None
+            if spec.drafting:  # the proposal, its candidates and the rows' newest tokens in one program
+                given, top, seen = self._compiled("propose_rows", steps.propose_rows_jit, state, at, spec=spec)(
+                    self.inputs, state, at)
+                proposal, candidates, seen = sharding.to_host((given.tokens, top, seen))
+            else:
+                seen = sharding.to_host(self._compiled("read", steps.read_jit, state, steps=1)(self.inputs, state))
+                seen = {k: seen[k][np.minimum(at, self.rows - 1)] for k in ("tail", "generated", "finish")}
+            now = (np.asarray(seen["finish"]) == int(Finish.RUNNING)) & (np.asarray(at) < self.rows)
+            running = now if running is None else running
+            if not now.any() or (running & ~now).any():
+                break
+            self.constraints.catch_up(at, seen["tail"], seen["generated"], state)
+            proposal, allowed = self.constraints.masks(at, proposal, candidates, spec.step_block)
+            if proposal is not None:  # greedy rows' proposals rebuilt along their grammars
+                given = given.replace(tokens=jax.device_put(proposal, given.tokens.sharding))
+            run = self._compiled("step_rows", steps.step_rows_jit, state, at, given, allowed, spec=spec)
+            state, taken = run(self.inputs, state, at, given, allowed), taken + 1
+        return state, taken
 
     def _step_spec(self, bucket: int, block: int | None, max_steps: int):
         """(the spec of a run of ``bucket`` rows: verifying ``block`` tokens, else the policy's choice; its step

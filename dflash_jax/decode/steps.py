@@ -167,12 +167,12 @@ GUIDE_CANDIDATES = 8  # a constrained greedy row's proposal picks among the draf
 def propose_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at):
     """``propose`` for the rows ``at`` [A] (paged or not) -> (the proposal, the draft's ``GUIDE_CANDIDATES`` most
     probable tokens at each position [A, K-1, C]: what a grammar's greedy rows choose from, and the rows' ``recent``
-    tokens and counts: what their matchers catch up on; ``decode.constrained``)."""
+    tokens, counts and finish: what their matchers catch up on, and whether a row finished; ``decode.constrained``)."""
     rows, sub_inp, _ = _gather(spec, inp, state, at)
     proposal = propose(spec, sub_inp, join(rows) if spec.page else rows)
     seen = recent(rows, spec.max_block + 1)
     return (proposal, jax.lax.top_k(proposal.scores, min(GUIDE_CANDIDATES, proposal.scores.shape[-1]))[1],
-            {"tail": seen["tail"], "generated": seen["generated"]})
+            {"tail": seen["tail"], "generated": seen["generated"], "finish": seen["finish"]})
 
 
 def step_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at, given, allowed) -> DecodeState:
