@@ -689,16 +689,18 @@ class Engine:
     def _constrained(self, state: DecodeState, at, spec, most: int) -> tuple[DecodeState, int]:
         """Steps of the rows ``at`` with their grammars' masks (``decode.constrained``) until a row that was running
         finishes, none runs, or ``most`` steps -> (state, steps taken). Each: the proposal drafted and read with the
-        rows' newest tokens and finish (a plain step reads those alone), the matchers brought up to date, the masks
-        along the proposal, the masked verify and commit; one wait for the device a step (a proposal drafted when a
-        row has just finished is dropped)."""
-        running, taken = None, 0
+        rows' newest tokens and finish (a plain step reads those as the step before returned them), the matchers
+        brought up to date, the masks along the proposal, the masked verify and commit; one wait for the device a
+        step (a proposal drafted when a row has just finished is dropped)."""
+        running, taken, seen = None, 0, None
         while taken < most:
             given = proposal = candidates = None
             if spec.drafting:  # the proposal, its candidates and the rows' newest tokens in one program
                 given, top, seen = self._compiled("propose_rows", steps.propose_rows_jit, state, at, spec=spec)(
                     self.inputs, state, at)
                 proposal, candidates, seen = sharding.to_host((given.tokens, top, seen))
+            elif seen is not None:  # a plain step: what the last step returned
+                seen = sharding.to_host(seen)
             else:
                 seen = sharding.to_host(self._compiled("read", steps.read_jit, state, steps=1)(self.inputs, state))
                 seen = {k: seen[k][np.minimum(at, self.rows - 1)] for k in ("tail", "generated", "finish")}
@@ -711,7 +713,7 @@ class Engine:
             if proposal is not None:  # greedy rows' proposals rebuilt along their grammars
                 given = given.replace(tokens=jax.device_put(proposal, given.tokens.sharding))
             run = self._compiled("step_rows", steps.step_rows_jit, state, at, given, allowed, spec=spec)
-            state, taken = run(self.inputs, state, at, given, allowed), taken + 1
+            (state, seen), taken = run(self.inputs, state, at, given, allowed), taken + 1
         return state, taken
 
     def _step_spec(self, bucket: int, block: int | None, max_steps: int):

@@ -175,12 +175,14 @@ def propose_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at):
             {"tail": seen["tail"], "generated": seen["generated"], "finish": seen["finish"]})
 
 
-def step_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at, given, allowed) -> DecodeState:
+def step_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at, given, allowed):
     """One ``step`` of the rows ``at`` [A] with the proposal ``given`` and the grammar bitmasks ``allowed`` [A, K,
-    words]: a constrained step, the host between its draft and its verify (``Engine.run``)."""
+    words]: a constrained step, the host between its draft and its verify (``Engine.run``) -> (state, the rows'
+    ``recent`` tokens, counts and finish after it: what the next plain step's matchers catch up on)."""
     rows, sub_inp, pad = _gather(spec, inp, state, at)
     rows = (join_step if spec.page else step)(spec, sub_inp, rows, given, allowed)
-    return _scatter(spec, state, rows, at, pad)
+    seen = recent(rows, spec.max_block + 1)
+    return _scatter(spec, state, rows, at, pad), {k: seen[k] for k in ("tail", "generated", "finish")}
 
 
 def run_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at, max_steps):
