@@ -1,8 +1,8 @@
 """Structured outputs in an engine: the grammar matchers of its constrained rows (``Request.grammar``), the host
 between a constrained step's draft and its verify.
 
-A constrained step (each step of an ``Engine.run`` while such a row runs) is two programs: ``steps.propose_rows`` drafts the
-proposal and returns it (its tokens come to the host, its scores stay on the device); each constrained row's
+A constrained step (each step of an ``Engine.run`` while such a row runs) is two programs: ``steps.propose_rows``
+drafts the proposal and returns it (its tokens come to the host, its scores stay on the device); each constrained row's
 matcher gives the bitmask of every verified position along the proposal (position i: after the committed tokens
 and d_1..d_i; past the first forbidden draft token all ones, since the masked target rejects that token and nothing
 after it is committed); ``steps.step_rows`` verifies against the masked target and commits. The matchers then

@@ -42,8 +42,9 @@ from dflash_jax.target import Target
 FOREVER = 2 ** 31 - 1  # ``run``'s step limit when only a finishing row should return
 PAGE = 16  # tokens per page of the paged caches (``Engine``'s default on TPU / GPU)
 # and on CPU, where the paged attention loop reads a tile of 128 keys: one page of 128 is a slice, 8 pages of 16 a
-# gather that XLA:CPU copies element by element (the demo target's server, one user: 0.71x -> 0.82x of the engine's
-# batch-1 speed; the closed batch's step cost at 128, 1.16 ms at 16 and 64); vLLM's CPU backend also pages by 128
+# gather that XLA:CPU copies element by element (the demo target's plain server, one user: 0.67x -> 0.80-0.82x of
+# the engine's batch-1 speed; a plain step 1.16 ms at pages of 16 or 64, the closed batch's 0.87 at 128); vLLM's
+# CPU backend also pages by 128
 CPU_PAGE = 128
 _ADMISSIONS = itertools.count()  # admission order across engines (only its order within one engine is read)
 LOOKAHEAD_STEPS = 8  # a run gives each running row pages for this many more steps (then returns for more)
