@@ -820,6 +820,10 @@ class Engine:
             raise ValueError(f"progress reads at most {PROGRESS_STEPS} steps back, asked {n}")
         return self._compiled("read", steps.read_jit, state, steps=1 << (n - 1).bit_length())(self.inputs, state)
 
+    def cached(self, row: int) -> int:
+        """The prompt tokens of the request in ``row`` that its admission read from cached pages (prefix caching)."""
+        return self._cached.get(int(row), 0)
+
     def release(self, state: DecodeState, rows: Sequence[int]) -> tuple[DecodeState, list[GenerationResult]]:
         """The results of ``rows`` (timed from their admission by this engine) -> (state with them free, results)."""
         rows = [int(r) for r in rows]
@@ -833,7 +837,7 @@ class Engine:
                                                                                                     state, at))
         now = time.perf_counter()
         results = [row_result(host, j, int(host["prompt_length"][j]), now - self._admitted_at.pop(r, now),
-                              self._logprobs.get(r, False), cached_tokens=self._cached.get(r, 0))
+                              self._logprobs.get(r, False), cached_tokens=self.cached(r))
                    for j, r in enumerate(rows)]
         free = np.full((self.rows,), self.rows, np.int32)  # one program: padding indices past the state are dropped
         free[:len(rows)] = rows

@@ -75,6 +75,7 @@ class Job:
     first_token: float | None = None
     sent: int = 0  # generated tokens already read off the engine
     steps: int = 0  # verify steps already read off the engine
+    accepted: list = dataclasses.field(default_factory=list)  # their acceptance lengths, as read
     resume: Resumed | None = None  # preempted (its pages were needed): what admits it again where it stopped
 
     def cancel(self) -> None:
@@ -255,14 +256,16 @@ class Scheduler:
         return self._send(state, p, taken)
 
     def _send(self, state, p: dict, taken: int = 0):
-        """Every row's new tokens in the read ``p`` out as text; the finished released."""
+        """Every row's new tokens in the read ``p`` out as text; the finished answered (their acceptance lengths as
+        read), then released."""
         width = p["tail"].shape[1]
         done, accepted = [], []
         for r, job in self.active.items():
             fresh = int(p["steps"][r]) - job.steps  # the verify steps this row took in the turn's run
             if fresh > 0:
                 job.steps = int(p["steps"][r])
-                accepted += p["acceptances"][r, -fresh:].tolist()
+                job.accepted += p["acceptances"][r, -fresh:].tolist()
+                accepted += job.accepted[-fresh:]
             n = int(p["generated"][r])
             new = p["tail"][r, width - (n - job.sent):].tolist() if n > job.sent else []
             job.sent = n
@@ -277,11 +280,9 @@ class Scheduler:
                 done.append((r, "stop" if stopped or int(p["finish"][r]) == Finish.STOP else "length"))
         if taken:
             self.metrics.step(accepted, taken)
-        if done:
-            state, results = self.engine.release(state, [r for r, _ in done])
-            self._count_drafts(results)
+        if done:  # answered before their rows' release: a client's next request does not wait for it
             now = time.perf_counter()
-            for (r, reason), result in zip(done, results):
+            for r, reason in done:
                 job = self.active.pop(r)
                 tail = job.text.finish()
                 if tail:
@@ -294,9 +295,12 @@ class Scheduler:
                     self.metrics.ttft.observe(job.first_token - job.arrived)
                     if out > 1:
                         self.metrics.tpot.observe((now - job.first_token) / (out - 1))
-                self.metrics.cached_tokens.inc(result.cached_tokens)
-                self.metrics.prefix_hits.inc(result.cached_tokens > 0)
-                job.emit(job.done(reason, result.acceptance_lengths, result.cached_tokens))
+                cached = self.engine.cached(r)
+                self.metrics.cached_tokens.inc(cached)
+                self.metrics.prefix_hits.inc(cached > 0)
+                job.emit(job.done(reason, job.accepted, cached))
+            state, results = self.engine.release(state, [r for r, _ in done])
+            self._count_drafts(results)
         self.metrics.slots_busy.set(len(self.active))
         if self.engine.paged:
             self.metrics.pages_free.set(self.engine.pool.available())
