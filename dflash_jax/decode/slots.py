@@ -704,7 +704,7 @@ class Engine:
                 seen = sharding.to_host(seen)
             else:
                 seen = sharding.to_host(self._compiled("read", steps.read_jit, state, steps=1)(self.inputs, state))
-                seen = {k: seen[k][np.minimum(at, self.rows - 1)] for k in ("tail", "generated", "finish")}
+                seen = {k: seen[k][np.minimum(at, self.rows - 1)] for k in steps.CAUGHT_UP}
             now = (np.asarray(seen["finish"]) == int(Finish.RUNNING)) & (np.asarray(at) < self.rows)
             running = now if running is None else running
             if not now.any() or (running & ~now).any():

@@ -162,6 +162,13 @@ def _scatter(spec: EngineSpec, state: DecodeState, rows: DecodeState, at, pad) -
 
 
 GUIDE_CANDIDATES = 8  # a constrained greedy row's proposal picks among the draft's most probable tokens
+CAUGHT_UP = ("tail", "generated", "finish")  # of ``recent``: what a constrained step's matchers catch up on
+
+
+def _caught_up(spec: EngineSpec, rows: DecodeState) -> dict:
+    """The rows' newest tokens, counts and finish (``CAUGHT_UP``), a step's worth wide."""
+    seen = recent(rows, spec.max_block + 1)
+    return {k: seen[k] for k in CAUGHT_UP}
 
 
 def propose_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at):
@@ -170,9 +177,8 @@ def propose_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at):
     tokens, counts and finish: what their matchers catch up on, and whether a row finished; ``decode.constrained``)."""
     rows, sub_inp, _ = _gather(spec, inp, state, at)
     proposal = propose(spec, sub_inp, join(rows) if spec.page else rows)
-    seen = recent(rows, spec.max_block + 1)
     return (proposal, jax.lax.top_k(proposal.scores, min(GUIDE_CANDIDATES, proposal.scores.shape[-1]))[1],
-            {"tail": seen["tail"], "generated": seen["generated"], "finish": seen["finish"]})
+            _caught_up(spec, rows))
 
 
 def step_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at, given, allowed):
@@ -181,8 +187,7 @@ def step_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at, given, allo
     ``recent`` tokens, counts and finish after it: what the next plain step's matchers catch up on)."""
     rows, sub_inp, pad = _gather(spec, inp, state, at)
     rows = (join_step if spec.page else step)(spec, sub_inp, rows, given, allowed)
-    seen = recent(rows, spec.max_block + 1)
-    return _scatter(spec, state, rows, at, pad), {k: seen[k] for k in ("tail", "generated", "finish")}
+    return _scatter(spec, state, rows, at, pad), _caught_up(spec, rows)
 
 
 def run_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at, max_steps):
