@@ -406,7 +406,7 @@ def test_benchmark_compares_paged_and_slots_at_one_memory_budget(pair_dirs, caps
 
 def test_cache_memory_and_page_flags(capsys):
     """``--kv-cache-memory``: bytes with a unit or a fraction of the free device memory (which a CPU does not
-    report: a clear error); ``--page-size`` below 0 refused."""
+    report: a clear error); ``--page-size`` below 0 refused (the serving benchmark's too), left out: the platform's."""
     import argparse
 
     from infer.flags import memory_arg, paging_kwargs
@@ -433,3 +433,9 @@ def test_cache_memory_and_page_flags(capsys):
     with pytest.raises(SystemExit):
         paging_kwargs(argparse.Namespace(page_size=-1, kv_cache_memory=None))
     assert "--page-size must be >= 0" in capsys.readouterr().err
+    assert paging_kwargs(argparse.Namespace(kv_cache_memory=None))["page"] is None  # the engine's platform default
+    from infer import serve_benchmark
+
+    with pytest.raises(SystemExit):  # refused before any model loads
+        serve_benchmark.main(["--page-size", "-1"])
+    assert "--page-size must be >= 0, got -1" in capsys.readouterr().err
