@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 
 from dflash_jax import decode
 from dflash_jax.decode import DecodeOptions, Engine, Finish, Request
-from dflash_jax.decode.prepare import row_key
+from dflash_jax.decode.prepare import row_keys
 from pairs import random_pair
 from test_draft_formats import reference_loop
 
@@ -58,12 +59,18 @@ def test_run_returns_when_the_first_running_row_finishes(trained):
     assert early_returns >= 2  # the property was exercised: rows of different lengths shared runs
 
 
-def test_row_key_is_the_documented_fold_in():
-    """``Request``'s contract: the key of (seed, stream) is fold_in(PRNGKey(seed), stream)."""
-    for seed, stream in ((0, 0), (0, 1), (7, 3), (2 ** 40 + 5, 123456)):
+def test_row_keys_are_the_documented_fold_in():
+    """``Request``'s contract: the key of (seed, stream) is fold_in(PRNGKey(seed), stream), for rows of mixed seeds
+    in one call (grouped by seed into one program each); a stream outside uint32 is a ValueError."""
+    pairs = ((0, 0), (7, 3), (0, 1), (2 ** 40 + 5, 123456), (7, 2 ** 32 - 1), (0, 9))
+    got = row_keys([a for a, _ in pairs], [b for _, b in pairs])
+    for (seed, stream), key in zip(pairs, got):
         want = jax.random.key_data(jax.random.fold_in(jax.random.PRNGKey(seed), stream))
-        assert np.array_equal(row_key(seed, stream), np.asarray(want, np.uint32)), (seed, stream)
-    assert not np.array_equal(row_key(7, 1), row_key(7, 2))
+        assert np.array_equal(key, np.asarray(want, np.uint32)), (seed, stream)
+    assert len({tuple(k) for k in got}) == len(pairs)
+    for stream in (-1, 2 ** 32):
+        with pytest.raises(ValueError, match="stream must be an integer"):
+            row_keys([0], [stream])
 
 
 def test_streams_of_one_seed_draw_different_tokens():
