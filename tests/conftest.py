@@ -9,9 +9,12 @@ Runs before any test module imports jax or huggingface_hub:
 - PyTorch (the reference models) uses one thread: on a shared 2-core machine its default thread pool
   spins, and a tiny forward takes ~1 s instead of ~3 ms.
 - The Hugging Face hub is offline: no test may touch the network (CI has none).
-- The command lines' persistent compilation cache is off (``DFLASH_COMPILATION_CACHE=0``): the CLIs the tests run
-  compile afresh and write nothing into the user's cache (``tests/test_compile_cache.py`` turns it on in a folder of
-  its own).
+- XLA's persistent compilation cache is on for the session, in one temporary folder for all its processes
+  (``DFLASH_COMPILATION_CACHE`` for the command lines the tests run as processes, ``JAX_COMPILATION_CACHE_DIR`` in
+  this one and in pytest-xdist's workers), every program kept however fast it compiled: a program another module
+  or worker compiled loads instead of compiling again. Nothing is written into the user's own cache
+  (``tests/test_compile_cache.py`` runs its command lines in folders of their own); the tests that assert a warmed
+  engine compiles nothing count the cache's loads as compiles (``pairs.backend_compiles``).
 - After each module its compiled programs are released (``_release_compiled_programs``).
 - Engines built in this process page by 16 tokens on CPU too (``_pages_of_16``): the CPU default of 128 would hold
   each of these tiny tests' rows in one page, and no test would cross a page. The command lines run as processes
@@ -19,7 +22,10 @@ Runs before any test module imports jax or huggingface_hub:
 """
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
@@ -32,7 +38,11 @@ os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ["DFLASH_COMPILATION_CACHE"] = "0"
+if "DFLASH_TESTS_XLA_CACHE" not in os.environ:  # the session's first process: pytest-xdist's workers inherit it
+    os.environ["DFLASH_TESTS_XLA_CACHE"] = tempfile.mkdtemp(prefix="dflash_jax_tests_xla_")
+    atexit.register(shutil.rmtree, os.environ["DFLASH_TESTS_XLA_CACHE"], ignore_errors=True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["DFLASH_COMPILATION_CACHE"] = os.environ["DFLASH_TESTS_XLA_CACHE"]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import pytest  # noqa: E402
 

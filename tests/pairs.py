@@ -252,14 +252,18 @@ class Alternate:
 
 @contextlib.contextmanager
 def backend_compiles():
-    """A list that fills with the XLA backend compiles (jax.monitoring events) while the block runs: what a warmed
-    engine must leave empty."""
+    """A list that fills with the programs the block had to build (jax.monitoring events): XLA backend compiles and
+    loads from the session's persistent compilation cache (``conftest.py``: a program another module compiled loads
+    from disk instead of compiling, and a warmed engine must not need it either). What a warmed engine leaves empty."""
     import jax
 
     compiles = []
-    listener = lambda name, secs, **kw: compiles.append(name) if name.endswith("backend_compile_duration") else 0  # noqa
-    jax.monitoring.register_event_duration_secs_listener(listener)
+    timed = lambda name, secs, **kw: compiles.append(name) if name.endswith("backend_compile_duration") else 0  # noqa
+    loaded = lambda name, **kw: compiles.append(name) if name == "/jax/compilation_cache/cache_hits" else 0  # noqa
+    jax.monitoring.register_event_duration_secs_listener(timed)
+    jax.monitoring.register_event_listener(loaded)
     try:
         yield compiles
     finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+        jax.monitoring.unregister_event_duration_listener(timed)
+        jax.monitoring.unregister_event_listener(loaded)

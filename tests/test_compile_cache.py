@@ -28,7 +28,8 @@ def test_where_the_cache_lives():
 
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k != cc.ENV}
+    # a user's environment: neither this project's cache setting nor JAX's own (the suite sets both, conftest.py)
+    environ = {k: v for k, v in os.environ.items() if k not in (cc.ENV, "JAX_COMPILATION_CACHE_DIR")}
     # the probe's program compiles in milliseconds: JAX caches only programs slower than its threshold (1 s)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **env})

@@ -131,6 +131,15 @@ def test_ci_installs_exactly_as_the_readme_says():
     assert readme[-1] == 'pip install -e ".[test]"'
 
 
+def test_ci_runs_the_readmes_fast_suite_command():
+    """.ci/run's test command is README's fast-suite line, word for word (the worker count included)."""
+    readme = (REPO / "README.md").read_text().split("## Test", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    fast = [line.split("#", 1)[0].strip() for line in readme.splitlines() if "not slow" in line]
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
+          if line.strip().startswith("python -m pytest")]
+    assert len(fast) == 1 and ci == fast, (fast, ci)
+
+
 def test_console_scripts_are_the_clis():
     """Every [project.scripts] entry names a module's ``main`` that exists (the same CLI as ``python -m``)."""
     import importlib
