@@ -25,6 +25,7 @@ import sys
 
 from dflash_jax.launch import launch
 from infer.flags import add_model_args, die, parse_ints
+from infer.serve.scheduler import TURN_MS
 from infer.serve_client import ClientProcess, check_samples, summarize
 
 DEFAULT_CONCURRENCY = "1,4,16"
@@ -73,6 +74,8 @@ def parse_args(argv=None):
     g.add_argument("--max-batch", type=int, default=16, help="the servers' decode slots (default 16)")
     g.add_argument("--page-size", type=int, default=None,
                    help="the servers' tokens per cache page (default: the platform's, as infer.serve's)")
+    g.add_argument("--turn-ms", type=float, default=TURN_MS,
+                   help=f"the servers' decode turn, as infer.serve's --turn-ms (default {TURN_MS:g})")
     g.add_argument("--prompts-file", default=None, help="text prompts (default: the demo's held-out code prompts)")
     g.add_argument("--shared-prefix", type=int, default=0, metavar="WORDS",
                    help="every prompt of a level opens with the same text of about WORDS words, and the level runs "
@@ -127,7 +130,7 @@ def serve_both(client: ClientProcess, args, prompts, levels) -> dict:
         print(f"{kind}: compiling{', measuring step costs per bucket and block' if d and auto else ''}...",
               file=sys.stderr)
         opts = options if d is not None else options.replace(block_size=None)  # the plain server has no block
-        limits = Limits(args.max_batch, max_length, 4 * args.num_requests, page=args.page_size,
+        limits = Limits(args.max_batch, max_length, 4 * args.num_requests, page=args.page_size, turn_ms=args.turn_ms,
                         block_policy="auto" if d is not None and auto else None)
         service = Service(target, d, tokenizer, opts, limits, name="bench")
         service.engine.warm(lens, streaming=True)  # every prompt bucket compiled before the clock starts
@@ -177,6 +180,8 @@ def main(argv=None) -> int:
         die(f"--num-requests must be >= 1, got {args.num_requests}")
     if args.page_size is not None and args.page_size < 0:
         die(f"--page-size must be >= 0, got {args.page_size}")
+    if not args.turn_ms > 0:
+        die(f"--turn-ms must be > 0, got {args.turn_ms}")
     prompts = prompts_of(args)
     load = os.getloadavg()
     with ClientProcess() as client:  # the load client in a process of its own, as a server's clients are

@@ -406,7 +406,8 @@ def test_benchmark_compares_paged_and_slots_at_one_memory_budget(pair_dirs, caps
 
 def test_cache_memory_and_page_flags(capsys):
     """``--kv-cache-memory``: bytes with a unit or a fraction of the free device memory (which a CPU does not
-    report: a clear error); ``--page-size`` below 0 refused (the serving benchmark's too), left out: the platform's."""
+    report: a clear error); ``--page-size`` below 0 refused (the serving benchmark's too, and its ``--turn-ms`` of 0),
+    left out: the platform's."""
     import argparse
 
     from infer.flags import memory_arg, paging_kwargs
@@ -439,3 +440,6 @@ def test_cache_memory_and_page_flags(capsys):
     with pytest.raises(SystemExit):  # refused before any model loads
         serve_benchmark.main(["--page-size", "-1"])
     assert "--page-size must be >= 0, got -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # its servers' turn, as infer.serve's
+        serve_benchmark.main(["--turn-ms", "0"])
+    assert "--turn-ms must be > 0, got 0.0" in capsys.readouterr().err

@@ -24,12 +24,12 @@ from infer.serve.text import TextStream
 
 log = logging.getLogger("infer.serve")
 FINISHED = (int(Finish.LENGTH), int(Finish.STOP))
-TURN_MS = 50.0  # while no request waits, a turn runs the decode steps that fit in about this many milliseconds
-# (a power of two of them, measured from the last turns, at most ``PROGRESS_STEPS``): each turn's host work (its
-# launch, read and text) takes the CPU from the steps where the host is the device, so longer turns serve one user
-# faster (the demo pair, one user, 32 requests: 25 -> 50 ms, DFlash 94 -> 91 ms a request, plain 136 -> 125); a row
-# that finishes returns at once, a waiting request makes the turn one step, and tokens stream in chunks of at most
-# a turn (20 a second)
+TURN_MS = 100.0  # while no request waits, a turn runs the decode steps that fit in about this many milliseconds
+# (a power of two of them, measured from the last turns, at most ``PROGRESS_STEPS``: so a turn runs half to all of
+# it): each turn's host work (its launch, read and text) takes the CPU from the steps where the host is the device,
+# so longer turns serve faster (the demo pair, 2-core CPU, 50 -> 100 ms: one user's DFlash 1230 -> 1356 tokens/s,
+# plain 941 -> 1027; at 64 users 1957 -> 2198 and 1498 -> 1701); a row that finishes returns at once, a waiting
+# request makes the next turn one step, and tokens stream in chunks of at most a turn (10 a second)
 
 
 @dataclasses.dataclass
