@@ -19,7 +19,7 @@ import pytest
 
 from dflash_jax import decode
 from dflash_jax.decode import DecodeOptions, Engine, Finish, Request
-from dflash_jax.decode.prepare import row_keys
+from dflash_jax.decode.prepare import row_keys, seed_data
 from pairs import random_pair
 from test_draft_formats import reference_loop
 
@@ -61,8 +61,9 @@ def test_run_returns_when_the_first_running_row_finishes(trained):
 
 def test_row_keys_are_the_documented_fold_in():
     """``Request``'s contract: the key of (seed, stream) is fold_in(PRNGKey(seed), stream), for rows of mixed seeds
-    in one call (grouped by seed into one program each); a stream outside uint32 is a ValueError."""
-    pairs = ((0, 0), (7, 3), (0, 1), (2 ** 40 + 5, 123456), (7, 2 ** 32 - 1), (0, 9))
+    in one call (one program, the seeds' key data made on the host); a stream outside uint32 is a ValueError."""
+    pairs = ((0, 0), (7, 3), (0, 1), (2 ** 40 + 5, 123456), (7, 2 ** 32 - 1), (0, 9), (2 ** 31 + 5, 1),
+             (2 ** 32 - 1, 4), (2 ** 63 - 1, 2))
     got = row_keys([a for a, _ in pairs], [b for _, b in pairs])
     for (seed, stream), key in zip(pairs, got):
         want = jax.random.key_data(jax.random.fold_in(jax.random.PRNGKey(seed), stream))
@@ -71,6 +72,8 @@ def test_row_keys_are_the_documented_fold_in():
     for stream in (-1, 2 ** 32):
         with pytest.raises(ValueError, match="stream must be an integer"):
             row_keys([0], [stream])
+    for seed in (0, 9, 2 ** 31, 2 ** 32 + 3, 2 ** 63 - 1):  # the host's key data is PRNGKey's
+        assert np.array_equal(seed_data(seed), np.asarray(jax.random.PRNGKey(seed), np.uint32)), seed
 
 
 def test_streams_of_one_seed_draw_different_tokens():

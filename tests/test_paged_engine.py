@@ -240,6 +240,49 @@ def test_a_server_with_a_small_pool_answers_every_request_identically(trained):
         assert answers[i] == (alone.generated_ids, "length"), i
 
 
+@pytest.mark.parametrize("guess", [1.0, 100.0])
+def test_the_server_launches_no_run_behind_rows_expected_to_finish(trained, guess):
+    """One user, plain decoding, 4 steps a turn, a budget of 9 (the prefill's token, then 4 + 4): two runs and
+    no third launched behind them (it would step nothing); with a first guess of 100 tokens a step (wrong: each
+    run then waits for the last, none runs ahead) the answer still comes whole, two runs. Either way it equals
+    the request decoded alone."""
+    import threading
+
+    from infer.serve.metrics import Metrics
+    from infer.serve.scheduler import Done, Job, Scheduler
+    from infer.serve.service import NoText
+
+    target, _, prompts = trained
+    engine = Engine(target, None, DecodeOptions(max_new_tokens=30, stop_token_ids=()), max_batch=2, max_length=64,
+                    sampled=True)
+    scheduler = Scheduler(engine, Metrics(engine.rows, engine.spec.max_block), queue_size=4, steps_per_turn=4)
+    scheduler.rate = guess
+    launches, answer, finished = [], [], threading.Event()
+    launch = engine.launch
+
+    def counted(state, steps, **kw):
+        launches.append(steps)
+        return launch(state, steps, **kw)
+
+    engine.launch = counted
+
+    def emit(event):
+        if isinstance(event, Done):
+            answer.append(event.ids)
+            finished.set()
+
+    request = Request(list(prompts[0]), max_new_tokens=9)
+    scheduler.start()
+    try:
+        scheduler.submit([Job(request, 0, NoText(), emit)])
+        assert finished.wait(300)
+    finally:
+        scheduler.stop(drain=False, timeout=30)
+    assert launches == [4, 4]
+    alone = decode.speculative_generate(target, None, [request.prompt_ids], max_new_tokens=9, stop_token_ids=[])[0]
+    assert answer == [alone.generated_ids]
+
+
 def test_pages_on_a_tensor_mesh_equal_one_device(trained):
     """Params and the pools' KV heads over tensor=2 (rows whole on every device, so the engine pages): every row's
     output and acceptance equal the single-device paged run's, preemptions included."""
