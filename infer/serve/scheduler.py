@@ -5,7 +5,8 @@ away; every step's new tokens go out to each request's channel as text at once (
 One thread owns the engine and its state (JAX calls block; the HTTP side never touches the device). Each turn
 launches a run of steps and the read of every row's counters and newest tokens after it (``Engine.launch``: a few
 bytes per row, not the caches), then sends the previous run's tokens while this one steps: the device does not wait
-for the host's text, HTTP and releases. An admission waits for the reads launched before it."""
+for the host's text, HTTP and releases (unless every row is expected to finish in the runs launched: then it waits
+for them instead of launching one more). An admission waits for the reads launched before it."""
 from __future__ import annotations
 
 import dataclasses
