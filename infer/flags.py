@@ -239,15 +239,20 @@ def add_max_batch_arg(g) -> None:
                         "by default where pages hold every layer; hybrid and sliding-window targets never share)")
 
 
+def check_page_size(args) -> None:
+    """Dies on a ``--page-size`` below 0 (a CLI that loads its models later calls it first)."""
+    page = getattr(args, "page_size", None)
+    if page is not None and page < 0:
+        die(f"--page-size must be >= 0, got {page}")
+
+
 def paging_kwargs(args) -> dict:
     """``Engine``'s ``page`` and ``kv_cache_memory`` from the flags (a fraction resolved against the device's free
     memory now, after the weights loaded); dies on a bad value."""
     from dflash_jax.decode.memory import free_device_bytes
 
-    page = getattr(args, "page_size", None)
-    if page is not None and page < 0:
-        die(f"--page-size must be >= 0, got {page}")
-    out = dict(page=page, prefix_cache=not getattr(args, "no_prefix_cache", False))
+    check_page_size(args)
+    out = dict(page=getattr(args, "page_size", None), prefix_cache=not getattr(args, "no_prefix_cache", False))
     if args.kv_cache_memory is None:
         return out
     kind, value = args.kv_cache_memory

@@ -24,7 +24,7 @@ import os
 import sys
 
 from dflash_jax.launch import launch
-from infer.flags import add_model_args, die, parse_ints
+from infer.flags import add_model_args, check_page_size, die, parse_ints
 from infer.serve.scheduler import TURN_MS
 from infer.serve_client import ClientProcess, check_samples, summarize
 
@@ -178,8 +178,7 @@ def main(argv=None) -> int:
     levels = parse_ints(args.concurrency, "--concurrency")
     if args.num_requests < 1:
         die(f"--num-requests must be >= 1, got {args.num_requests}")
-    if args.page_size is not None and args.page_size < 0:
-        die(f"--page-size must be >= 0, got {args.page_size}")
+    check_page_size(args)
     if not args.turn_ms > 0:
         die(f"--turn-ms must be > 0, got {args.turn_ms}")
     prompts = prompts_of(args)

@@ -18,7 +18,7 @@ from typing import Callable
 
 import collections
 
-from dflash_jax.decode import Engine, Finish, Request, Resumed
+from dflash_jax.decode import Engine, Finish, Request, Resumed, prepare
 from dflash_jax.decode.slots import PROGRESS_STEPS
 from infer.serve.metrics import Metrics
 from infer.serve.text import TextStream
@@ -78,6 +78,7 @@ class Job:
     steps: int = 0  # verify steps already read off the engine
     accepted: list = dataclasses.field(default_factory=list)  # their acceptance lengths, as read
     resume: Resumed | None = None  # preempted (its pages were needed): what admits it again where it stopped
+    budget: int = 0  # the tokens it may generate (set at its admission: max_new_tokens, cut to the max length)
     ahead: float = 0.0  # the tokens it is expected to have once the runs launched for it are done
 
     def rate(self, default: float) -> float:
@@ -198,6 +199,8 @@ class Scheduler:
         for row, job in zip(rows, new):
             if job.resume is None:
                 self.metrics.queue_time.observe(now - job.arrived)
+            job.budget = int(prepare.budgets([len(job.request.prompt_ids)], [job.request.settings(
+                self.engine.options)], self.engine.max_length)[0])
             job.ahead = job.sent + (job.resume is None)  # a new row's prefill gives its first token
             job.resume = None
             self.active[row] = job
@@ -241,7 +244,7 @@ class Scheduler:
                 job.ahead = max(job.ahead, job.sent) + k * job.rate(self.rate)
         for row, again in reversed(self.engine.take_preempted()):  # first in line again, the oldest first
             job = self.active.pop(row)
-            job.resume, job.ahead = again, 0.0
+            job.resume = again
             self.waiting.appendleft(job)
             self.metrics.preemptions.inc()
         self.pending.append(launched)
@@ -254,12 +257,7 @@ class Scheduler:
         per step): then the host waits for them instead of launching one more run behind them, which would find no
         row to step (its launch and read cost one user about 4% of the speed on the demo pair; a row that goes on
         after all is launched at the next turn, a gap of one read)."""
-        return all(j.ahead >= self._budget(j) for j in self.active.values())
-
-    def _budget(self, job: Job) -> int:
-        request = job.request
-        most = self.engine.options.max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
-        return min(most, self.engine.max_length - len(request.prompt_ids))
+        return all(j.ahead >= j.budget for j in self.active.values())
 
     def _changes(self) -> bool:
         """Whether this turn admits or drops a request (which waits for the launched runs' reads)."""
