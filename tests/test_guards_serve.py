@@ -175,4 +175,6 @@ def test_block_size_auto_measures_at_start_and_serves_plain_decodings_tokens(pai
         families = text_string_to_metric_families(httpx.get(running.url.removesuffix("/v1") + "/metrics").text)
         blocks = {s.labels["bucket"]: s.value for f in families if f.name == "dflash_block_size" for s in f.samples}
     assert set(blocks) == {"1", "2"} and set(blocks.values()) <= {1, 4}
-    assert policy.acceptance.steps > 0 or set(blocks.values()) == {1}  # the requests' drafted steps, if any
+    # the requests' drafted steps were taught, or every step was plain (the table's block for a bucket the requests
+    # never ran at, say 1 row, may draft: /metrics shows the table, not what ran)
+    assert policy.acceptance.steps > 0 or policy.plain_steps >= 11
