@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import dflash_jax as dj
 from dflash_jax.demo import DEMO_TARGET
+from infer.serve.app import INLINE_BYTES
 from infer.serve_client import ClientProcess, check_samples, drive
 from serve_process import serve_cli
 
@@ -201,8 +202,10 @@ def test_stop_strings_cut_the_text_streamed_or_not(client, demo):
     stop = want[len(want) // 2: len(want) // 2 + 3]
     assert stop and stop in want
     cut = want[:want.index(stop)]
+    never = [f"\x00never{i:03d}" * 4 for i in range(100)]  # a body over INLINE_BYTES: tokenized in a thread
+    assert len(json.dumps(never)) > INLINE_BYTES
     whole = client.completions.create(model="dflash-demo", prompt=PROMPTS[2], max_tokens=24, temperature=0,
-                                      stop=[stop, "\x00never"], extra_body={"ignore_eos": True})
+                                      stop=[stop] + never, extra_body={"ignore_eos": True})
     assert whole.choices[0].text == cut and whole.choices[0].finish_reason == "stop"
     chunks = list(client.completions.create(model="dflash-demo", prompt=PROMPTS[2], max_tokens=24, temperature=0,
                                             stop=stop, stream=True, extra_body={"ignore_eos": True}))

@@ -25,6 +25,8 @@ from infer.serve.scheduler import Delta, Done, Failed
 from infer.serve.service import Service
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
+INLINE_BYTES = 4096  # a request body under this is checked and tokenized on the event loop (well under a
+# millisecond): a thread hop there and back costs one user about as much (large ones still go to a thread)
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 access = logging.getLogger("infer.serve.access")
 
@@ -212,12 +214,13 @@ async def _serve(service: Service, body, request: Request, endpoint: str, prompt
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
             loop.call_soon_threadsafe(channel.put_nowait, event)
 
-    def prepare():  # off the event loop: a large prompt takes long to check and tokenize
+    def prepare():  # off the event loop when large: a large prompt takes long to check and tokenize
         check_text(body)
         prompts = prompts_of(body)
         return prompts, service.jobs(body, prompts, body.token_budget, emit)
 
-    prompts, jobs = await asyncio.to_thread(prepare)
+    small = int(request.headers.get("content-length") or INLINE_BYTES) < INLINE_BYTES
+    prompts, jobs = prepare() if small else await asyncio.to_thread(prepare)
     reply = Reply(service, endpoint, body, prompts)
     service.submit(jobs)
     if body.stream:
@@ -250,9 +253,9 @@ async def _serve(service: Service, body, request: Request, endpoint: str, prompt
 
 
 async def _events(service: Service, reply: "Reply", jobs, channel: asyncio.Queue, body):
-    """The server-sent events of a streamed request: a chunk per step with new text, a finish chunk per choice,
-    the usage chunk (``stream_options.include_usage``; usage on every chunk with ``continuous_usage_stats``), then
-    ``[DONE]``. A client that goes away cancels its jobs (their slots are freed at the next step)."""
+    """The server-sent events of a streamed request: a chunk per turn with new text, a finish chunk per choice
+    (with its last text, as vLLM sends it), the usage chunk (``stream_options.include_usage``; usage on every chunk
+    with ``continuous_usage_stats``), then ``[DONE]``. A client that goes away cancels its jobs (their slots are freed at the next step)."""
     outcome = "cancelled"  # until the stream ends on its own: a generator closed early lost its client
     options = body.stream_options
     usage_once = options is not None and options.include_usage
@@ -281,7 +284,7 @@ async def _events(service: Service, reply: "Reply", jobs, channel: asyncio.Queue
             else:
                 finished.append(event)
                 counts[event.index] = len(event.ids)
-                yield reply.chunk(event.index, done=event, usage=usage())
+                yield reply.chunk(event.index, text=event.last, done=event, usage=usage())
         if usage_once:
             yield {"data": json.dumps(dict(reply.head("chunk"), choices=[], usage=reply.usage(finished)))}
         outcome = "ok"
@@ -365,7 +368,7 @@ class Reply:
     def chunk(self, index: int, *, text: str | None = None, role: bool = False, done: Done | None = None,
               usage: dict | None = None) -> dict:
         if self.endpoint == "chat":
-            delta = {"role": "assistant", "content": ""} if role else ({} if done else {"content": text})
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "logprobs": None}
         else:
             choice = {"index": index, "text": text or "", "logprobs": None}

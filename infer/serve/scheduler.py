@@ -55,6 +55,7 @@ class Done:
     prompt_tokens: int
     acceptance_lengths: list[int]
     cached_tokens: int = 0  # prompt tokens read from cached pages (a shared prefix), not prefilled
+    last: str = ""  # the end of ``text`` no Delta carried (a stream sends it in its finish chunk: one event fewer)
 
 
 @dataclasses.dataclass
@@ -89,10 +90,10 @@ class Job:
     def cancel(self) -> None:
         self.cancelled.set()
 
-    def done(self, reason: str, acceptance_lengths=(), cached_tokens: int = 0) -> Done:
-        """The ``Done`` event of this job as it stands."""
+    def done(self, reason: str, acceptance_lengths=(), cached_tokens: int = 0, last: str = "") -> Done:
+        """The ``Done`` event of this job as it stands (``last``: the end of its text no Delta carried)."""
         return Done(self.index, self.text.text, list(self.text.answer_ids), reason, len(self.request.prompt_ids),
-                    list(acceptance_lengths), cached_tokens)
+                    list(acceptance_lengths), cached_tokens, last)
 
 
 class QueueFull(Exception):
@@ -283,7 +284,7 @@ class Scheduler:
 
     def _send(self, state, p: dict, taken: int = 0):
         """Every row's new tokens in the read ``p`` out as text; the finished answered (their acceptance lengths as
-        read), then released."""
+        read; their last text in the ``Done``), then released."""
         width = p["tail"].shape[1]
         done, accepted = [], []
         for r, job in self.active.items():
@@ -299,21 +300,17 @@ class Scheduler:
             if new and job.first_token is None:
                 job.first_token = time.perf_counter()
             delta, stopped = job.text.push(new)
-            if stopped and new:  # the ids past the one that completed a stop string are not the answer's
-                new = new[:max(len(job.text.answer_ids) - (len(job.text.ids) - len(new)), 0)]
-            if delta or new:
+            if stopped or int(p["finish"][r]) in FINISHED:  # its new text goes out with its Done
+                done.append((r, "stop" if stopped or int(p["finish"][r]) == Finish.STOP else "length", delta))
+            elif delta or new:
                 job.emit(Delta(job.index, delta, new))
-            if stopped or int(p["finish"][r]) in FINISHED:
-                done.append((r, "stop" if stopped or int(p["finish"][r]) == Finish.STOP else "length"))
         if taken:
             self.metrics.step(accepted, taken)
         if done:  # answered before their rows' release: a client's next request does not wait for it
             now = time.perf_counter()
-            for r, reason in done:
+            for r, reason, delta in done:
                 job = self.active.pop(r)
-                tail = job.text.finish()
-                if tail:
-                    job.emit(Delta(job.index, tail, []))
+                last = delta + job.text.finish()
                 out = len(job.text.answer_ids)
                 self.metrics.generation_tokens.inc(out)
                 self.metrics.prompt_tokens.inc(len(job.request.prompt_ids))
@@ -325,8 +322,8 @@ class Scheduler:
                 cached = self.engine.cached(r)
                 self.metrics.cached_tokens.inc(cached)
                 self.metrics.prefix_hits.inc(cached > 0)
-                job.emit(job.done(reason, job.accepted, cached))
-            state, results = self.engine.release(state, [r for r, _ in done])
+                job.emit(job.done(reason, job.accepted, cached, last))
+            state, results = self.engine.release(state, [r for r, *_ in done])
             self._count_drafts(results)
         self.metrics.slots_busy.set(len(self.active))
         if self.engine.paged:
