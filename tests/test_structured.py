@@ -165,3 +165,25 @@ def test_another_family_llama():
     assert [r.output_ids for r in fast] == [r.output_ids for r in plain]
     assert all(re.fullmatch(regex, tok.decode(r.generated_ids)) for r in fast)
     assert any(a > 1 for r in fast for a in r.acceptance_lengths)
+
+
+@pytest.mark.parametrize("kind", ["sliding", "recurrent"])
+def test_ring_and_recurrent_caches_under_a_grammar(kind):
+    """Sliding-window rings and Qwen3.5's recurrent stashes under a regex: plain constrained steps (the target's
+    forward dispatched before the host's masks, left uncommitted where a run ends: the next forward overwrites it)
+    give the draft's constrained block-4 steps' answers, and so does a policy alternating the two (a block-4 verify
+    right after an uncommitted plain forward); every answer matches the regex."""
+    from test_continuous import kind_pair
+
+    target, draft = kind_pair(kind)
+    tok = CharTokenizer("abcdef0123456789", 32, 16)
+    regex = r"[a-f]{2,9}[0-9]{1,6}"
+    requests = [Request(p, max_new_tokens=20, grammar=Grammar.regex(regex), stop_token_ids=[])
+                for p in ([1, 5, 3], [2, 7, 7, 1, 9], [9, 0])]
+    kw = dict(max_batch=2, tokenizer=tok, warm=False)
+    plain = decode.continuous_generate(target, None, requests, **kw)
+    block4 = decode.continuous_generate(target, draft, requests, **kw)
+    both = decode.continuous_generate(target, draft, requests, block_policy=Alternate(), **kw)
+    assert [r.output_ids for r in block4] == [r.output_ids for r in plain]
+    assert [r.output_ids for r in both] == [r.output_ids for r in plain]
+    assert all(re.fullmatch(regex, tok.decode(r.generated_ids)) for r in plain)

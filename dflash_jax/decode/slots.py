@@ -696,8 +696,11 @@ class Engine:
         finishes, none runs, or ``most`` steps -> (state, steps taken). Each: the proposal drafted and read with the
         rows' newest tokens and finish (a plain step reads those as the step before returned them), the matchers
         brought up to date, the masks along the proposal, the masked verify and commit; one wait for the device a
-        step (a proposal drafted when a row has just finished is dropped)."""
-        running, taken, seen = None, 0, None
+        step (a proposal drafted when a row has just finished is dropped). A plain step is two programs, the target's
+        forward of the rows' pending tokens and the masked draw + commit, and the next step's forward is dispatched
+        before the host reads what this one committed: the masks are computed while the forward runs (a forward
+        whose step never comes, the run ending, stays uncommitted: the rollback protocol overwrites it)."""
+        running, taken, seen, logits = None, 0, None, None
         while taken < most:
             given = proposal = candidates = None
             if spec.drafting:  # the proposal, its candidates and the rows' newest tokens in one program
@@ -707,8 +710,10 @@ class Engine:
             elif seen is not None:  # a plain step: what the last step returned
                 seen = sharding.to_host(seen)
             else:
-                seen = sharding.to_host(self._compiled("read", steps.read_jit, state, steps=1)(self.inputs, state))
-                seen = {k: seen[k][np.minimum(at, self.rows - 1)] for k in steps.CAUGHT_UP}
+                seen = self._compiled("read", steps.read_jit, state, steps=1)(self.inputs, state)
+                state, logits = self._forward_rows(state, at, spec)
+                seen = {k: v[np.minimum(at, self.rows - 1)] for k, v in sharding.to_host(seen).items()
+                        if k in steps.CAUGHT_UP}
             now = (np.asarray(seen["finish"]) == int(Finish.RUNNING)) & (np.asarray(at) < self.rows)
             running = now if running is None else running
             if not now.any() or (running & ~now).any():
@@ -717,9 +722,19 @@ class Engine:
             proposal, allowed = self.constraints.masks(at, proposal, candidates, spec.step_block)
             if proposal is not None:  # greedy rows' proposals rebuilt along their grammars
                 given = given.replace(tokens=jax.device_put(proposal, given.tokens.sharding))
+            if not spec.drafting:
+                run = self._compiled("commit_rows", steps.commit_rows_jit, state, at, logits, allowed, spec=spec)
+                (state, seen), taken = run(self.inputs, state, at, logits, allowed), taken + 1
+                if taken < most:
+                    state, logits = self._forward_rows(state, at, spec)
+                continue
             run = self._compiled("step_rows", steps.step_rows_jit, state, at, given, allowed, spec=spec)
             (state, seen), taken = run(self.inputs, state, at, given, allowed), taken + 1
         return state, taken
+
+    def _forward_rows(self, state: DecodeState, at, spec):
+        """``steps.forward_rows`` of the rows ``at`` dispatched -> (state, the logits)."""
+        return self._compiled("forward_rows", steps.forward_rows_jit, state, at, spec=spec)(self.inputs, state, at)
 
     def _step_spec(self, bucket: int, block: int | None, max_steps: int):
         """(the spec of a run of ``bucket`` rows: verifying ``block`` tokens, else the policy's choice; its step

@@ -13,7 +13,8 @@ from dflash_jax.drafts import model as draft_lib
 from dflash_jax import sharding
 from dflash_jax import target as target_lib
 from dflash_jax.decode.types import DecodeState, EngineSpec, Finish, Inputs, Rows
-from dflash_jax.decode.verify import chain_verify, commit, draft_view, stop_hits, tree_verify
+from dflash_jax.decode.verify import (chain_verify, commit, draft_view, plain_commit, plain_forward, stop_hits,
+                                     tree_verify)
 from dflash_jax.sampling import apply_bitmask, choose, row_keys, token_logps
 from dflash_jax.families import family_of
 from dflash_jax import state as state_lib
@@ -190,6 +191,27 @@ def step_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at, given, allo
     return _scatter(spec, state, rows, at, pad), _caught_up(spec, rows)
 
 
+def forward_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at):
+    """A constrained plain step of the rows ``at`` [A], first half: ``plain_forward`` (the caches' writes pending) ->
+    (state, the logits [A, 1, V]); the host computes the grammar's masks of the next token meanwhile."""
+    rows, sub_inp, pad = _gather(spec, inp, state, at)
+    full = join(rows) if spec.page else rows
+    logits, tcache, dcache = plain_forward(spec, sub_inp, full)
+    full = full.replace(tcache=tcache, dcache=dcache)
+    return _scatter(spec, state, split(full) if spec.page else full, at, pad), logits
+
+
+def commit_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at, logits, allowed):
+    """The second half: the masked draw from ``forward_rows``' ``logits`` committed (``plain_commit``, this step's
+    keys as ``step`` takes them) -> (state, the rows' ``recent`` tokens, counts and finish, as ``step_rows``)."""
+    rows, sub_inp, pad = _gather(spec, inp, state, at)
+    full = join(rows) if spec.page else rows
+    key, _, k_target = row_keys(full.key, 3)
+    full = plain_commit(spec, full, logits, allowed, k_target, key)
+    rows = split(full) if spec.page else full
+    return _scatter(spec, state, rows, at, pad), _caught_up(spec, rows)
+
+
 def run_rows(spec: EngineSpec, inp: Inputs, state: DecodeState, at, max_steps):
     """``run`` over the rows ``at`` [A] of a paged state only (an index >= its rows: a padding row, free and without
     pages), their pools read in place -> (state, steps taken). It also returns when a running row lacks the pages
@@ -236,6 +258,8 @@ run_jit = jax.jit(_on_mesh(run), static_argnames=("spec",), donate_argnames=("st
 run_rows_jit = jax.jit(_on_mesh(run_rows), static_argnames=("spec",), donate_argnames=("state",))
 propose_rows_jit = jax.jit(_on_mesh(propose_rows), static_argnames=("spec",))
 step_rows_jit = jax.jit(_on_mesh(step_rows), static_argnames=("spec",), donate_argnames=("state",))
+forward_rows_jit = jax.jit(_on_mesh(forward_rows), static_argnames=("spec",), donate_argnames=("state",))
+commit_rows_jit = jax.jit(_on_mesh(commit_rows), static_argnames=("spec",), donate_argnames=("state",))
 put_prefix_jit = jax.jit(put_prefix, donate_argnames=("state",))
 restore_jit = jax.jit(restore, static_argnames=("spec",), donate_argnames=("state",))
 decode_loop_jit = jax.jit(_on_mesh(decode_loop), static_argnames=("spec",))

@@ -130,11 +130,7 @@ def chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_t
     logits, tcache, dcache = _verify_chosen(spec, choice, inp.tparams, inp.dparams, state.tcache, state.dcache, block,
                                             positions, active)
     length = jnp.asarray(spec.lengths, jnp.int32)[choice]
-    if allowed is not None:
-        logits = apply_bitmask(logits, allowed)
-    # p_0..p_{k-1}; with the rejection rule only greedy rows use these (the argmax), sampled rows draw below
-    posterior = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if spec.rejection
-                 else choose(logits, k_target, state.sampling, greedy=spec.greedy))
+    logits, posterior = _posterior(spec, state, logits, k_target, allowed)
     verified = length - 1  # drafts the target verifies: the verify length's, or fewer where a proposal was cut
     if spec.drafting and proposal.length is not None:
         verified = jnp.minimum(verified, proposal.length)
@@ -148,6 +144,34 @@ def chain_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_t
                                      k_target, verified=verified), (a, posterior))
         a, posterior = jnp.where(sampled, a_r, a), jnp.where(sampled[:, None], posterior_r, posterior)
     return posterior, a, length, tcache, dcache, _logps(spec, state, logits, posterior)
+
+
+def _posterior(spec: EngineSpec, state: DecodeState, logits, k_target, allowed):
+    """(the logits masked by the grammar's bitmasks ``allowed``, if any; the target's tokens p_0..p_{K-1} from them:
+    with the rejection rule only greedy rows use these (the argmax), sampled rows draw in ``rejection_sample``)."""
+    if allowed is not None:
+        logits = apply_bitmask(logits, allowed)
+    return logits, (jnp.argmax(logits, axis=-1).astype(jnp.int32) if spec.rejection
+                    else choose(logits, k_target, state.sampling, greedy=spec.greedy))
+
+
+def plain_forward(spec: EngineSpec, inp: Inputs, state: DecodeState):
+    """A plain step's (K = 1, no proposal) first half: the target's forward of each row's pending token x_n (with a
+    draft, its features written as draft context) -> (logits [B, 1, V], tcache, dcache), the caches' writes pending
+    until ``plain_commit`` (uncommitted, a later forward overwrites them, as a rejected draft's)."""
+    n = state.tcache.lengths
+    block = state.tokens[jnp.arange(state.tokens.shape[0]), n][:, None]
+    return _verify_chosen(spec, jnp.int32(0), inp.tparams, inp.dparams, state.tcache, state.dcache, block,
+                          n[:, None], ~state.done)
+
+
+def plain_commit(spec: EngineSpec, state: DecodeState, logits, allowed, k_target, key) -> DecodeState:
+    """A plain step's second half: the token drawn from ``plain_forward``'s ``logits`` (masked by the grammar's
+    ``allowed`` [B, 1, words]) and committed with the caches the forward wrote (``state``'s): the step
+    ``chain_verify`` + ``commit`` take at K = 1, split so the host computes the masks while the forward runs."""
+    logits, posterior = _posterior(spec, state, logits, k_target, allowed)
+    return commit(spec, state, posterior, jnp.zeros_like(state.generated), jnp.asarray(spec.lengths, jnp.int32)[0],
+                  state.tcache, state.dcache, _logps(spec, state, logits, posterior), key)
 
 
 def tree_verify(spec: EngineSpec, inp: Inputs, state: DecodeState, k_draft, k_target):

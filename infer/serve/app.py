@@ -247,7 +247,9 @@ async def _serve(service: Service, body, request: Request, endpoint: str, prompt
     finally:
         for j in jobs:
             j.cancel()  # a no-op for a finished job; frees the slot of one whose client left
-    out = await asyncio.to_thread(reply.whole, [done[i] for i in sorted(done)])
+    done = [done[i] for i in sorted(done)]
+    scoring = body.logprobs_k() is not None or getattr(body, "echo", False)  # a forward, or decoding the prompt
+    out = await asyncio.to_thread(reply.whole, done) if scoring else reply.whole(done)
     counted.labels(endpoint, "ok").inc()
     return Json(out)
 
