@@ -701,6 +701,9 @@ class Engine:
         before the host reads what this one committed: the masks are computed while the forward runs (a forward
         whose step never comes, the run ending, stays uncommitted: the rollback protocol overwrites it)."""
         running, taken, seen, logits = None, 0, None, None
+        forward = None if spec.drafting else self._compiled("forward_rows", steps.forward_rows_jit, state, at,
+                                                            spec=spec)
+        finish = None  # the masked draw + commit, looked up once a run: its operands' shapes are the run's
         while taken < most:
             given = proposal = candidates = None
             if spec.drafting:  # the proposal, its candidates and the rows' newest tokens in one program
@@ -711,7 +714,7 @@ class Engine:
                 seen = sharding.to_host(seen)
             else:
                 seen = self._compiled("read", steps.read_jit, state, steps=1)(self.inputs, state)
-                state, logits = self._forward_rows(state, at, spec)
+                state, logits = forward(self.inputs, state, at)
                 seen = {k: v[np.minimum(at, self.rows - 1)] for k, v in sharding.to_host(seen).items()
                         if k in steps.CAUGHT_UP}
             now = (np.asarray(seen["finish"]) == int(Finish.RUNNING)) & (np.asarray(at) < self.rows)
@@ -723,18 +726,15 @@ class Engine:
             if proposal is not None:  # greedy rows' proposals rebuilt along their grammars
                 given = given.replace(tokens=jax.device_put(proposal, given.tokens.sharding))
             if not spec.drafting:
-                run = self._compiled("commit_rows", steps.commit_rows_jit, state, at, logits, allowed, spec=spec)
-                (state, seen), taken = run(self.inputs, state, at, logits, allowed), taken + 1
+                finish = finish or self._compiled("commit_rows", steps.commit_rows_jit, state, at, logits, allowed,
+                                                  spec=spec)
+                (state, seen), taken = finish(self.inputs, state, at, logits, allowed), taken + 1
                 if taken < most:
-                    state, logits = self._forward_rows(state, at, spec)
+                    state, logits = forward(self.inputs, state, at)
                 continue
             run = self._compiled("step_rows", steps.step_rows_jit, state, at, given, allowed, spec=spec)
             (state, seen), taken = run(self.inputs, state, at, given, allowed), taken + 1
         return state, taken
-
-    def _forward_rows(self, state: DecodeState, at, spec):
-        """``steps.forward_rows`` of the rows ``at`` dispatched -> (state, the logits)."""
-        return self._compiled("forward_rows", steps.forward_rows_jit, state, at, spec=spec)(self.inputs, state, at)
 
     def _step_spec(self, bucket: int, block: int | None, max_steps: int):
         """(the spec of a run of ``bucket`` rows: verifying ``block`` tokens, else the policy's choice; its step
