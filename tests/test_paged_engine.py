@@ -53,7 +53,8 @@ def test_engine_pages_follow_its_rows(trained):
     state, taken = engine.run(state)
     assert taken >= 1
     assert engine.pool.capacity(rows[0]) >= len(prompts[0]) + engine.spec.max_block
-    assert any(k[0] == "run_rows" and "(1,)" in k[3] for k in engine.used)  # the bucket of one row
+    # the bucket of one row: run_rows' rows ``at`` (its operands end with at, max_steps) of shape (1,)
+    assert any(k[0] == "run_rows" and k[3][1][-2][0] == (1,) for k in engine.used)
     engine.pool.check()
     while engine.finished_rows(state) != rows:
         state, _ = engine.run(state)
