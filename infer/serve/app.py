@@ -257,7 +257,8 @@ async def _serve(service: Service, body, request: Request, endpoint: str, prompt
 async def _events(service: Service, reply: "Reply", jobs, channel: asyncio.Queue, body):
     """The server-sent events of a streamed request: a chunk per turn with new text, a finish chunk per choice
     (with its last text, as vLLM sends it), the usage chunk (``stream_options.include_usage``; usage on every chunk
-    with ``continuous_usage_stats``), then ``[DONE]``. A client that goes away cancels its jobs (their slots are freed at the next step)."""
+    with ``continuous_usage_stats``), then ``[DONE]``. A client that goes away cancels its jobs (their slots are
+    freed at the next step)."""
     outcome = "cancelled"  # until the stream ends on its own: a generator closed early lost its client
     options = body.stream_options
     usage_once = options is not None and options.include_usage
