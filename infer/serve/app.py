@@ -248,8 +248,7 @@ async def _serve(service: Service, body, request: Request, endpoint: str, prompt
         for j in jobs:
             j.cancel()  # a no-op for a finished job; frees the slot of one whose client left
     done = [done[i] for i in sorted(done)]
-    scoring = body.logprobs_k() is not None or getattr(body, "echo", False)  # a forward, or decoding the prompt
-    out = await asyncio.to_thread(reply.whole, done) if scoring else reply.whole(done)
+    out = await asyncio.to_thread(reply.whole, done) if reply.blocking else reply.whole(done)
     counted.labels(endpoint, "ok").inc()
     return Json(out)
 
@@ -339,13 +338,21 @@ class Reply:
         """Non-standard fields of a choice (clients ignore them): the generated ids and the acceptance lengths."""
         return {"token_ids": d.ids, "acceptance_lengths": d.acceptance_lengths}
 
+    @property
+    def echo(self) -> bool:
+        return self.endpoint == "completions" and self.body.echo
+
+    @property
+    def blocking(self) -> bool:
+        """Whether ``whole`` runs the logprobs' scoring forward or the echo's decoding (then it runs in a thread)."""
+        return self.body.logprobs_k() is not None or self.echo
+
     def whole(self, done: list[Done]) -> dict:
-        """The whole response (blocking: the logprobs' scoring forward and the echo's decoding run here)."""
-        k = self.body.logprobs_k()
+        """The whole response (``blocking``: the logprobs' scoring forward and the echo's decoding run here)."""
+        k, echo = self.body.logprobs_k(), self.echo
         choices = []
         for d in done:
             prompt = self.prompts[d.index // self.body.n]
-            echo = self.endpoint == "completions" and self.body.echo
             logprobs = None
             if k is not None:
                 scorer = self.service.scorer
