@@ -144,6 +144,9 @@ class TargetConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # not a Hugging Face field: runs of identical layers compiled as one scan, their parameters stacked
+    # (``dflash_jax.layer_scan``; ``target.scanned``)
+    scan_layers: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

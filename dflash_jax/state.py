@@ -299,6 +299,94 @@ class SharedKV:
         return self
 
 
+def _layer_table(table, pages: int, layer):
+    """A block table of pool pages ``pages`` for layer ``layer`` of a stacked pool flattened to [n * pages, ...]:
+    every page offset by layer * pages, no-page entries (out of range) kept out of range."""
+    return jnp.where((table >= 0) & (table < pages), table + layer * pages, NO_PAGE).astype(jnp.int32)
+
+
+def _view_page(slots: int) -> int:
+    """The page a stacked ``FullKV`` is read through (``Stacked.layer``): the largest power of two <= 128 dividing
+    its slots."""
+    return max(p for p in (128, 64, 32, 16, 8, 4, 2, 1) if slots % p == 0)
+
+
+@flax.struct.dataclass
+class Stacked:
+    """The states of n consecutive identical layers run as one scan (``dflash_jax.layer_scan``): ``inner`` is one
+    layer's state class with a layer axis on every leaf, second (rows stay first: the engine gathers and scatters
+    rows of every leaf), except a paged group's pools, layer-first [n, P, ...] (kept apart from the rows), and its
+    ``table``, one for every layer. ``layer(j)`` is layer j's state as its layer reads it, ``put(j, state)`` writes
+    it back; full-attention keys / values are read in place through a layer-offset block table (never sliced: a
+    slice of a cache in a scan is a copy of it)."""
+
+    inner: Any
+
+    def layer(self, j):
+        """Layer j's state (j: a traced index): a ``PagedKV`` over the stacked pool for full attention (a
+        ``FullKV``'s rows as pages of ``_view_page`` slots), a slice of the stack otherwise."""
+        s = self.inner
+        if isinstance(s, PagedKV):
+            n, pages = s.k.shape[:2]
+            flat = lambda a: a.reshape((n * pages,) + a.shape[2:])  # noqa: E731
+            return PagedKV(flat(s.k), flat(s.v), _layer_table(s.table, pages, j), s.page)
+        if isinstance(s, FullKV):
+            b, n, slots = s.k.shape[:3]
+            page = _view_page(slots)
+            cols = slots // page
+            flat = lambda a: a.reshape((b * n * cols, page) + a.shape[3:])  # noqa: E731
+            first = (jnp.arange(b, dtype=jnp.int32) * n + j)[:, None] * cols
+            return PagedKV(flat(s.k), flat(s.v), first + jnp.arange(cols, dtype=jnp.int32)[None], page)
+        return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 1, keepdims=False), s)
+
+    def put(self, j, state) -> "Stacked":
+        """``state`` (what layer j's forward returned for ``layer(j)``) written back as layer j's."""
+        s = self.inner
+        if isinstance(s, (PagedKV, FullKV)):
+            return self.replace(inner=s.replace(k=state.k.reshape(s.k.shape), v=state.v.reshape(s.v.shape)))
+        return self.replace(inner=jax.tree_util.tree_map(
+            lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x.astype(a.dtype), j, 1), s, state))
+
+    def _map(self, fn) -> "Stacked":
+        """``fn`` (one layer's state -> its new state) applied to every layer of the stack (vmapped)."""
+        if not jax.tree_util.tree_leaves(self.inner):  # a paged group's rows alone (``split_pages``): nothing to do
+            return self
+        if isinstance(self.inner, PagedKV):
+            axes = PagedKV(0, 0, None, self.inner.page)  # pools layer-first, one table for every layer
+        else:
+            axes = jax.tree_util.tree_map(lambda _: 1, self.inner)
+        return self.replace(inner=jax.vmap(fn, in_axes=(axes,), out_axes=axes)(self.inner))
+
+    def commit(self, kept) -> "Stacked":
+        return self._map(lambda s: s.commit(kept))
+
+    def compact(self, src, dst) -> "Stacked":
+        return self._map(lambda s: s.compact(src, dst))
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedSpec:
+    """``count`` consecutive layers of one state ``spec`` run as one scan: their state is a ``Stacked``."""
+
+    spec: Any
+    count: int
+
+    def init(self, batch: int, max_len: int, dtype, max_block: int, page: int = 0):
+        one = self.spec.init(batch, max_len, dtype, max_block, page)
+        return Stacked(jax.tree_util.tree_map(
+            lambda a: jnp.broadcast_to(a[:, None], (a.shape[0], self.count) + a.shape[1:]), one))
+
+    def paged(self, max_len: int, max_block: int, page: int) -> bool:
+        return isinstance(self.spec, KVSpec) and self.spec.paged(max_len, max_block, page)
+
+    def pool(self, pages: int, page: int, dtype):
+        """Empty key / value pools [count, pages, ...]: every layer's pool, stacked."""
+        return tuple(jnp.broadcast_to(a, (self.count,) + a.shape) for a in self.spec.pool(pages, page, dtype))
+
+    def page_bytes(self, page: int, itemsize: int) -> int:
+        return self.count * self.spec.page_bytes(page, itemsize)
+
+
 @dataclasses.dataclass(frozen=True)
 class SharedKVSpec:
     """A kv-shared layer's state: none (``SharedKV``)."""
@@ -383,18 +471,26 @@ class LayerStates:
 
     def split_pages(self) -> tuple["LayerStates", tuple]:
         """-> (this cache with its paged layers' pools and tables taken out: rows first, every leaf; the pools, a
-        (k, v) pair per paged layer in layer order)."""
-        paged = [s for s in self.layers if isinstance(s, PagedKV)]
-        rows = tuple(s.replace(k=None, v=None, table=None) if isinstance(s, PagedKV) else s for s in self.layers)
-        return self.replace(layers=rows), tuple((s.k, s.v) for s in paged)
+        (k, v) pair per paged layer (a stacked group's: stacked) in layer order)."""
+        rows, pools = [], []
+        for s in self.layers:
+            p = _paged(s)
+            if p is not None:
+                pools.append((p.k, p.v))
+                p = p.replace(k=None, v=None, table=None)
+                s = s.replace(inner=p) if isinstance(s, Stacked) else p
+            rows.append(s)
+        return self.replace(layers=tuple(rows)), tuple(pools)
 
     def join_pages(self, pools, table) -> "LayerStates":
         """``split_pages`` undone: the paged layers given ``pools`` (in layer order) and the rows' ``table``."""
         pools, layers = iter(pools), []
         for s in self.layers:
-            if isinstance(s, PagedKV):
+            p = _paged(s)
+            if p is not None:
                 k, v = next(pools)
-                s = s.replace(k=k, v=v, table=table)
+                p = p.replace(k=k, v=v, table=table)
+                s = s.replace(inner=p) if isinstance(s, Stacked) else p
             layers.append(s)
         return self.replace(layers=tuple(layers))
 
@@ -408,14 +504,24 @@ class LayerStates:
         return self.replace(layers=tuple(s.compact(src, dst) for s in self.layers))
 
 
+def _paged(s) -> PagedKV | None:
+    """The ``PagedKV`` of a layer state (a stacked group's inner one), or None."""
+    s = s.inner if isinstance(s, Stacked) else s
+    return s if isinstance(s, PagedKV) else None
+
+
+def _pages(s) -> bool:
+    """Whether a state spec's layer(s) may be paged (a ``KVSpec``, or a stack of them)."""
+    return isinstance(s, KVSpec) or isinstance(s, StackedSpec) and isinstance(s.spec, KVSpec)
+
+
 def new_pools(specs, pages: int, page: int, dtype, max_len: int, max_block: int) -> tuple:
     """Empty (k, v) pools of ``pages`` pages for every layer of ``specs`` that a paged cache pages
     (``KVSpec.paged``), in layer order: what ``LayerStates.join_pages`` takes."""
-    return tuple(s.pool(pages, page, dtype) for s in specs
-                 if isinstance(s, KVSpec) and s.paged(max_len, max_block, page))
+    return tuple(s.pool(pages, page, dtype) for s in specs if _pages(s) and s.paged(max_len, max_block, page))
 
 
 def page_bytes(specs, page: int, dtype, max_len: int, max_block: int) -> int:
     """Bytes one page costs across every paged layer of ``specs``."""
     size = jnp.dtype(dtype).itemsize
-    return sum(s.page_bytes(page, size) for s in specs if isinstance(s, KVSpec) and s.paged(max_len, max_block, page))
+    return sum(s.page_bytes(page, size) for s in specs if _pages(s) and s.paged(max_len, max_block, page))

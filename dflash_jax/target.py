@@ -15,7 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
+from dflash_jax import layer_scan
 from dflash_jax.checkpoints import export_params, load_params, resolve_path, save_safetensors
 from dflash_jax.families import config_from_hf, family_of
 from dflash_jax.layers import random_params
@@ -24,7 +26,39 @@ from dflash_jax.state import LayerStates
 
 def decoder(cfg, attention_impl: str = "auto") -> nn.Module:
     """The family's Flax decoder for ``cfg`` (``attention_impl``: its decode attention, see ``forward``)."""
+    if cfg.scan_layers:
+        return family_of(cfg).decoder(cfg, attention_impl, groups=layer_groups(cfg))
     return family_of(cfg).decoder(cfg, attention_impl)
+
+
+def layer_groups(cfg) -> tuple[tuple[int, int], ...]:
+    """(first layer, count) of each run of layers that scans as one (``cfg.scan_layers``); every layer alone
+    without it. An error for a family whose layers do not scan yet."""
+    kinds = family_of(cfg).layer_kinds
+    if not cfg.scan_layers:
+        return tuple((i, 1) for i in range(cfg.num_hidden_layers))
+    if kinds is None:
+        raise ValueError(f"scanned layers are not built for the {family_of(cfg).name} family yet "
+                         f"(model_type {cfg.model_type!r}): leave scan_layers off")
+    return layer_scan.runs(kinds(cfg))
+
+
+def state_specs(cfg) -> tuple:
+    """One decode-state spec per layer, or per run of layers scanned as one (``layer_scan.group_specs``)."""
+    specs = family_of(cfg).state_specs(cfg)
+    return layer_scan.group_specs(specs, layer_groups(cfg)) if cfg.scan_layers else specs
+
+
+def scanned(target: "Target", scan: bool = True) -> "Target":
+    """The target with its layers scanned (``scan`` True: runs of identical layers compiled as one, parameters
+    stacked; ``layer_scan``) or unrolled (False); the same target if it already is."""
+    cfg = target.config
+    if cfg.scan_layers == scan:
+        return target
+    new = dataclasses.replace(cfg, scan_layers=scan)
+    params = (layer_scan.stack_params(target.params, layer_groups(new)) if scan else
+              layer_scan.unstack_params(target.params, layer_groups(cfg)))
+    return Target(new, params, target.path)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -43,7 +77,7 @@ class Target:
 
 def new_cache(cfg, batch: int, max_len: int, dtype, max_block: int = 16, page: int = 0) -> LayerStates:
     """``page`` > 0: full-attention layers paged (``LayerStates.join_pages`` gives them pools)."""
-    return LayerStates.create(family_of(cfg).state_specs(cfg), batch, max_len, dtype, max_block, page)
+    return LayerStates.create(state_specs(cfg), batch, max_len, dtype, max_block, page)
 
 
 def abstract_variables(cfg):
@@ -92,12 +126,21 @@ def logits(cfg, params, h):
     return decoder(cfg).apply({"params": params}, h, method="logits")
 
 
-def load_target(path_or_hub_id, dtype="float32", place=None) -> Target:
-    """Load a Hugging Face checkpoint of any supported family (directory or hub id)."""
+def load_target(path_or_hub_id, dtype="float32", place=None, scan_layers: bool = False) -> Target:
+    """Load a Hugging Face checkpoint of any supported family (directory or hub id); ``scan_layers``: see
+    ``scanned`` (the checkpoint is read per layer, then stacked, then placed)."""
     path = resolve_path(path_or_hub_id)
     cfg = config_from_hf(path)
-    params = load_params(path, param_shapes(cfg), family_of(cfg).checkpoint(cfg), dtype=dtype, place=place)
-    return Target(cfg, params, path)
+    if not scan_layers:
+        return Target(cfg, load_params(path, param_shapes(cfg), family_of(cfg).checkpoint(cfg), dtype=dtype,
+                                       place=place), path)
+    cfg = dataclasses.replace(cfg, scan_layers=True)
+    groups = layer_groups(cfg)  # a family that does not scan fails here, before reading
+    params = load_params(path, param_shapes(dataclasses.replace(cfg, scan_layers=False)),
+                         family_of(cfg).checkpoint(cfg), dtype=dtype, place=lambda k, a: a)  # on the host
+    place = place or (lambda k, a: jnp.asarray(a))
+    flat = traverse_util.flatten_dict(layer_scan.stack_params(params, groups))
+    return Target(cfg, traverse_util.unflatten_dict({k: place(k, v) for k, v in flat.items()}), path)
 
 
 def save_target(target: Target, out_dir: str, dtype=None) -> str:
@@ -108,6 +151,7 @@ def save_target(target: Target, out_dir: str, dtype=None) -> str:
         hf["torch_dtype"] = hf["dtype"] = str(np.dtype(jnp.dtype(dtype)))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
+    target = scanned(target, False)  # checkpoints name layers one by one
     table = family_of(target.config).checkpoint(target.config)
     save_safetensors(os.path.join(out_dir, "model.safetensors"), export_params(target.params, table, dtype))
     return out_dir

@@ -16,7 +16,6 @@ from dflash_jax.decode.types import DecodeState, EngineSpec, Finish, Inputs, Row
 from dflash_jax.decode.verify import (chain_verify, commit, draft_view, plain_commit, plain_forward, stop_hits,
                                      tree_verify)
 from dflash_jax.sampling import apply_bitmask, choose, row_keys, token_logps
-from dflash_jax.families import family_of
 from dflash_jax import state as state_lib
 from dflash_jax.state import NO_PAGE, new_pools
 
@@ -293,6 +292,7 @@ def pages_every_layer(spec: EngineSpec) -> bool:
     """Whether pages hold every layer's whole state (no sliding ring, no recurrent state): what a cached prefix
     needs, since only pages can be shared."""
     def paged(s):
+        s = s.spec if isinstance(s, state_lib.StackedSpec) else s
         if isinstance(s, state_lib.SharedKVSpec):
             return True
         return isinstance(s, state_lib.KVSpec) and s.paged(spec.cache_len, spec.max_block, spec.page)
@@ -301,8 +301,9 @@ def pages_every_layer(spec: EngineSpec) -> bool:
 
 
 def page_specs(spec: EngineSpec) -> tuple[tuple, tuple]:
-    """The layer specs (``state.KVSpec``, ...) of the target's cache and the draft's (none for plain decoding)."""
-    target = family_of(spec.target_config).state_specs(spec.target_config)
+    """The layer specs (``state.KVSpec``, ...; a scanned run's ``StackedSpec``) of the target's cache and the draft's
+    (none for plain decoding)."""
+    target = target_lib.state_specs(spec.target_config)
     return target, draft_lib.state_specs(spec.draft_config) if spec.speculative else ()
 
 

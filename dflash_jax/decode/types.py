@@ -13,7 +13,15 @@ import numpy as np
 from dflash_jax import sharding
 from dflash_jax.drafts import DraftConfig
 from dflash_jax.sampling import RowSampling
-from dflash_jax.state import PagedKV
+from dflash_jax.state import PAGE_AXES, PagedKV, Stacked
+
+
+def _pin_pools(k, v, page: int, mesh):
+    """One paged layer's pools (a scanned run's: stacked, layer-first) pinned: KV heads over tensor."""
+    pools = PagedKV(k, v, None, page)
+    pinned = sharding.constrain_state(Stacked(pools), mesh).inner if k.ndim > len(PAGE_AXES) else \
+        sharding.constrain_state(pools, mesh)
+    return pinned.k, pinned.v
 
 
 class Finish(enum.IntEnum):
@@ -55,8 +63,7 @@ class EngineSpec:
         names = ROW_FIELDS + (("pages",) if state.pages is not None else ())
         rows = sharding.constrain_batch(tuple(getattr(state, n) for n in names), self.mesh)
         pools = state.pools and tuple(  # each paged layer's pools: KV heads over tensor (``state.PAGE_AXES``)
-            tuple((p.k, p.v) for p in (sharding.constrain_state(PagedKV(k, v, None, self.page), self.mesh)
-                                       for k, v in group)) for group in state.pools)
+            tuple(_pin_pools(k, v, self.page, self.mesh) for k, v in group) for group in state.pools)
         return state.replace(**dict(zip(names, rows)), pools=pools,
                              tcache=sharding.constrain_cache(state.tcache, self.mesh),
                              dcache=sharding.constrain_cache(state.dcache, self.mesh))

@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from dflash_jax.attention import MAX_QUERIES, attend, decode_attention, paged_decode_attention, position_mask
+from dflash_jax import layer_scan
 from dflash_jax.checkpoints import NameTable
 from dflash_jax.config import TargetConfig
 from dflash_jax.families.family import Family
@@ -127,12 +128,20 @@ class Decoder(nn.Module):
 
     cfg: TargetConfig
     attention_impl: str = "auto"
+    # (first layer, count) of each run scanned as one (``layer_scan``; ``target.layer_groups``); empty: unrolled
+    groups: tuple = ()
     layer_class: ClassVar[type] = DecoderLayer  # a family whose layers differ only after attention swaps it
 
     def setup(self):
         c = self.cfg
         self.embed_tokens = Embed(c.vocab_size, c.hidden_size)
-        self.layers = [self.layer_class(c, i, self.attention_impl) for i in range(c.num_hidden_layers)]
+        if self.groups:  # each run under its own name (``layer_scan.group_name``)
+            for first, count in self.groups:
+                cls = self.layer_class if count == 1 else layer_scan.scanned(self.layer_class, count)
+                setattr(self, layer_scan.group_name(first, count), cls(c, first, self.attention_impl)
+                        if count == 1 else cls(self.layer_class, c, first, self.attention_impl))
+        else:
+            self.layers = [self.layer_class(c, i, self.attention_impl) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, zero_centred=c.norm_offset)
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.vocab_size, False, ("embed", "vocab"))
@@ -169,24 +178,41 @@ class Decoder(nn.Module):
         with several documents (positions restarting at 0 in each) gives each its unpacked features.
         ``new_mask`` [B, T, T] bool (with a cache): tree verification (``DecoderLayer.tree_attention``).
         """
+        self.check_feature_ids(feature_layer_ids)
         x = self.embed_inputs(input_ids)
-        hidden, states = [x], []
-        for i, layer in enumerate(self.layers):
-            x, s = layer(x, positions, None if cache is None else cache.layers[i], segment_ids, new_mask)
-            hidden.append(x)
+        picked, states = {-1: x}, []
+        if not self.groups:
+            for i, layer in enumerate(self.layers):
+                x, s = layer(x, positions, None if cache is None else cache.layers[i], segment_ids, new_mask)
+                picked[i] = x
+                states.append(s)
+        for first, count in self.groups:
+            layer = getattr(self, layer_scan.group_name(first, count))
+            s = None if cache is None else cache.layers[len(states)]
+            if count == 1:
+                x, s = layer(x, positions, s, segment_ids, new_mask)
+                picked[first] = x
+            else:
+                x, s, outs = layer_scan.run(layer, first, count, x, positions, s, feature_layer_ids, segment_ids,
+                                            new_mask)
+                picked.update(outs)
             states.append(s)
-        return self.outputs(hidden, states, cache, feature_layer_ids, logits_index)
+        return self.outputs(x, picked, states, cache, feature_layer_ids, logits_index)
 
-    def outputs(self, hidden, states, cache, feature_layer_ids, logits_index):
-        """``hidden``: Hugging Face's ``hidden_states`` before the final norm (the embedding output, then every
-        layer's), ``states``: every layer's new state -> ``__call__``'s (logits, features, cache)."""
-        x, last = hidden[-1], self.cfg.num_hidden_layers - 1
+    def check_feature_ids(self, feature_layer_ids) -> None:
+        """Feature layer ids in -1..L-1 (a Python index would wrap: -2 would be the last layer's output)."""
+        last = self.cfg.num_hidden_layers - 1
         bad = [i for i in feature_layer_ids if not -1 <= i <= last]
-        if bad:  # a Python index would wrap (-2: the last layer's output)
+        if bad:
             raise ValueError(f"feature_layer_ids {list(feature_layer_ids)}: {bad} outside -1..{last}")
-        if last in feature_layer_ids:
-            hidden[-1] = self.norm(x)
-        features = jnp.concatenate([hidden[i + 1] for i in feature_layer_ids], axis=-1) if feature_layer_ids else None
+
+    def outputs(self, x, picked, states, cache, feature_layer_ids, logits_index):
+        """``x``: the last layer's output; ``picked``: Hugging Face's ``hidden_states[i + 1]`` before the final norm
+        (the output of layer i; -1: the embedding output) of at least each i in ``feature_layer_ids``; ``states``:
+        every layer's (run's) new state -> ``__call__``'s (logits, features, cache)."""
+        last = self.cfg.num_hidden_layers - 1
+        hidden = [self.norm(x) if i == last else picked[i] for i in feature_layer_ids]
+        features = jnp.concatenate(hidden, axis=-1) if feature_layer_ids else None
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
         if cache is not None:
@@ -205,4 +231,10 @@ def state_specs(cfg: TargetConfig) -> tuple[KVSpec, ...]:
                  for i in range(cfg.num_hidden_layers))
 
 
-FAMILY = Family(name="dense", config=TargetConfig, decoder=Decoder, checkpoint=checkpoint, state_specs=state_specs)
+def layer_kinds(cfg: TargetConfig) -> tuple:
+    """What sets a layer apart (``Family.layer_kinds``): its attention type (full, or a sliding window)."""
+    return cfg.layer_types
+
+
+FAMILY = Family(name="dense", config=TargetConfig, decoder=Decoder, checkpoint=checkpoint, state_specs=state_specs,
+                layer_kinds=layer_kinds)

@@ -443,19 +443,20 @@ class Decoder(dense.Decoder):
                  segment_ids=None, new_mask=None):
         """As ``dense.Decoder.__call__``; the embedding scaled by sqrt(hidden), per-layer inputs, shared K/V."""
         c = self.cfg
+        self.check_feature_ids(feature_layer_ids)
         x = self.embed(input_ids)
         x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
         per_layer = self.per_layer_inputs(input_ids, x) if c.hidden_size_per_layer_input else None
-        hidden, states, shared = [x], [], {}
+        picked, states, shared = {-1: x}, [], {}
         for i, layer in enumerate(self.layers):
             source = c.kv_source(i)
             x, s, kv = layer(x, positions, None if cache is None else cache.layers[i], segment_ids, new_mask,
                              per_layer_input=None if per_layer is None else per_layer[:, :, i],
                              shared_kv=None if source is None else shared[source])
             shared[i] = kv
-            hidden.append(x)
+            picked[i] = x
             states.append(s)
-        return self.outputs(hidden, states, cache, feature_layer_ids, logits_index)
+        return self.outputs(x, picked, states, cache, feature_layer_ids, logits_index)
 
 
 def checkpoint(cfg: Gemma4Config):

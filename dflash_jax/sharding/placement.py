@@ -10,7 +10,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dflash_jax.sharding.mesh import BATCH_AXES, batch_multiple, mesh_str
 from dflash_jax.sharding.rules import LOGICAL_RULES, logical_fit, logical_to_mesh
-from dflash_jax.state import KV_AXES
+from dflash_jax.state import KV_AXES, PagedKV, Stacked
 
 
 def _as_dict(tree):
@@ -89,11 +89,24 @@ def cache_spec(mesh: Mesh, kv_heads: int, rules=LOGICAL_RULES) -> P:
 
 def constrain_state(state, mesh: Mesh, rules=LOGICAL_RULES):
     """Inside jit: pin every array of a decode state (a layer's, or a ``LayerStates``'s own) to the layout its
-    class's ``LOGICAL_AXES`` give through ``rules``."""
+    class's ``LOGICAL_AXES`` give through ``rules``; a scanned run's (``Stacked``) with its layer axis
+    (``layers``) second, or first in a paged run's pools."""
+    if isinstance(state, Stacked):
+        inner = state.inner
+        paged = isinstance(inner, PagedKV)
+        axes = {f: ("layers",) + names if paged and f in ("k", "v") else
+                names if paged else names[:1] + ("layers",) + names[1:]
+                for f, names in type(inner).LOGICAL_AXES.items()}
+        return state.replace(inner=_pin(inner, axes, mesh, rules))
     axes = getattr(type(state), "LOGICAL_AXES", None)
     if axes is None:
         raise ValueError(f"{type(state).__name__} declares no LOGICAL_AXES (the logical axes of its leaves)")
 
+    return _pin(state, axes, mesh, rules)
+
+
+def _pin(state, axes: dict, mesh: Mesh, rules):
+    """``state`` with every array of each field in ``axes`` pinned to that field's logical axes."""
     def pin(names):
         return lambda x: jax.lax.with_sharding_constraint(
             x, NamedSharding(mesh, logical_to_mesh(names, x.shape, mesh, rules)))
