@@ -31,16 +31,16 @@ def decoder(cfg, attention_impl: str = "auto") -> nn.Module:
     return family_of(cfg).decoder(cfg, attention_impl)
 
 
-def layer_groups(cfg) -> tuple[tuple[int, int], ...]:
-    """(first layer, count) of each run of layers that scans as one (``cfg.scan_layers``); every layer alone
-    without it. An error for a family whose layers do not scan yet."""
+def layer_groups(cfg) -> tuple[tuple[int, int, int], ...]:
+    """(first layer, repeats, period) of each group of layers that scans as one (``cfg.scan_layers``;
+    ``layer_scan.groups``); every layer alone without it. An error for a family whose layers do not scan yet."""
     kinds = family_of(cfg).layer_kinds
     if not cfg.scan_layers:
-        return tuple((i, 1) for i in range(cfg.num_hidden_layers))
+        return tuple((i, 1, 1) for i in range(cfg.num_hidden_layers))
     if kinds is None:
         raise ValueError(f"scanned layers are not built for the {family_of(cfg).name} family yet "
                          f"(model_type {cfg.model_type!r}): leave scan_layers off")
-    return layer_scan.runs(kinds(cfg))
+    return layer_scan.groups(kinds(cfg))
 
 
 def state_specs(cfg) -> tuple:

@@ -3,8 +3,8 @@ program) at a real model's shape, from abstract parameters: nothing is allocated
 compiles on a laptop. Issue #52's yardstick for scanned layers (compile time grows with depth when layers are
 unrolled); docs/benchmarks.md records the table.
 
-    python scripts/compile_time.py [--synthetic qwen3-8b] [--hf-config config.json] [--batch-size 1] \
-        [--block-size 16] [--repeat 2] [--json]
+    python scripts/compile_time.py [--synthetic qwen3-8b] [--hf-config config.json] [--scan-layers] \
+        [--batch-size 1] [--block-size 16] [--repeat 2] [--json]
 
 ``--synthetic NAME``: a preset of ``dflash_jax.synthetic``; ``--hf-config``: any target family's config.json (or
 ``deepseek-v3``: DeepSeek-V3's own, written out below) with a new 5-layer draft of its widths. Each repeat
@@ -13,6 +13,7 @@ clears JAX's caches first (a cold compile every time); the persistent compilatio
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -49,9 +50,10 @@ def abstract(shapes, dtype=jnp.bfloat16):
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype if floating(s) else s.dtype), shapes)
 
 
-def pair(synthetic_name: str | None, hf_config: str | None, layers: int | None = None):
+def pair(synthetic_name: str | None, hf_config: str | None, layers: int | None = None, scan: bool = False):
     """(target, draft) with abstract parameters, and the shape's name; ``layers``: the target cut to its first
-    ``layers`` layers (how an unrolled step's compile time grows with depth)."""
+    ``layers`` layers (how an unrolled step's compile time grows with depth); ``scan``: its layers scanned
+    (``TargetConfig.scan_layers``)."""
     if synthetic_name:
         p = synthetic.preset(synthetic_name)
         hf, name, draft_layers, mask = p.target.to_hf(), synthetic_name, p.draft_layers, p.mask_token_id
@@ -63,7 +65,9 @@ def pair(synthetic_name: str | None, hf_config: str | None, layers: int | None =
         if hf.get("layer_types"):
             hf["layer_types"] = hf["layer_types"][:layers]
         name = f"{name}, first {layers} layers"
-    tcfg = config_from_hf(hf)
+    tcfg = dataclasses.replace(config_from_hf(hf), scan_layers=scan)
+    if scan:
+        name = f"{name}, scanned"
     n = tcfg.num_hidden_layers
     ids = synthetic.preset(synthetic_name).target_layer_ids if synthetic_name and layers is None else \
         choose_target_layer_ids(n, min(draft_layers, n))
@@ -94,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--synthetic", help="a preset of dflash_jax.synthetic (default qwen3-8b)")
     src.add_argument("--hf-config", help="a target's config.json, or deepseek-v3")
     p.add_argument("--layers", type=int, help="cut the target to its first N layers (default: all)")
+    p.add_argument("--scan-layers", action="store_true", help="the target's layers scanned (runs of identical "
+                   "layers compiled as one; see dflash_jax.layer_scan)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=2, help="cold compiles; the median is reported (default 2)")
@@ -107,7 +113,8 @@ def main() -> None:
     if a.repeat < 1 or a.batch_size < 1 or (a.layers is not None and a.layers < 1):
         p.error("--repeat, --batch-size and --layers must be >= 1")
     jax.config.update("jax_enable_compilation_cache", False)
-    target, draft, name = pair(a.synthetic or (None if a.hf_config else "qwen3-8b"), a.hf_config, a.layers)
+    target, draft, name = pair(a.synthetic or (None if a.hf_config else "qwen3-8b"), a.hf_config, a.layers,
+                               a.scan_layers)
     runs = [compile_once(target, draft, a.batch_size, a.block_size) for _ in range(a.repeat)]
     row = {"shape": name, "layers": target.config.num_hidden_layers, "batch": a.batch_size, "block": a.block_size,
            "backend": jax.default_backend(), "repeats": a.repeat,

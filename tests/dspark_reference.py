@@ -491,7 +491,7 @@ def dspark_greedy_decode(target_forward, w, cfg, prompt, max_new_tokens, stop_id
     the LAST round's entry is DeepSpec's uncut n+1 (or n), even where the trim drops some of its tokens, so
     1 + sum(acceptance_lengths) >= the number of new tokens, with equality unless the limit cut the last round.
     The prefill's token has no entry."""
-    B, mask = int(cfg["block_size"]), int(cfg["mask_token_id"])
+    B = int(cfg["block_size"])
     stop = {int(t) for t in stop_ids}
     out = [int(t) for t in prompt]
     P = len(out)

@@ -267,3 +267,34 @@ def backend_compiles():
     finally:
         jax.monitoring.unregister_event_duration_listener(timed)
         jax.monitoring.unregister_event_listener(loaded)
+
+
+def scanned_decodes_the_same(target, prompts, block: int = 4, new: int = 12, target_layer_ids=None):
+    """The target with its layers scanned (``target.scanned``) against itself unrolled: a forward's logits and every
+    layer's output within rounding of another program (``tolerances.forward_depth``), and the unrolled target's
+    plain greedy tokens decoded by the scanned one speculatively (a random draft of ``block``), in the closed batch
+    and the paged engine. Some layers must actually scan."""
+    import numpy as np
+
+    from dflash_jax import decode as S
+    from dflash_jax import target as T
+    from tolerances import assert_close, forward_depth
+
+    scanned = T.scanned(target)
+    assert any(repeats > 1 for _, repeats, _ in T.layer_groups(scanned.config))
+    n = target.config.num_hidden_layers
+    ids = np.asarray([prompts[0]], np.int32)
+    pos = np.arange(ids.shape[1], dtype=np.int32)[None]
+    layers = tuple(range(-1, n))
+    (want_logits, want_feats, _), (logits, feats, _) = (
+        T.forward(m.config, m.params, ids, pos, None, layers) for m in (target, scanned))
+    depth = forward_depth(target.config, ids.shape[1])  # the same sums, in another program's order
+    assert_close(logits, want_logits, depth, what="scanned logits")
+    assert_close(feats, want_feats, depth, what="scanned layer outputs")
+    draft = random_draft(target.config, block_size=block, target_layer_ids=target_layer_ids or (0, n // 2, n - 1))
+    want = [r.output_ids for r in S.generate(target, prompts, max_new_tokens=new, stop_token_ids=[])]
+    got = S.speculative_generate(scanned, draft, prompts, max_new_tokens=new, stop_token_ids=[])
+    assert [r.output_ids for r in got] == want
+    requests = [S.Request(p, max_new_tokens=new) for p in prompts]
+    got = S.continuous_generate(scanned, draft, requests, max_batch=2, stop_token_ids=[], warm=False)
+    assert [r.output_ids for r in got] == want

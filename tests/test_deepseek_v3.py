@@ -341,3 +341,10 @@ def test_missing_or_misshaped_tensor_is_named(deepseek, tmp_path):
         ("model.layers.1.mlp.gate.e_score_correction_bias", lambda a: np.zeros(E - 1, a.dtype)),
         ("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", lambda a: a[:-1])))
     jax.clear_caches()
+
+
+def test_scanned_layers_decode_what_unrolled_ones_do(deepseek):
+    """``scan_layers``: the family's repeating layers as one scan (``pairs.scanned_decodes_the_same``)."""
+    from pairs import scanned_decodes_the_same
+
+    scanned_decodes_the_same(deepseek[2], [[3, 5, 7, 2, 9], [4, 4, 1], [8, 2, 6, 1, 3, 5, 7]])

@@ -336,3 +336,10 @@ def test_packed_documents_keep_their_features(gptoss):
     unpacked forward's, since attention stays inside the document and positions restart at 0."""
     _, _, target = gptoss
     packed_features_match(target, ALL)
+
+
+def test_scanned_layers_decode_what_unrolled_ones_do(gptoss):
+    """``scan_layers``: the family's repeating layers as one scan (``pairs.scanned_decodes_the_same``)."""
+    from pairs import scanned_decodes_the_same
+
+    scanned_decodes_the_same(gptoss[2], [[3, 5, 7, 2, 9], [4, 4, 1], [8, 2, 6, 1, 3, 5, 7]])

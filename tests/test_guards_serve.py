@@ -14,7 +14,6 @@ import queue
 import threading
 
 import httpx
-import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families

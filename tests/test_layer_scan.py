@@ -16,17 +16,16 @@ from dflash_jax import model_sharding as ms
 from dflash_jax import sharding as sh
 from dflash_jax import target as T
 from dflash_jax.decode import Request
-from dflash_jax.state import Stacked
 from pairs import random_pair, tight_pool
 
-# full, full, sliding, sliding, full: two runs of two and a lone layer
-TYPES = ("full_attention",) * 2 + ("sliding_attention",) * 2 + ("full_attention",)
+# full, full, then (sliding, full) three times, then sliding: a run of one kind, a repeating pattern, a lone layer
+TYPES = ("full_attention",) * 2 + ("sliding_attention", "full_attention") * 3 + ("sliding_attention",)
 NEW = 20
 
 
 @pytest.fixture(scope="module")
 def pair():
-    target, draft = random_pair(layers=5, target_layer_ids=(0, 2, 4), layer_types=TYPES, sliding_window=6)
+    target, draft = random_pair(layers=9, target_layer_ids=(0, 5, 8), layer_types=TYPES, sliding_window=6)
     return target, T.scanned(target), draft
 
 
@@ -44,12 +43,15 @@ def plain(pair, prompts):
 
 def test_runs_group_equal_neighbours_and_parameters_stack_back(pair):
     target, scanned, _ = pair
-    assert layer_scan.runs("aabba") == ((0, 2), (2, 2), (4, 1))
-    assert layer_scan.runs("abc") == ((0, 1), (1, 1), (2, 1))
-    assert T.layer_groups(scanned.config) == ((0, 2), (2, 2), (4, 1))
-    assert sorted(k for k in scanned.params if k.startswith("layers_")) == ["layers_0_1", "layers_2_3", "layers_4"]
-    q = scanned.params["layers_2_3"]["layer"]["self_attn"]["q_proj"]["kernel"]
-    np.testing.assert_array_equal(q[1], target.params["layers_3"]["self_attn"]["q_proj"]["kernel"])
+    assert layer_scan.groups("aabba") == ((0, 2, 1), (2, 2, 1), (4, 1, 1))
+    assert layer_scan.groups("abc") == ((0, 1, 1), (1, 1, 1), (2, 1, 1))
+    # a repeating pattern scans by its period (the longest cover wins, then the shortest period)
+    assert layer_scan.groups("aaabaaabaaabcc") == ((0, 3, 4), (12, 2, 1))
+    assert layer_scan.groups("ababab") == ((0, 3, 2),)
+    assert T.layer_groups(scanned.config) == ((0, 2, 1), (2, 3, 2), (8, 1, 1))
+    assert sorted(k for k in scanned.params if k.startswith("layers_")) == ["layers_0_1", "layers_2_7", "layers_8"]
+    q = scanned.params["layers_2_7"]["layer_1"]["self_attn"]["q_proj"]["kernel"]  # layers 3, 5, 7
+    np.testing.assert_array_equal(q[1], target.params["layers_5"]["self_attn"]["q_proj"]["kernel"])
     # the scanned decoder's own parameter shapes are the stacked ones (random init, sharding rules read them)
     shapes = traverse_util.flatten_dict(T.param_shapes(scanned.config))
     assert {k: v.shape for k, v in shapes.items()} == {
@@ -66,13 +68,14 @@ def test_scanned_forward_equals_unrolled_with_and_without_a_cache(pair):
     target, scanned, _ = pair
     ids = np.random.default_rng(1).integers(0, 96, (2, 11)).astype(np.int32)
     pos = np.broadcast_to(np.arange(11, dtype=np.int32), ids.shape)
-    fid = (-1, 1, 2, 4)
+    fid = (-1, 1, 4, 5, 8)
     close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)  # noqa: E731
     a = T.forward(target.config, target.params, ids, pos, None, fid)
     b = T.forward(scanned.config, scanned.params, ids, pos, None, fid)
     close(a[0], b[0]), close(a[1], b[1])
     caches = [T.new_cache(m.config, 2, 32, jnp.float32, 4) for m in (target, scanned)]
-    assert isinstance(caches[1].layers[0], Stacked) and caches[1].layers[1].inner.k.shape[:2] == (2, 2)
+    assert [type(s).__name__ for s in caches[1].layers] == ["Stacked"] * 3 + ["SlidingKV"]
+    assert caches[1].layers[1].inner.k.shape[:2] == (2, 3)  # rows first, then the pattern's 3 sliding layers
     for start, end in ((0, 7), (7, 9), (9, 11)):
         outs = []
         for i, m in enumerate((target, scanned)):
@@ -98,7 +101,7 @@ def test_scanned_target_decodes_the_same_greedy_tokens_on_every_path(pair, promp
     assert same(decode.continuous_generate(scanned, draft, requests, max_batch=2, stop_token_ids=[], warm=False))
     engine = decode.Engine(scanned, draft, decode.DecodeOptions(max_new_tokens=NEW), max_batch=3, max_length=48)
     pools = engine.empty().pools[0]
-    assert len(pools) == 2 and pools[0][0].shape[:2] == (2, engine.pool.pages)  # the full runs' pools, stacked
+    assert [k.shape[:2] for k, _ in pools] == [(2, engine.pool.pages), (3, engine.pool.pages)]  # stacked
     stats = decode.RunStats()
     tight = decode.continuous_generate(scanned, draft, requests, max_batch=3, stop_token_ids=[], stats=stats,
                                        kv_cache_memory=tight_pool(scanned, draft, requests, 3), warm=False)
@@ -109,7 +112,7 @@ def test_scanned_target_on_a_mesh_decodes_what_one_device_does(pair, prompts, pl
     _, scanned, draft = pair
     mesh = sh.make_mesh("data=2,fsdp=1,tensor=4")
     ts, ds = ms.shard_target(scanned, mesh), ms.shard_draft(draft, mesh)
-    q = ts.params["layers_0_1"]["layer"]["self_attn"]["q_proj"]["kernel"]  # [layers, embed, heads]
+    q = ts.params["layers_0_1"]["layer_0"]["self_attn"]["q_proj"]["kernel"]  # [layers, embed, heads]
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor")
     out = decode.speculative_generate(ts, ds, prompts, max_new_tokens=NEW, stop_token_ids=[], block_size=4)
     assert [r.output_ids for r in out] == plain

@@ -228,3 +228,10 @@ def test_training_a_draft_for_mimo_runs_and_the_loss_falls(mimo, tmp_path):
     p = [[3, 5, 7, 2, 9], [4, 4, 1]]
     assert ([r.output_ids for r in S.speculative_generate(target, draft, p, max_new_tokens=16, stop_token_ids=[])]
             == [r.output_ids for r in S.generate(target, p, max_new_tokens=16, stop_token_ids=[])])
+
+
+def test_scanned_layers_decode_what_unrolled_ones_do(mimo):
+    """``scan_layers``: the family's repeating layers as one scan (``pairs.scanned_decodes_the_same``)."""
+    from pairs import scanned_decodes_the_same
+
+    scanned_decodes_the_same(mimo[2], [[3, 5, 7, 2, 9], [4, 4, 1], [8, 2, 6, 1, 3, 5, 7]])

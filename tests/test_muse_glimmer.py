@@ -335,3 +335,10 @@ def test_dflash2_draft_is_lossless(muse):
         got = S.speculative_generate(target, draft, PROMPTS, max_new_tokens=12, stop_token_ids=[], **kw)
         assert [r.output_ids for r in got] == want, kw
     jax.clear_caches()
+
+
+def test_scanned_layers_decode_what_unrolled_ones_do(muse):
+    """``scan_layers``: the family's repeating layers as one scan (``pairs.scanned_decodes_the_same``)."""
+    from pairs import scanned_decodes_the_same
+
+    scanned_decodes_the_same(muse[2], [[3, 5, 7, 2, 9], [4, 4, 1], [8, 2, 6, 1, 3, 5, 7]])

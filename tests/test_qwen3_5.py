@@ -259,3 +259,10 @@ def test_sampled_decoding_keeps_the_targets_joint_law(qwen):
     stat, threshold = chi_square(counts, want)
     assert stat < threshold, (stat, threshold)
     assert np.mean([r.acceptance_lengths[0] > 1 for r in out]) > 0.05  # drafts accepted: rollback exercised
+
+
+def test_scanned_layers_decode_what_unrolled_ones_do(qwen):
+    """``scan_layers``: the family's repeating layers as one scan (``pairs.scanned_decodes_the_same``)."""
+    from pairs import scanned_decodes_the_same
+
+    scanned_decodes_the_same(qwen[2], [[3, 5, 7, 2, 9], [4, 4, 1], [8, 2, 6, 1, 3, 5, 7]])

@@ -148,3 +148,10 @@ def test_a_missing_expert_names_the_tensor(qwen, tmp_path, drop, match):
     assert json.loads((bad / "config.json").read_text())["model_type"] == "qwen3_5_moe_text"
     with pytest.raises(ValueError, match=match):
         dj.load_target(str(bad))
+
+
+def test_scanned_layers_decode_what_unrolled_ones_do(qwen):
+    """``scan_layers``: the family's repeating layers as one scan (``pairs.scanned_decodes_the_same``)."""
+    from pairs import scanned_decodes_the_same
+
+    scanned_decodes_the_same(qwen[2], [[3, 5, 7, 2, 9], [4, 4, 1], [8, 2, 6, 1, 3, 5, 7]])

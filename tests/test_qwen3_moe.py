@@ -338,3 +338,10 @@ def test_training_a_draft_runs_and_the_loss_falls(saved, tmp_path):
     (r,) = S.speculative_generate(target, draft, [PROMPTS[1]], max_new_tokens=MAX_NEW, stop_token_ids=[EOS])
     (p,) = S.generate(target, [PROMPTS[1]], max_new_tokens=MAX_NEW, stop_token_ids=[EOS])
     assert r.output_ids == p.output_ids
+
+
+def test_scanned_layers_decode_what_unrolled_ones_do(saved):
+    """``scan_layers``: the family's repeating layers as one scan (``pairs.scanned_decodes_the_same``)."""
+    from pairs import scanned_decodes_the_same
+
+    scanned_decodes_the_same(saved("step2_sliding")[2], [[3, 5, 7, 2, 9], [4, 4, 1], [8, 2, 6, 1, 3, 5, 7]])

@@ -75,3 +75,15 @@ def test_fused_projection_of_the_wrong_shape_names_the_tensor(qwen, tmp_path):
     with pytest.raises(ValueError, match=r"tensor model\.layers\.2\.linear_attn\.in_proj_ba\.weight has shape "
                                          r"\[6, 32\] but the config implies \[8, 32\]"):
         dj.load_target(str(bad))
+
+
+def test_scanned_layers_decode_what_unrolled_ones_do(tiny_hf):
+    """``scan_layers``: the family's repeating layers as one scan (``pairs.scanned_decodes_the_same``); 8 layers
+    with every MLP sparse: (3 linear-attention layers, a full one) twice, scanned as one pattern."""
+    from dflash_jax.target import load_target, layer_groups, scanned
+    from pairs import scanned_decodes_the_same
+
+    path, _ = tiny_hf("qwen3_next_8", "qwen3_next", **{**CFG, "mlp_only_layers": [], "num_hidden_layers": 8})
+    target = load_target(path)
+    assert layer_groups(scanned(target).config) == ((0, 2, 4),)
+    scanned_decodes_the_same(target, [[3, 5, 7, 2, 9], [4, 4, 1], [8, 2, 6, 1, 3, 5, 7]])

@@ -322,4 +322,4 @@ def state_specs(cfg: DeepseekV3Config) -> tuple[KVSpec, ...]:
 
 
 FAMILY = Family(name="deepseek_v3", config=DeepseekV3Config, decoder=Decoder, checkpoint=checkpoint,
-                state_specs=state_specs, logical_rules=moe.LOGICAL_RULES)
+                state_specs=state_specs, logical_rules=moe.LOGICAL_RULES, layer_kinds=qwen3_moe.layer_kinds)

@@ -128,18 +128,20 @@ class Decoder(nn.Module):
 
     cfg: TargetConfig
     attention_impl: str = "auto"
-    # (first layer, count) of each run scanned as one (``layer_scan``; ``target.layer_groups``); empty: unrolled
+    # (first layer, repeats, period) of each group scanned as one (``layer_scan``; ``target.layer_groups``); empty:
+    # unrolled
     groups: tuple = ()
     layer_class: ClassVar[type] = DecoderLayer  # a family whose layers differ only after attention swaps it
 
     def setup(self):
         c = self.cfg
         self.embed_tokens = Embed(c.vocab_size, c.hidden_size)
-        if self.groups:  # each run under its own name (``layer_scan.group_name``)
-            for first, count in self.groups:
-                cls = self.layer_class if count == 1 else layer_scan.scanned(self.layer_class, count)
-                setattr(self, layer_scan.group_name(first, count), cls(c, first, self.attention_impl)
-                        if count == 1 else cls(self.layer_class, c, first, self.attention_impl))
+        if self.groups:  # each group under its own name (``layer_scan.group_name``)
+            for first, repeats, period in self.groups:
+                setattr(self, layer_scan.group_name(first, repeats, period),
+                        self.layer_class(c, first, self.attention_impl) if repeats == 1 else
+                        layer_scan.scanned(self.layer_class, repeats)(self.layer_class, c, first, period,
+                                                                      self.attention_impl))
         else:
             self.layers = [self.layer_class(c, i, self.attention_impl) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, zero_centred=c.norm_offset)
@@ -186,17 +188,18 @@ class Decoder(nn.Module):
                 x, s = layer(x, positions, None if cache is None else cache.layers[i], segment_ids, new_mask)
                 picked[i] = x
                 states.append(s)
-        for first, count in self.groups:
-            layer = getattr(self, layer_scan.group_name(first, count))
-            s = None if cache is None else cache.layers[len(states)]
-            if count == 1:
-                x, s = layer(x, positions, s, segment_ids, new_mask)
+        for first, repeats, period in self.groups:  # a group's states: one per position in its period
+            layer = getattr(self, layer_scan.group_name(first, repeats, period))
+            s = None if cache is None else cache.layers[len(states):len(states) + period]
+            if repeats == 1:
+                x, s = layer(x, positions, None if s is None else s[0], segment_ids, new_mask)
                 picked[first] = x
-            else:
-                x, s, outs = layer_scan.run(layer, first, count, x, positions, s, feature_layer_ids, segment_ids,
-                                            new_mask)
-                picked.update(outs)
-            states.append(s)
+                states.append(s)
+                continue
+            x, s, outs = layer_scan.run(layer, first, repeats, period, x, positions, s, feature_layer_ids,
+                                        segment_ids, new_mask)
+            picked.update(outs)
+            states.extend(s or [None] * period)
         return self.outputs(x, picked, states, cache, feature_layer_ids, logits_index)
 
     def check_feature_ids(self, feature_layer_ids) -> None:

@@ -108,4 +108,4 @@ def checkpoint(cfg: GptOssConfig):
 
 
 FAMILY = Family(name="gpt_oss", config=GptOssConfig, decoder=Decoder, checkpoint=checkpoint,
-                state_specs=dense.state_specs, logical_rules=moe.LOGICAL_RULES)
+                state_specs=dense.state_specs, logical_rules=moe.LOGICAL_RULES, layer_kinds=dense.layer_kinds)

@@ -200,5 +200,10 @@ def state_specs(cfg: MiMoV2FlashConfig) -> tuple[KVSpec, ...]:
                  for i in range(cfg.num_hidden_layers))
 
 
+def layer_kinds(cfg: MiMoV2FlashConfig) -> tuple:
+    """What sets a layer apart (``Family.layer_kinds``): its attention (type, sizes) and its MLP (dense or sparse)."""
+    return tuple((t, cfg.layer_attention(i), cfg.mlp_layer_types[i]) for i, t in enumerate(cfg.layer_types))
+
+
 FAMILY = Family(name="mimo_v2_flash", config=MiMoV2FlashConfig, decoder=Decoder, checkpoint=checkpoint,
-                state_specs=state_specs, logical_rules=moe.LOGICAL_RULES)
+                state_specs=state_specs, logical_rules=moe.LOGICAL_RULES, layer_kinds=layer_kinds)

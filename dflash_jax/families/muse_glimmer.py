@@ -198,5 +198,10 @@ def checkpoint(cfg: MuseGlimmerConfig):
                                rewrite=skip_tensors(SKIPPED, "muse_glimmer"))
 
 
+def layer_kinds(cfg: MuseGlimmerConfig) -> tuple:
+    """What sets a layer apart (``Family.layer_kinds``): its attention type and its rope theta (0: NoPE)."""
+    return tuple(zip(cfg.layer_types, cfg.layer_rope_theta))
+
+
 FAMILY = Family(name="muse_glimmer", config=MuseGlimmerConfig, decoder=Decoder, checkpoint=checkpoint,
-                state_specs=dense.state_specs)
+                state_specs=dense.state_specs, layer_kinds=layer_kinds)

@@ -456,4 +456,5 @@ def stash_bytes(cfg: Qwen35Config, max_block: int, dtype=jnp.bfloat16) -> int:
                            if isinstance(spec, RecurrentSpec) for _, shape, d in spec.stash)
 
 
-FAMILY = Family(name="qwen3_5", config=Qwen35Config, decoder=Decoder, checkpoint=checkpoint, state_specs=state_specs)
+FAMILY = Family(name="qwen3_5", config=Qwen35Config, decoder=Decoder, checkpoint=checkpoint, state_specs=state_specs,
+                layer_kinds=dense.layer_kinds)  # linear or full attention

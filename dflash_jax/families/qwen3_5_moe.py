@@ -107,4 +107,4 @@ def checkpoint(cfg: Qwen35MoeConfig):
 
 
 FAMILY = Family(name="qwen3_5_moe", config=Qwen35MoeConfig, decoder=Decoder, checkpoint=checkpoint,
-                state_specs=qwen3_5.state_specs, logical_rules=moe.LOGICAL_RULES)
+                state_specs=qwen3_5.state_specs, logical_rules=moe.LOGICAL_RULES, layer_kinds=qwen3_moe.layer_kinds)

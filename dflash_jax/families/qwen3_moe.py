@@ -174,5 +174,10 @@ def checkpoint(cfg: Qwen3MoeConfig) -> NameTable:
                                leaves=(("gate_up_proj", "gate_up_proj", True), ("down_proj", "down_proj", True)))
 
 
+def layer_kinds(cfg) -> tuple:
+    """What sets a layer apart (``Family.layer_kinds``): its attention type and whether it routes to experts."""
+    return tuple((t, cfg.is_sparse(i)) for i, t in enumerate(cfg.layer_types))
+
+
 FAMILY = Family(name="qwen3_moe", config=Qwen3MoeConfig, decoder=Decoder, checkpoint=checkpoint,
-                state_specs=dense.state_specs, logical_rules=moe.LOGICAL_RULES)
+                state_specs=dense.state_specs, logical_rules=moe.LOGICAL_RULES, layer_kinds=layer_kinds)
