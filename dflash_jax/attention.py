@@ -7,7 +7,8 @@ kernels in ``dflash_jax/kernels/`` and are re-exported here;
 the dense reference on CPU; ``decode_attention`` dispatches decode / verify / draft-decode attention to
 the Pallas decode kernel on TPU/GPU and to the tiled jnp loop elsewhere (both read only the key tiles
 below each row's length); ``paged_decode_attention`` does the same over a paged cache (the paged kernel reads
-the rows' pages in place; the loop and reference gather them first). On a mesh (the trace's abstract mesh) the
+the rows' pages in place; the loop and reference gather them first); ``stacked_decode_attention`` the same over
+a scanned group's stacked caches (``state.Stacked``). On a mesh (the trace's abstract mesh) the
 kernels run per shard under ``shard_map`` (``sharding.per_shard``): rows over data*fsdp, heads over tensor.
 """
 from __future__ import annotations
@@ -18,21 +19,22 @@ from dflash_jax.kernels.block_attention import block_attention as block_attentio
 from dflash_jax.kernels.block_attention import block_attention_reference, kernel_supported
 from dflash_jax.kernels.decode_attention import MAX_QUERIES, decode_attention_loop, decode_attention_reference
 from dflash_jax.kernels.decode_attention import decode_attention as decode_attention_kernel
-from dflash_jax.kernels.decode_attention import decode_kernel_supported
+from dflash_jax.kernels.decode_attention import decode_kernel_supported, stacked_attention_loop
 from dflash_jax.kernels.paged_attention import gather_pages, paged_decode_attention_loop, paged_kernel_supported
 from dflash_jax.kernels.paged_attention import paged_decode_attention as paged_decode_attention_kernel
 from dflash_jax.kernels.reference import attend, position_mask
 from dflash_jax.sharding.per_shard import attention_per_shard
-from dflash_jax.state import PAGE_AXES, PagedKV
+from dflash_jax.state import PAGE_AXES, FullKV, PagedKV, view_page
 
 __all__ = ["DECODE_IMPLS", "MAX_QUERIES", "attend", "block_attention", "decode_attention", "paged_decode_attention",
-           "position_mask"]
+           "position_mask", "stacked_decode_attention"]
 
 DECODE_IMPLS = ("auto", "kernel", "interpret", "loop", "reference")
 _ROWS = ("batch", "length", "heads", "head_dim")  # block attention's q / k / v: [B, T, H(kv), D]
 _KV_ROWS = ("batch", "length", "kv_heads", "head_dim")
 _CACHE = ("cache_batch", "cache_len", "cache_kv_heads", "cache_head_dim")  # decode attention's k, v, k_new, v_new
 _QUERIES = ("cache_batch", "cache_len", "cache_heads", "cache_head_dim")
+_STACK = ("cache_batch", "layers", "cache_len", "cache_kv_heads", "cache_head_dim")  # a scanned group's k, v
 
 
 def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, *, block_size: int,
@@ -132,6 +134,36 @@ def paged_decode_attention(q, k_pages, v_pages, table, q_pos, lengths, k_new=Non
                                (_QUERIES, PAGE_AXES, PAGE_AXES, ("cache_batch", "cache_len"), ("cache_batch",),
                                 ("cache_batch",), _CACHE, _CACHE, ("cache_heads",), ("cache_batch",)),
                                what="paged decode attention")
+
+
+# positional: the attention operands (q, k, v, the layer, and their positions / lengths / masks), one order throughout
+def stacked_decode_attention(q, k, v, layer, q_pos, lengths, k_new=None, v_new=None, *,
+                             sliding_window: int | None = None, sinks=None, impl: str = "auto",
+                             new_causal: bool = False, new_mask=None, scale: float | None = None):
+    """``decode_attention`` over layer ``layer`` (a traced index) of a scanned group's full caches k [B, n, S, Hkv, D],
+    v [B, n, S, Hkv, Dv] (``state.Stacked``), never a slice of the layer (a copy of it, inside a scan): "loop" reads
+    its key tiles from the stack (``stacked_attention_loop``), the kernels each shard's rows as pages
+    (``state.FullKV.pages``, a reshape) through the paged kernel; "reference" is dense over the layer's slice."""
+    if impl == "auto":
+        supported = paged_kernel_supported(head_dim=q.shape[-1], kv_heads=k.shape[3], page=view_page(k.shape[2]),
+                                           v_head_dim=v.shape[-1])
+        impl = "kernel" if supported else "loop"
+    kw = dict(sliding_window=sliding_window, sinks=sinks, new_causal=new_causal, new_mask=new_mask, scale=scale)
+    if impl == "loop":
+        return stacked_attention_loop(q, k, v, layer, q_pos, lengths, k_new, v_new, **kw)
+    if impl == "reference":
+        return decode_attention(q, *FullKV(k, v, layer).view(), q_pos, lengths, k_new, v_new, impl=impl, **kw)
+    if impl not in ("kernel", "interpret"):
+        raise ValueError(f"impl must be one of {', '.join(DECODE_IMPLS)}, not {impl!r}")
+
+    # positional: one shard's operands, in the order attention_per_shard passes them
+    def local(q, k, v, layer, q_pos, lengths, k_new, v_new, sinks, new_mask):
+        return paged_decode_attention(q, *FullKV(k, v, layer).pages(), q_pos, lengths, k_new, v_new, impl=impl,
+                                      **{**kw, "sinks": sinks, "new_mask": new_mask})
+
+    return attention_per_shard(local, (q, k, v, layer, q_pos, lengths, k_new, v_new, sinks, new_mask),
+                               (_QUERIES, _STACK, _STACK, (), ("cache_batch",), ("cache_batch",), _CACHE, _CACHE,
+                                ("cache_heads",), ("cache_batch",)), what="stacked decode attention")
 
 
 def injected_attention(layer, h, positions, anchors, k_ctx, v_ctx, *, impl: str, decode: bool, ctx_start=None,

@@ -91,13 +91,14 @@ def placer(model_config, mesh: Mesh, rules=None) -> Callable[[tuple, np.ndarray]
     return place
 
 
-def load_sharded(target_path, draft_path, mesh: Mesh, dtype="float32"):
-    """(target, draft or None) loaded straight onto ``mesh`` (heads checked on both before any read)."""
+def load_sharded(target_path, draft_path, mesh: Mesh, dtype="float32", scan_layers: bool = False):
+    """(target, draft or None) loaded straight onto ``mesh`` (heads checked on both before any read);
+    ``scan_layers``: the target's layers scanned (``target.scanned``), placed stacked."""
     tpath = resolve_path(target_path)
-    tcfg = config_from_hf(tpath)
+    tcfg = dataclasses.replace(config_from_hf(tpath), scan_layers=scan_layers)
     dpath = resolve_path(draft_path) if draft_path else None
     dcfg = DraftConfig.from_hf(dpath) if dpath else None
     rules = model_rules(mesh, tcfg, *([dcfg] if dcfg else []))
-    target = target_lib.load_target(tpath, dtype=dtype, place=placer(tcfg, mesh, rules))
+    target = target_lib.load_target(tpath, dtype=dtype, place=placer(tcfg, mesh, rules), scan_layers=scan_layers)
     draft = draft_lib.load_draft(dpath, dtype=dtype, place=placer(dcfg, mesh, rules)) if dpath else None
     return target, draft

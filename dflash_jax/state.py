@@ -57,6 +57,17 @@ def take_rows(cache, slots):
     return jax.vmap(lambda c, s: c[s])(cache, slots)
 
 
+def two_at_least(index, values, dropped):
+    """A write of one token (``index`` [1, 1], ``values`` [1, 1, ...]) as two, the second at the out-of-range index
+    ``dropped``: XLA makes a one-update scatter a dynamic-update-slice, and in a scan whose layers read the stacked
+    cache through a reshape (``pages``) it then copies the whole stack at every layer (plain decoding of one row
+    5x slower on CPU)."""
+    if index.size != 1:
+        return index, values
+    return (jnp.concatenate([index, jnp.full_like(index, dropped)], axis=1),
+            jnp.concatenate([values, jnp.zeros_like(values)], axis=1))
+
+
 def ring_slots(positions, keep, r: int):
     """The slot of each position one write stores in a ring of R = ``r`` slots: ``position % r`` for the kept
     (``keep`` [B, T]) positions among the newest R of their row (last - R < position <= last), ``r`` (out of
@@ -69,24 +80,53 @@ def ring_slots(positions, keep, r: int):
 
 @flax.struct.dataclass
 class FullKV:
-    """Keys [B, S, K, H] / values [B, S, K, Hv] of every position so far; slot s holds position s."""
+    """Keys [B, S, K, H] / values [B, S, K, Hv] of every position so far; slot s holds position s.
+
+    ``layer`` (a traced index; None: an ordinary cache): layer ``layer`` of a scanned group's stack (``Stacked``),
+    k / v then every layer's, [B, n, S, K, H]: written in place at that layer, read as pages (``pages``)."""
 
     LOGICAL_AXES: ClassVar[dict] = {"k": KV_AXES, "v": KV_AXES}
     k: jax.Array
     v: jax.Array
+    layer: Any = None
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[-3]
+
+    def _put(self, cache, slots, values):
+        """``put_rows`` into this layer's slots."""
+        if self.layer is None:
+            return put_rows(cache, slots, values)
+        slots, values = two_at_least(slots, values, self.max_len)
+        return jax.vmap(lambda c, s, u: c.at[self.layer, s].set(u.astype(c.dtype), mode="drop"))(cache, slots, values)
+
+    def _take(self, cache, slots):
+        """``take_rows`` of this layer's slots."""
+        if self.layer is None:
+            return take_rows(cache, slots)
+        return jax.vmap(lambda c, s: c[self.layer, s])(cache, slots)
 
     def write(self, k_new, v_new, positions) -> "FullKV":
         """Store k_new / v_new [B, T, K, H] at ``positions`` [B, T] (padding and out-of-range are dropped)."""
         slots = jnp.where(positions >= 0, positions, self.max_len)
-        return FullKV(put_rows(self.k, slots, k_new), put_rows(self.v, slots, v_new))
+        return self.replace(k=self._put(self.k, slots, k_new), v=self._put(self.v, slots, v_new))
 
     def view(self):
         """Keys [B, S, K, H] and values [B, S, K, Hv] by position (slot s = position s)."""
-        return self.k, self.v
+        if self.layer is None:
+            return self.k, self.v
+        return tuple(jax.lax.dynamic_index_in_dim(a, self.layer, 1, keepdims=False) for a in (self.k, self.v))
+
+    def pages(self):
+        """A layer of a stack as a paged cache, read in place: (key pool, value pool, block table) of the whole
+        stack's rows as pages of ``view_page`` slots, the table this layer's (``paged_decode_attention``)."""
+        b, n, slots = self.k.shape[:3]
+        page = view_page(slots)
+        cols = slots // page
+        flat = lambda a: a.reshape((b * n * cols, page) + a.shape[3:])  # noqa: E731 (free: rows, layers, slots)
+        first = (jnp.arange(b, dtype=jnp.int32) * n + self.layer)[:, None] * cols
+        return flat(self.k), flat(self.v), first + jnp.arange(cols, dtype=jnp.int32)[None]
 
     def update(self, k_new, v_new, positions):
         """-> (new state, keys, values [B, S', K, H], key positions [B, S'], key exists [B, S'])."""
@@ -106,8 +146,8 @@ class FullKV:
         any write (tree verification: the accepted path's K/V to contiguous positions)."""
         keep = src >= 0
         dst = jnp.where(keep, dst, self.max_len)
-        k, v = take_rows(self.k, jnp.maximum(src, 0)), take_rows(self.v, jnp.maximum(src, 0))
-        return FullKV(put_rows(self.k, dst, k), put_rows(self.v, dst, v))
+        k, v = self._take(self.k, jnp.maximum(src, 0)), self._take(self.v, jnp.maximum(src, 0))
+        return self.replace(k=self._put(self.k, dst, k), v=self._put(self.v, dst, v))
 
 
 @flax.struct.dataclass
@@ -175,13 +215,16 @@ class PagedKV:
     (rows first): the page holding row b's slots j*page..(j+1)*page-1 (>= P: none). Slot s holds position s.
 
     The engine stores the pools apart from the rows (``split_pages`` / ``join_pages``): a state's rows can then be
-    gathered, scattered and padded like any rows-first state while the pools stay in place."""
+    gathered, scattered and padded like any rows-first state while the pools stay in place. ``layer`` (a traced
+    index; None: an ordinary pool): layer ``layer`` of a scanned group's stacked pools [n, P, page, ...]
+    (``Stacked``), written in place there and read through a layer-offset table (``pages``)."""
 
     LOGICAL_AXES: ClassVar[dict] = {"k": PAGE_AXES, "v": PAGE_AXES, "table": ("cache_batch", "cache_len")}
     k: Any
     v: Any
     table: Any
     page: int = flax.struct.field(pytree_node=False, default=16)
+    layer: Any = None
 
     @property
     def max_len(self) -> int:
@@ -194,26 +237,42 @@ class PagedKV:
     def _where(self, positions):
         """(page, offset) [B, T] of ``positions`` [B, T]; page P (a write there is dropped) for padding, positions
         past the table and slots of no page."""
-        pages, size = self.k.shape[0], self.page
+        pages, size = self.k.shape[-4], self.page
         col = jnp.clip(positions // size, 0, self.table.shape[1] - 1)
         page = jnp.take_along_axis(self.table, col, axis=1)
         ok = (positions >= 0) & (positions < self.max_len) & (page >= 0) & (page < pages)
         return jnp.where(ok, page, pages), positions % size
 
+    def _at(self, page, offset) -> tuple:
+        """The pool index of (page, offset) (a layer of a stack: in that layer's pool)."""
+        return (page, offset) if self.layer is None else (self.layer, page, offset)
+
     def write(self, k_new, v_new, positions) -> "PagedKV":
         """Store k_new / v_new [B, T, K, H] at ``positions`` [B, T] in the rows' pages (padding, positions past
         the table and slots of no page are dropped). Rows own distinct pages, so no two writes collide. Indexed
         in the pool's own layout (a flattened pool made XLA copy it on every step)."""
-        page, offset = self._where(positions)
-        put = lambda pool, new: pool.at[page, offset].set(new.astype(pool.dtype), mode="drop")  # noqa: E731
+        if self.layer is not None:
+            (positions, k_new), (_, v_new) = two_at_least(positions, k_new, -1), two_at_least(positions, v_new, -1)
+        at = self._at(*self._where(positions))
+        put = lambda pool, new: pool.at[at].set(new.astype(pool.dtype), mode="drop")  # noqa: E731
         return self.replace(k=put(self.k, k_new), v=put(self.v, v_new))
+
+    def pages(self):
+        """(key pool, value pool, block table) as the paged attention reads them in place: a layer of a stack as
+        one pool of every layer's pages (a free reshape) and its table offset to that layer's."""
+        if self.layer is None:
+            return self.k, self.v, self.table
+        n, pages = self.k.shape[:2]
+        flat = lambda a: a.reshape((n * pages,) + a.shape[2:])  # noqa: E731
+        return flat(self.k), flat(self.v), _layer_table(self.table, pages, self.layer)
 
     def view(self):
         """``FullKV.view``: every row's pages in table order -> keys [B, n*page, K, H], values [B, n*page, K, Hv]
         (slots of no page read page 0: past the row's length, masked). The reference path's gather."""
-        at = jnp.clip(self.table, 0, self.k.shape[0] - 1)
+        k, v, table = self.pages()
+        at = jnp.clip(table, 0, k.shape[0] - 1)
         view = lambda pool: pool[at].reshape(at.shape[:1] + (-1,) + pool.shape[2:])  # noqa: E731
-        return view(self.k), view(self.v)
+        return view(k), view(v)
 
     # FullKV's protocol through ``write`` / ``view``: nothing to undo, a tree's tokens in slot order
     update, commit, tree_write = FullKV.update, FullKV.commit, FullKV.tree_write
@@ -223,8 +282,8 @@ class PagedKV:
         before any write."""
         keep = src >= 0
         page, offset = self._where(jnp.maximum(src, 0))
-        page = jnp.minimum(page, self.k.shape[0] - 1)  # a source of no page is never kept
-        return self.write(self.k[page, offset], self.v[page, offset], jnp.where(keep, dst, -1))
+        at = self._at(jnp.minimum(page, self.k.shape[-4] - 1), offset)  # a source of no page is never kept
+        return self.write(self.k[at], self.v[at], jnp.where(keep, dst, -1))
 
 
 @flax.struct.dataclass
@@ -305,7 +364,7 @@ def _layer_table(table, pages: int, layer):
     return jnp.where((table >= 0) & (table < pages), table + layer * pages, NO_PAGE).astype(jnp.int32)
 
 
-def _view_page(slots: int) -> int:
+def view_page(slots: int) -> int:
     """The page a stacked ``FullKV`` is read through (``Stacked.layer``): the largest power of two <= 128 dividing
     its slots."""
     return max(p for p in (128, 64, 32, 16, 8, 4, 2, 1) if slots % p == 0)
@@ -313,39 +372,29 @@ def _view_page(slots: int) -> int:
 
 @flax.struct.dataclass
 class Stacked:
-    """The states of n consecutive identical layers run as one scan (``dflash_jax.layer_scan``): ``inner`` is one
-    layer's state class with a layer axis on every leaf, second (rows stay first: the engine gathers and scatters
-    rows of every leaf), except a paged group's pools, layer-first [n, P, ...] (kept apart from the rows), and its
+    """The states of n layers of one kind run as one scan (``dflash_jax.layer_scan``): ``inner`` is one layer's
+    state class with a layer axis on every leaf, second (rows stay first: the engine gathers and scatters rows of
+    every leaf), except a paged group's pools, layer-first [n, P, ...] (kept apart from the rows), and its
     ``table``, one for every layer. ``layer(j)`` is layer j's state as its layer reads it, ``put(j, state)`` writes
-    it back; full-attention keys / values are read in place through a layer-offset block table (never sliced: a
-    slice of a cache in a scan is a copy of it)."""
+    it back; full-attention keys / values are never sliced (a slice of a cache in a scan is a copy of it): written
+    in place at their layer, read as pages through a layer-offset table."""
 
     inner: Any
 
     def layer(self, j):
-        """Layer j's state (j: a traced index): a ``PagedKV`` over the stacked pool for full attention (a
-        ``FullKV``'s rows as pages of ``_view_page`` slots), a slice of the stack otherwise."""
+        """Layer j's state (j: a traced index): full attention's the stack itself with ``layer`` j (written there
+        in place, read as pages), a slice of the stack otherwise (a ring, a recurrent state: small)."""
         s = self.inner
-        if isinstance(s, PagedKV):
-            n, pages = s.k.shape[:2]
-            flat = lambda a: a.reshape((n * pages,) + a.shape[2:])  # noqa: E731
-            return PagedKV(flat(s.k), flat(s.v), _layer_table(s.table, pages, j), s.page)
-        if isinstance(s, FullKV):
-            b, n, slots = s.k.shape[:3]
-            page = _view_page(slots)
-            cols = slots // page
-            flat = lambda a: a.reshape((b * n * cols, page) + a.shape[3:])  # noqa: E731
-            first = (jnp.arange(b, dtype=jnp.int32) * n + j)[:, None] * cols
-            return PagedKV(flat(s.k), flat(s.v), first + jnp.arange(cols, dtype=jnp.int32)[None], page)
+        if isinstance(s, (FullKV, PagedKV)):
+            return s.replace(layer=j)
         return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, j, 1, keepdims=False), s)
 
     def put(self, j, state) -> "Stacked":
         """``state`` (what layer j's forward returned for ``layer(j)``) written back as layer j's."""
-        s = self.inner
-        if isinstance(s, (PagedKV, FullKV)):
-            return self.replace(inner=s.replace(k=state.k.reshape(s.k.shape), v=state.v.reshape(s.v.shape)))
+        if isinstance(self.inner, (FullKV, PagedKV)):
+            return self.replace(inner=state.replace(layer=None))
         return self.replace(inner=jax.tree_util.tree_map(
-            lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x.astype(a.dtype), j, 1), s, state))
+            lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x.astype(a.dtype), j, 1), self.inner, state))
 
     def _map(self, fn) -> "Stacked":
         """``fn`` (one layer's state -> its new state) applied to every layer of the stack (vmapped)."""

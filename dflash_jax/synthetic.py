@@ -96,11 +96,12 @@ def preset(name: str) -> Preset:
     return PRESETS[key]
 
 
-def synthetic_pair(name: str, dtype="bfloat16", mesh=None, seed: int = 0) -> tuple[Target, Draft]:
+def synthetic_pair(name: str, dtype="bfloat16", mesh=None, seed: int = 0,
+                   scan_layers: bool = False) -> tuple[Target, Draft]:
     """(target, draft) of preset ``name`` with random weights in ``dtype``, on ``mesh`` (tensor-parallel per
-    the sharding rules) or the default device."""
+    the sharding rules) or the default device; ``scan_layers``: the target's layers scanned (``target.scanned``)."""
     p = preset(name)
-    tcfg, dcfg = p.target, p.draft
+    tcfg, dcfg = dataclasses.replace(p.target, scan_layers=scan_layers), p.draft
     tsh = dsh = None
     if mesh is not None:
         from dflash_jax import model_sharding as ms

@@ -23,6 +23,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "may be -1 = the rest) or 'auto' (all devices on data). Params tensor-parallel (MoE experts "
                         "over expert), prompts and caches data-parallel. Multi-host: set DFLASH_DISTRIBUTED=1 (TPU "
                         "pods) or JAX_COORDINATOR_ADDRESS. Default: one device")
+    g.add_argument("--scan-layers", action="store_true",
+                   help="compile the target's repeating layers as one scan (runs of one kind, or a repeating "
+                        "pattern): each program compiles one body per group of layers, not one per layer, so a deep "
+                        "target starts faster (docs/scanned-layers.md); outputs unchanged. Default: unrolled")
     d = p.add_argument_group("decoding")
     d.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
     d.add_argument("--max-length", type=int, default=None,

@@ -34,9 +34,10 @@ def load_models(args, prompts: list[dict] = ()):
         if getattr(args, "mesh", None):
             from dflash_jax import model_sharding
 
-            target, draft = model_sharding.load_sharded(target_path, draft_path, sharding.make_mesh(args.mesh), dtype)
+            target, draft = model_sharding.load_sharded(target_path, draft_path, sharding.make_mesh(args.mesh), dtype,
+                                                        scan_layers=args.scan_layers)
         else:
-            target = dj.load_target(target_path, dtype=dtype)
+            target = dj.load_target(target_path, dtype=dtype, scan_layers=args.scan_layers)
             draft = dj.load_draft(draft_path, dtype=dtype) if draft_path else None
         if draft is not None:
             from dflash_jax.drafts.model import check_pair

@@ -321,7 +321,7 @@ def run(args) -> int:
 
         sharding.maybe_initialize_distributed()
         mesh = sharding.make_mesh(args.mesh)
-    target, draft = syn.synthetic_pair(args.synthetic, dtype, mesh, seed=args.seed)
+    target, draft = syn.synthetic_pair(args.synthetic, dtype, mesh, seed=args.seed, scan_layers=args.scan_layers)
     sizes = {"target_params": syn.num_params(target.params), "draft_params": syn.num_params(draft.params)}
     print(f"synthetic {args.synthetic}: {preset.source}; random {dtype} weights ({sizes['target_params'] / 1e9:.3g}B "
           f"target, {sizes['draft_params'] / 1e9:.3g}B draft); acceptance SIMULATED", file=sys.stderr)

@@ -26,6 +26,8 @@
 #   group        sample groups (32 prompts x 8 samples) with vs without prefix caching
 #   compile8b, compiledsv3   seconds to trace / lower / compile one decode step at Qwen3-8B's and DeepSeek-V3's
 #                shapes (abstract weights: nothing allocated; issue #52's yardstick for scanned layers)
+#   compile8bscan, compiledsv3scan   the same with the target's layers scanned (--scan-layers)
+#   synthscan    the synthetic step with scanned layers (--scan-layers): its tokens/s beside "synthetic"'s
 #   cacheplan    Qwen3-8B + draft at 8K context: rows that fit 16 / 32 / 80 / 141 GB, slots vs paged (shapes only)
 #   structured   the demo pair, 16 prompts through 16 rows: plain vs DFlash, each with and without a JSON schema
 #                (constrained DFlash identical to constrained plain; the cost of the masks)
@@ -34,7 +36,7 @@
 set -u
 OUT=${1:-gpu_results}
 shift || true
-STEPS=${*:-kernel synthetic context train adaptive tree16 tree64 tree256 gdntree serve load paged prefix group compile8b compiledsv3 cacheplan structured grpo grpofrozen grpoplain}
+STEPS=${*:-kernel synthetic context train adaptive tree16 tree64 tree256 gdntree serve load paged prefix group compile8b compiledsv3 compile8bscan compiledsv3scan synthscan cacheplan structured grpo grpofrozen grpoplain}
 mkdir -p "$OUT"
 python - <<'EOF' > "$OUT/devices.txt" 2>&1
 import jax
@@ -77,6 +79,10 @@ step prefix 300 python -m infer.serve_benchmark --max-batch 64 --concurrency 8 -
 step group 300 python -m infer.group_benchmark --num-prompts 32 --group 8 --max-batch 64 --json
 step compile8b 300 python scripts/compile_time.py --synthetic qwen3-8b --json
 step compiledsv3 400 python scripts/compile_time.py --hf-config deepseek-v3 --repeat 1 --json
+step compile8bscan 300 python scripts/compile_time.py --synthetic qwen3-8b --scan-layers --json
+step compiledsv3scan 400 python scripts/compile_time.py --hf-config deepseek-v3 --repeat 1 --scan-layers --json
+step synthscan 240 python -m infer.benchmark --synthetic qwen3-8b --replay-tau 6.5 --block-size 16 \
+  --batch-size 1,8 --context 1024,8192 --scan-layers --json
 step cacheplan 60 python -m infer.cache_plan --preset qwen3-8b --memory 16,32,80,141 --context 8192 --json
 step structured 300 python -m infer.structured_benchmark --max-batch 16 --num-prompts 16 --max-new-tokens 128 --json
 step grpo 600 python examples/grpo.py --updates 20 --adapt-draft --check --json

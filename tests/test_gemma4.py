@@ -285,3 +285,12 @@ def test_tree_verification_equals_transformers_greedy(gemma):
     prompts = [[5, 7, 3, 4, 9, 6], [7, 7, 1, 2, 3, 11, 12, 9, 14], [2, 8, 13]]
     out = S.speculative_generate(target, draft, prompts, max_new_tokens=12, stop_token_ids=[], tree_budget=8)
     assert [r.output_ids for r in out] == [torch_greedy(model, p, 12) for p in prompts]
+
+
+def test_scanned_layers_are_refused_with_the_reason(gemma):
+    """Gemma 4's decoder (kv-shared layers, per-layer inputs) declares no layer kinds: ``--scan-layers`` fails
+    before reading the checkpoint, naming the family."""
+    from dflash_jax.target import load_target
+
+    with pytest.raises(ValueError, match="scanned layers are not built for the gemma4 family"):
+        load_target(gemma[0], scan_layers=True)

@@ -132,8 +132,3 @@ def test_a_scanned_load_reads_and_writes_per_layer_checkpoints(tiny_hf, tmp_path
     assert not again.config.scan_layers
     jax.tree_util.tree_map(np.testing.assert_array_equal, again.params, unrolled.params)
 
-
-def test_a_family_whose_layers_do_not_scan_says_so(tiny_hf):
-    path, _ = tiny_hf("qwen3_5_scan", "qwen3_5")
-    with pytest.raises(ValueError, match="scanned layers are not built for the qwen3_5 family"):
-        T.load_target(path, scan_layers=True)

@@ -14,7 +14,8 @@ from typing import ClassVar
 import flax.linen as nn
 import jax.numpy as jnp
 
-from dflash_jax.attention import MAX_QUERIES, attend, decode_attention, paged_decode_attention, position_mask
+from dflash_jax.attention import (MAX_QUERIES, attend, decode_attention, paged_decode_attention, position_mask,
+                                  stacked_decode_attention)
 from dflash_jax import layer_scan
 from dflash_jax.checkpoints import NameTable
 from dflash_jax.config import TargetConfig
@@ -25,9 +26,12 @@ from dflash_jax.state import LayerStates, FullKV, KVSpec, PagedKV, SlidingKV
 
 # positional: the attention operands (q, and their positions / lengths / own keys), as decode_attention orders them
 def _cache_attention(state, q, q_pos, lengths, k_new=None, v_new=None, **kw):
-    """``decode_attention`` over a full cache: a ``FullKV``'s rows, or a ``PagedKV``'s pages read in place."""
+    """``decode_attention`` over a full cache: a ``FullKV``'s rows, a ``PagedKV``'s pages read in place, or a scanned
+    layer's stack (``state.Stacked``: its pages, or its rows read as pages)."""
     if isinstance(state, PagedKV):
-        return paged_decode_attention(q, state.k, state.v, state.table, q_pos, lengths, k_new, v_new, **kw)
+        return paged_decode_attention(q, *state.pages(), q_pos, lengths, k_new, v_new, **kw)
+    if state.layer is not None:
+        return stacked_decode_attention(q, state.k, state.v, state.layer, q_pos, lengths, k_new, v_new, **kw)
     return decode_attention(q, *state.view(), q_pos, lengths, k_new, v_new, **kw)
 
 

@@ -140,6 +140,19 @@ def decode_attention_loop(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sl
                        new_mask=new_mask)
 
 
+# positional: the attention operands (q, the stacked caches, the layer, positions / lengths, own keys)
+def stacked_attention_loop(q, k, v, layer, q_pos, lengths, k_new=None, v_new=None, *, sliding_window=None, sinks=None,
+                           scale=None, k_tile: int = 512, new_causal: bool = False, new_mask=None):
+    """``decode_attention_loop`` over layer ``layer`` (a traced index) of a scanned group's stacked caches
+    k [B, n, S, Hkv, D], v [B, n, S, Hkv, Dv]: each key tile read from the stack in place."""
+    tk = min(k_tile, k.shape[2])
+    tile = lambda start: tuple(lax.dynamic_slice(a, (0, layer, start, 0, 0), (a.shape[0], 1, tk) + a.shape[3:])[:, 0]  # noqa: E731
+                               for a in (k, v))
+    return online_loop(q, tile, tk, k.shape[2], k.shape[3], v.shape[-1], q_pos, lengths, k_new, v_new,
+                       sliding_window=sliding_window, sinks=sinks, scale=scale, new_causal=new_causal,
+                       new_mask=new_mask)
+
+
 # positional: the attention operands, the cache read through ``tile``
 def online_loop(q, tile, tk: int, s_len: int, hkv: int, dv: int, q_pos, lengths, k_new=None, v_new=None, *,
                 sliding_window=None, sinks=None, scale=None, new_causal=False, new_mask=None):

@@ -59,16 +59,17 @@ def _without(spec: P, axes: tuple[str, ...]) -> P:
 def attention_per_shard(kernel: Callable, args: Sequence, names: Sequence, *, what: str, rules=LOGICAL_RULES):
     """``kernel(*args)`` on each shard of the trace's mesh, each arg split as its logical ``names`` say (None
     args pass through). ``args[0]`` is the queries [B, T, Hq, D] (the output [B, T, Hq, Dv] has their layout),
-    ``args[1]`` the keys [B, S, Hkv, D]. Heads that cannot split alike (KV heads replicated while the query
+    ``args[1]`` the keys [.., Hkv, D] (rows [B, S, ...], a pool [P, page, ...], a scanned stack [B, n, S,
+    ...]). Heads that cannot split alike (KV heads replicated while the query
     heads split, as with fewer KV heads than the tensor axis; one KV head is fine) are not split at all:
     every device of a row shard runs all heads (said once in the log)."""
     mesh = trace_mesh()
     if mesh is None:
         return kernel(*args)
     specs = [None if a is None else logical_to_mesh(n, a.shape, mesh, rules) for a, n in zip(args, names)]
-    q_heads, kv_heads = _heads_axes(specs[0]), _heads_axes(specs[1])
-    if q_heads != kv_heads and not (not kv_heads and args[1].shape[2] == 1):
-        _say_once(f"{what}: {args[0].shape[2]} query heads and {args[1].shape[2]} KV heads do not split alike "
+    q_heads, kv_heads = _heads_axes(specs[0]), _heads_axes(specs[1], args[1].ndim - 2)
+    if q_heads != kv_heads and not (not kv_heads and args[1].shape[-2] == 1):
+        _say_once(f"{what}: {args[0].shape[2]} query heads and {args[1].shape[-2]} KV heads do not split alike "
                   f"over the mesh {dict(mesh.shape)}; the kernel runs every head on each device of a row shard")
         specs = [None if s is None else _without(s, q_heads + kv_heads) for s in specs]
     present = [i for i, a in enumerate(args) if a is not None]
