@@ -83,7 +83,8 @@ def unstack_params(params: dict, layer_groups) -> dict:
 class ScanStep(nn.Module):
     """One step of a group's scan: one period of layers (``layer_class`` built for the group's first period: every
     repeat is of the same kinds) on the carried activations, each layer's state read from and written back to its
-    position's ``Stacked`` state, its output kept in the carried feature buffer's slot (the last slot: not kept)."""
+    position's ``Stacked`` state, its output kept in the carried feature buffer's slot (the last slot: not kept).
+    A family whose layers take more than the dense ones overrides ``apply`` (Gemma 4: per-layer inputs)."""
 
     layer_class: type
     cfg: object
@@ -94,35 +95,44 @@ class ScanStep(nn.Module):
     def setup(self):
         self.layer = [self.layer_class(self.cfg, self.first + k, self.attention_impl) for k in range(self.period)]
 
+    def apply(self, layer, x, positions, state, segment_ids, new_mask, inputs):
+        """One layer of the period -> (x, its new state); ``inputs``: this layer's slice of the group's per-layer
+        inputs (None: none)."""
+        return layer(x, positions, state, segment_ids, new_mask)
+
     def __call__(self, carry, xs, positions, segment_ids, new_mask):
         x, picked, states = carry
-        j, slots = xs
+        j, slots, inputs = xs
         new = []
         for k, layer in enumerate(self.layer):
             state = None if states is None else states[k].layer(j)
-            x, state = layer(x, positions, state, segment_ids, new_mask)
+            x, state = self.apply(layer, x, positions, state, segment_ids, new_mask, None if inputs is None else inputs[k])
             new.append(None if states is None else states[k].put(j, state))
             if picked is not None:
                 picked = jax.lax.dynamic_update_index_in_dim(picked, x.astype(picked.dtype), slots[k], 0)
         return (x, picked, None if states is None else tuple(new)), None
 
 
-def scanned(layer_class: type, repeats: int) -> type:
-    """The module class of a group of ``repeats`` periods: ``ScanStep`` scanned, parameters stacked on axis 0
-    (logical axis ``layers``)."""
-    return nn.scan(ScanStep, variable_axes={"params": 0}, split_rngs={"params": True},
+def scanned(step: type, repeats: int) -> type:
+    """The module class of a group of ``repeats`` periods: ``step`` (a ``ScanStep``) scanned, parameters stacked on
+    axis 0 (logical axis ``layers``)."""
+    return nn.scan(step, variable_axes={"params": 0}, split_rngs={"params": True},
                    in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=repeats,
                    metadata_params={nn.PARTITION_NAME: "layers"})
 
 
 def run(module, first: int, repeats: int, period: int, x, positions, states, feature_layer_ids, segment_ids,
-        new_mask):
+        new_mask, inputs=None):
     """A group's scan -> (x, its positions' new ``Stacked`` states or None, {layer: output} of the
-    ``feature_layer_ids`` in it)."""
+    ``feature_layer_ids`` in it); ``inputs`` [B, T, L, ...]: per-layer inputs of every layer of the model (the
+    group's are scanned over)."""
     layers = range(first, first + repeats * period)
     wanted = [i for i in dict.fromkeys(feature_layer_ids) if i in layers]
     picked = jnp.zeros((len(wanted) + 1,) + x.shape, x.dtype) if wanted else None
     slots = jnp.asarray([wanted.index(i) if i in wanted else len(wanted) for i in layers], jnp.int32)
-    xs = (jnp.arange(repeats, dtype=jnp.int32), slots.reshape(repeats, period))
+    if inputs is not None:  # [B, T, r * p, ...] -> [r, p, B, T, ...]: a step's period
+        inputs = inputs[:, :, first:first + repeats * period]
+        inputs = jnp.moveaxis(inputs.reshape(inputs.shape[:2] + (repeats, period) + inputs.shape[3:]), (2, 3), (0, 1))
+    xs = (jnp.arange(repeats, dtype=jnp.int32), slots.reshape(repeats, period), inputs)
     (x, picked, states), _ = module((x, picked, states), xs, positions, segment_ids, new_mask)
     return x, states, {i: picked[n] for n, i in enumerate(wanted)}

@@ -69,7 +69,7 @@ def test_gpu_script_commands_parse():
             assert getattr(args, "synthetic", None) in (None, *PRESETS), cmd
             seen.add(cmd[2])
     assert seen == set(parse) | {"scripts/gdn_verify_cost.py", "scripts/compile_time.py", "examples/grpo.py"} \
-        and len(commands) == 21
+        and len(commands) == 24
     # every step runs by default and is described in the header (prefix and group once were in neither)
     names = [line.split()[1] for line in text.splitlines() if line.startswith("step ")]
     default = re.search(r"STEPS=\$\{\*:-([^}]*)\}", text).group(1).split()

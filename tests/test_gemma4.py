@@ -287,10 +287,22 @@ def test_tree_verification_equals_transformers_greedy(gemma):
     assert [r.output_ids for r in out] == [torch_greedy(model, p, 12) for p in prompts]
 
 
-def test_scanned_layers_are_refused_with_the_reason(gemma):
-    """Gemma 4's decoder (kv-shared layers, per-layer inputs) declares no layer kinds: ``--scan-layers`` fails
-    before reading the checkpoint, naming the family."""
-    from dflash_jax.target import load_target
+def test_scanned_layers_decode_what_unrolled_ones_do(tmp_path):
+    """``scan_layers`` on 6 layers, (sliding, sliding, full) x 2, no kv-shared ones: one pattern of period 3 with
+    its per-layer inputs (``pairs.scanned_decodes_the_same``); with kv-shared layers (this module's target) no
+    layer scans."""
+    from dflash_jax.target import layer_groups, scanned
+    from pairs import scanned_decodes_the_same
 
-    with pytest.raises(ValueError, match="scanned layers are not built for the gemma4 family"):
-        load_target(gemma[0], scan_layers=True)
+    save_gemma4(str(tmp_path), num_hidden_layers=6, num_kv_shared_layers=0,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
+    target = dj.load_target(str(tmp_path))
+    assert layer_groups(scanned(target).config) == ((0, 2, 3),)
+    scanned_decodes_the_same(target, [[3, 5, 7, 2, 9], [4, 4, 1], [8, 2, 6, 1, 3, 5, 7]])
+
+
+def test_kv_shared_layers_are_not_scanned(gemma):
+    """A target with kv-shared layers: ``scan_layers`` leaves every layer alone (``gemma4.layer_kinds``)."""
+    from dflash_jax.target import layer_groups, scanned
+
+    assert all(repeats == 1 for _, repeats, _ in layer_groups(scanned(gemma[2]).config))

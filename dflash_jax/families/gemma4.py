@@ -51,7 +51,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import moe
+from dflash_jax import layer_scan, moe
 from dflash_jax.attention import injected_attention
 from dflash_jax.checkpoints import skip_tensors
 from dflash_jax.config import RopeConfig, TargetConfig, read_config_json
@@ -411,8 +411,18 @@ class DecoderLayer(dense.DecoderLayer):
         return x * jnp.asarray(self.layer_scalar, x.dtype), state, kv
 
 
+class ScanStep(layer_scan.ScanStep):
+    """A scan step of Gemma 4 layers: each takes its per-layer input (kv-shared layers and their sources are never
+    scanned: ``layer_kinds``)."""
+
+    def apply(self, layer, x, positions, state, segment_ids, new_mask, inputs):
+        x, state, _ = layer(x, positions, state, segment_ids, new_mask, per_layer_input=inputs)
+        return x, state
+
+
 class Decoder(dense.Decoder):
     layer_class = DecoderLayer
+    scan_step = ScanStep
 
     def setup(self):
         super().setup()
@@ -448,14 +458,22 @@ class Decoder(dense.Decoder):
         x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
         per_layer = self.per_layer_inputs(input_ids, x) if c.hidden_size_per_layer_input else None
         picked, states, shared = {-1: x}, [], {}
-        for i, layer in enumerate(self.layers):
-            source = c.kv_source(i)
-            x, s, kv = layer(x, positions, None if cache is None else cache.layers[i], segment_ids, new_mask,
-                             per_layer_input=None if per_layer is None else per_layer[:, :, i],
-                             shared_kv=None if source is None else shared[source])
-            shared[i] = kv
-            picked[i] = x
-            states.append(s)
+        groups = self.groups or tuple((i, 1, 1) for i in range(c.num_hidden_layers))
+        for first, repeats, period in groups:  # a group's states: one per position in its period
+            s = None if cache is None else cache.layers[len(states):len(states) + period]
+            if repeats == 1:
+                layer = getattr(self, layer_scan.group_name(first, 1, 1)) if self.groups else self.layers[first]
+                source = c.kv_source(first)
+                x, s, shared[first] = layer(x, positions, None if s is None else s[0], segment_ids, new_mask,
+                                            per_layer_input=None if per_layer is None else per_layer[:, :, first],
+                                            shared_kv=None if source is None else shared[source])
+                picked[first] = x
+                states.append(s)
+                continue
+            x, s, outs = layer_scan.run(getattr(self, layer_scan.group_name(first, repeats, period)), first, repeats,
+                                        period, x, positions, s, feature_layer_ids, segment_ids, new_mask, per_layer)
+            picked.update(outs)
+            states.extend(s or [None] * period)
         return self.outputs(x, picked, states, cache, feature_layer_ids, logits_index)
 
 
@@ -513,5 +531,15 @@ def _dspark_for_target(target: Gemma4Config, num_layers: int) -> tuple[Gemma4Con
 DSPARK_STACK = DraftStack(architecture="Gemma4DSparkModel", model_type="gemma4_text", layers=dspark_layers,
                           layer=DraftLayer, scaled_embedding=True, hf_keys=_dspark_hf_keys,
                           for_target=_dspark_for_target)
+def layer_kinds(cfg: Gemma4Config) -> tuple:
+    """What sets a layer apart (``Family.layer_kinds``): its attention type and MLP width. With kv-shared layers
+    (the small E2B / E4B models) every layer is a kind of its own, none scanned: their sources' caches, read by
+    shared layers beside the sources' writes, were copied by XLA once some layers scanned (the 31B and 26B-A4B
+    share none)."""
+    if cfg.first_kv_shared_layer < cfg.num_hidden_layers:
+        return tuple(range(cfg.num_hidden_layers))
+    return tuple((t, cfg.mlp_width(i)) for i, t in enumerate(cfg.layer_types))
+
+
 FAMILY = Family(name="gemma4", config=Gemma4Config, decoder=Decoder, checkpoint=checkpoint, state_specs=state_specs,
-                logical_rules=moe.LOGICAL_RULES, draft_stacks=(DSPARK_STACK,))
+                logical_rules=moe.LOGICAL_RULES, draft_stacks=(DSPARK_STACK,), layer_kinds=layer_kinds)
