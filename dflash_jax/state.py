@@ -21,6 +21,9 @@ state; the engine then calls ``LayerStates.commit(kept)`` with the number of tho
   Sliding-window layers keep a per-row ``SlidingKV`` ring beside it (window + block slots: small and fixed, so
   paging it would save little and complicate the rollback), and recurrent states stay per row.
 
+* ``Stacked`` (a group of scanned layers, ``dflash_jax.layer_scan``): their states as one, a layer axis on every
+  leaf; each layer rolls back its own way (vmapped), and inside the scan reads and writes the stack in place.
+
 Tree verification (``speculative``, ``tree_budget``) writes its N + 1 tree tokens as positions n..n+N (slot
 order, not their repeating tree positions: ``tree_write``), then ``LayerStates.compact`` moves the accepted
 path to positions n..n+a before the commit (``Recurrent``: its stash slots), so the commit is the chain's.
@@ -365,7 +368,7 @@ def _layer_table(table, pages: int, layer):
 
 
 def view_page(slots: int) -> int:
-    """The page a stacked ``FullKV`` is read through (``Stacked.layer``): the largest power of two <= 128 dividing
+    """The page a stacked ``FullKV``'s rows are read as (``FullKV.pages``): the largest power of two <= 128 dividing
     its slots."""
     return max(p for p in (128, 64, 32, 16, 8, 4, 2, 1) if slots % p == 0)
 
@@ -415,7 +418,7 @@ class Stacked:
 
 @dataclasses.dataclass(frozen=True)
 class StackedSpec:
-    """``count`` consecutive layers of one state ``spec`` run as one scan: their state is a ``Stacked``."""
+    """``count`` layers of one state ``spec`` (a position of a scanned group's period): their state is a ``Stacked``."""
 
     spec: Any
     count: int

@@ -44,14 +44,15 @@ def layer_groups(cfg) -> tuple[tuple[int, int, int], ...]:
 
 
 def state_specs(cfg) -> tuple:
-    """One decode-state spec per layer, or per run of layers scanned as one (``layer_scan.group_specs``)."""
+    """One decode-state spec per layer; scanned, per lone layer and per position of a group's period
+    (``layer_scan.group_specs``)."""
     specs = family_of(cfg).state_specs(cfg)
     return layer_scan.group_specs(specs, layer_groups(cfg)) if cfg.scan_layers else specs
 
 
 def scanned(target: "Target", scan: bool = True) -> "Target":
-    """The target with its layers scanned (``scan`` True: runs of identical layers compiled as one, parameters
-    stacked; ``layer_scan``) or unrolled (False); the same target if it already is."""
+    """The target with its layers scanned (``scan`` True: repeating layers compiled as one, parameters stacked;
+    ``layer_scan``) or unrolled (False); the same target if it already is."""
     cfg = target.config
     if cfg.scan_layers == scan:
         return target

@@ -14,7 +14,7 @@ from dflash_jax import decode
 from dflash_jax.config import RopeConfig
 from dflash_jax.rl import RolloutConfig, SpeculativeRollout, from_tunix_qwen3, seed_int, to_tunix_qwen3
 from dflash_jax.rl import rollout as rl_rollout
-from dflash_jax.target import Target, init_params
+from dflash_jax.target import Target, init_params, scanned as scan
 from pairs import random_pair, tiny_target_config
 
 BUDGET = 10
@@ -148,6 +148,9 @@ def test_tunix_qwen3_layout_round_trip(tied):
     assert _equal(again, params)
     with pytest.raises(ValueError, match="dense qwen3"):
         to_tunix_qwen3(params, tiny_target_config(model_type="llama", qk_norm=False))
+    scanned = scan(Target(cfg, params))  # a scanned target's stacked layers: the same Tunix tree, and back
+    assert _equal(to_tunix_qwen3(scanned.params, scanned.config), t)
+    assert _equal(from_tunix_qwen3(t, scanned.config), scanned.params)
 
 
 def test_seed_and_interface_without_tunix():

@@ -217,7 +217,8 @@ class Decoder(nn.Module):
     def outputs(self, x, picked, states, cache, feature_layer_ids, logits_index):
         """``x``: the last layer's output; ``picked``: Hugging Face's ``hidden_states[i + 1]`` before the final norm
         (the output of layer i; -1: the embedding output) of at least each i in ``feature_layer_ids``; ``states``:
-        every layer's (run's) new state -> ``__call__``'s (logits, features, cache)."""
+        the cache's new entries (a layer's state, or a scanned group's per position) -> ``__call__``'s (logits,
+        features, cache)."""
         last = self.cfg.num_hidden_layers - 1
         hidden = [self.norm(x) if i == last else picked[i] for i in feature_layer_ids]
         features = jnp.concatenate(hidden, axis=-1) if feature_layer_ids else None

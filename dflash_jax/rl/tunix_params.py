@@ -30,6 +30,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from dflash_jax import layer_scan
+from dflash_jax.target import layer_groups
+
 _NORMS = ("input_layernorm", "post_attention_layernorm")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -65,8 +68,11 @@ def _layer(layers, i: int):
 
 
 def to_tunix_qwen3(params: Mapping[str, Any], config) -> dict:
-    """The project's qwen3 target parameters -> Tunix's Qwen3 NNX layout (nested dicts, int layer keys)."""
+    """The project's qwen3 target parameters (scanned or not) -> Tunix's Qwen3 NNX layout (nested dicts, int layer
+    keys)."""
     check_qwen3(config)
+    if config.scan_layers:
+        params = layer_scan.unstack_params(params, layer_groups(config))
     n, k, h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     layers = {}
     for i in range(config.num_hidden_layers):
@@ -88,8 +94,9 @@ def to_tunix_qwen3(params: Mapping[str, Any], config) -> dict:
 
 def from_tunix_qwen3(state, config) -> dict:
     """Tunix's Qwen3 NNX state (``nnx.State`` or nested dicts, see the module's table) -> the project's qwen3 target
-    parameters. Tied embeddings: Tunix's ``lm_head.w`` is not read (the project computes logits with the
-    embedding). A missing name raises KeyError naming it; a leaf of another size fails its reshape."""
+    parameters (stacked where ``config`` scans its layers). Tied embeddings: Tunix's ``lm_head.w`` is not read (the
+    project computes logits with the embedding). A missing name raises KeyError naming it; a leaf of another size
+    fails its reshape."""
     check_qwen3(config)
     s = pure_dict(state)
     nh, kh = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
@@ -108,4 +115,4 @@ def from_tunix_qwen3(state, config) -> dict:
             "mlp": {m: {"kernel": p["mlp"][m]["kernel"]} for m in _MLP}}
     if not config.tie_word_embeddings:
         out["lm_head"] = {"kernel": s["lm_head"]["w"]}
-    return out
+    return layer_scan.stack_params(out, layer_groups(config)) if config.scan_layers else out
