@@ -44,7 +44,8 @@ def load_models(args, prompts: list[dict] = ()):
             check_pair(target, draft)
     except (OSError, ValueError) as e:  # missing / unreadable files, malformed checkpoints and configs
         die(str(e))
-    print(f"target {target.path} ({target.config.model_type}, {param_dtype(target)})"
+    scan = ", layers scanned" if target.config.scan_layers else ""
+    print(f"target {target.path} ({target.config.model_type}, {param_dtype(target)}{scan})"
           + (f", draft {draft.path} ({param_dtype(draft)})" if draft is not None else ", no draft: plain decoding"),
           file=sys.stderr)
     return target, draft, load_tokenizer(target.path)

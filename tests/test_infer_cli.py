@@ -22,14 +22,16 @@ def run(module, argv, capsys):
     return code, capsys.readouterr()
 
 
-def test_generate_json_prompt_ids(pair_dirs, capsys):
+@pytest.mark.parametrize("scan", [(), ("--scan-layers",)])
+def test_generate_json_prompt_ids(pair_dirs, capsys, scan):
+    """Adaptive verify's rows and tokens; ``--scan-layers`` (the target's layers as one scan): the same tokens."""
     from infer import generate as g
 
     tdir, ddir, target = pair_dirs
     code, out = run(g, ["--target", tdir, "--draft", ddir, "--prompt-ids", "5,17,3", "--prompt-ids", "9",
                         "--max-new-tokens", "12", "--temperature", "0", "--ignore-eos", "--json",
-                        "--verify-lengths", "2,4,8", "--verify-threshold", "0.1"], capsys)
-    assert code == 0
+                        "--verify-lengths", "2,4,8", "--verify-threshold", "0.1", *scan], capsys)
+    assert code == 0 and ("layers scanned" in out.err) == bool(scan)
     rows = [json.loads(line) for line in out.out.strip().splitlines()]
     assert len(rows) == 2
     assert all(len(r["verify_lengths"]) == len(r["acceptance_lengths"]) for r in rows)
