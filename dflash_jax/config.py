@@ -144,7 +144,7 @@ class TargetConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
-    # not a Hugging Face field: runs of identical layers compiled as one scan, their parameters stacked
+    # not a Hugging Face field: repeating layers compiled as one scan, their parameters stacked
     # (``dflash_jax.layer_scan``; ``target.scanned``)
     scan_layers: bool = False
 

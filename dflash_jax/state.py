@@ -60,15 +60,15 @@ def take_rows(cache, slots):
     return jax.vmap(lambda c, s: c[s])(cache, slots)
 
 
-def two_at_least(index, values, dropped):
-    """A write of one token (``index`` [1, 1], ``values`` [1, 1, ...]) as two, the second at the out-of-range index
-    ``dropped``: XLA makes a one-update scatter a dynamic-update-slice, and in a scan whose layers read the stacked
-    cache through a reshape (``pages``) it then copies the whole stack at every layer (plain decoding of one row
-    5x slower on CPU)."""
+def two_at_least(index, dropped, *values):
+    """A write of one token (``index`` [1, 1], each of ``values`` [1, 1, ...]) as two, the second at the out-of-range
+    index ``dropped`` -> (index, *values): XLA makes a one-update scatter a dynamic-update-slice, and in a scan whose
+    layers read the stacked cache through a reshape (``pages``) it then copies the whole stack at every layer (plain
+    decoding of one row 5x slower on CPU)."""
     if index.size != 1:
-        return index, values
+        return (index, *values)
     return (jnp.concatenate([index, jnp.full_like(index, dropped)], axis=1),
-            jnp.concatenate([values, jnp.zeros_like(values)], axis=1))
+            *(jnp.concatenate([a, jnp.zeros_like(a)], axis=1) for a in values))
 
 
 def ring_slots(positions, keep, r: int):
@@ -101,7 +101,7 @@ class FullKV:
         """``put_rows`` into this layer's slots."""
         if self.layer is None:
             return put_rows(cache, slots, values)
-        slots, values = two_at_least(slots, values, self.max_len)
+        slots, values = two_at_least(slots, self.max_len, values)
         return jax.vmap(lambda c, s, u: c.at[self.layer, s].set(u.astype(c.dtype), mode="drop"))(cache, slots, values)
 
     def _take(self, cache, slots):
@@ -255,7 +255,7 @@ class PagedKV:
         the table and slots of no page are dropped). Rows own distinct pages, so no two writes collide. Indexed
         in the pool's own layout (a flattened pool made XLA copy it on every step)."""
         if self.layer is not None:
-            (positions, k_new), (_, v_new) = two_at_least(positions, k_new, -1), two_at_least(positions, v_new, -1)
+            positions, k_new, v_new = two_at_least(positions, -1, k_new, v_new)
         at = self._at(*self._where(positions))
         put = lambda pool, new: pool.at[at].set(new.astype(pool.dtype), mode="drop")  # noqa: E731
         return self.replace(k=put(self.k, k_new), v=put(self.v, v_new))

@@ -301,7 +301,7 @@ def pages_every_layer(spec: EngineSpec) -> bool:
 
 
 def page_specs(spec: EngineSpec) -> tuple[tuple, tuple]:
-    """The layer specs (``state.KVSpec``, ...; a scanned run's ``StackedSpec``) of the target's cache and the draft's
+    """The layer specs (``state.KVSpec``, ...; a scanned group's ``StackedSpec``) of the target's cache and the draft's
     (none for plain decoding)."""
     target = target_lib.state_specs(spec.target_config)
     return target, draft_lib.state_specs(spec.draft_config) if spec.speculative else ()

@@ -17,7 +17,7 @@ from dflash_jax.state import PAGE_AXES, PagedKV, Stacked
 
 
 def _pin_pools(k, v, page: int, mesh):
-    """One paged layer's pools (a scanned run's: stacked, layer-first) pinned: KV heads over tensor."""
+    """One paged layer's pools (a scanned group's: stacked, layer-first) pinned: KV heads over tensor."""
     pools = PagedKV(k, v, None, page)
     pinned = sharding.constrain_state(Stacked(pools), mesh).inner if k.ndim > len(PAGE_AXES) else \
         sharding.constrain_state(pools, mesh)

@@ -141,17 +141,22 @@ class Decoder(nn.Module):
     def setup(self):
         c = self.cfg
         self.embed_tokens = Embed(c.vocab_size, c.hidden_size)
-        if self.groups:  # each group under its own name (``layer_scan.group_name``)
-            for first, repeats, period in self.groups:
-                setattr(self, layer_scan.group_name(first, repeats, period),
-                        self.layer_class(c, first, self.attention_impl) if repeats == 1 else
-                        layer_scan.scanned(self.scan_step, repeats)(self.layer_class, c, first, period,
-                                                                    self.attention_impl))
-        else:
-            self.layers = [self.layer_class(c, i, self.attention_impl) for i in range(c.num_hidden_layers)]
+        for first, repeats, period in self.layer_groups():  # each under its name (``layer_scan.group_name``)
+            setattr(self, layer_scan.group_name(first, repeats, period),
+                    self.layer_class(c, first, self.attention_impl) if repeats == 1 else
+                    layer_scan.scanned(self.scan_step, repeats)(self.layer_class, c, first, period,
+                                                                self.attention_impl))
         self.norm = RMSNorm(c.rms_norm_eps, zero_centred=c.norm_offset)
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.vocab_size, False, ("embed", "vocab"))
+
+    def layer_groups(self) -> tuple:
+        """``groups``, or every layer alone (unrolled)."""
+        return self.groups or tuple((i, 1, 1) for i in range(self.cfg.num_hidden_layers))
+
+    def group(self, first: int, repeats: int, period: int) -> nn.Module:
+        """A group's module: a lone layer, or the group's scan."""
+        return getattr(self, layer_scan.group_name(first, repeats, period))
 
     def embed(self, ids):
         """The raw embedding lookup (the draft embeds its blocks with it)."""
@@ -188,13 +193,8 @@ class Decoder(nn.Module):
         self.check_feature_ids(feature_layer_ids)
         x = self.embed_inputs(input_ids)
         picked, states = {-1: x}, []
-        if not self.groups:
-            for i, layer in enumerate(self.layers):
-                x, s = layer(x, positions, None if cache is None else cache.layers[i], segment_ids, new_mask)
-                picked[i] = x
-                states.append(s)
-        for first, repeats, period in self.groups:  # a group's states: one per position in its period
-            layer = getattr(self, layer_scan.group_name(first, repeats, period))
+        for first, repeats, period in self.layer_groups():  # a group's states: one per position in its period
+            layer = self.group(first, repeats, period)
             s = None if cache is None else cache.layers[len(states):len(states) + period]
             if repeats == 1:
                 x, s = layer(x, positions, None if s is None else s[0], segment_ids, new_mask)

@@ -38,6 +38,6 @@ class Family:
     state_specs: Callable[[Any], tuple]  # config -> one decode-state spec per layer (dflash_jax.state)
     logical_rules: tuple[tuple[str, Any], ...] = ()  # extra logical-axis rules (added to the sharding table)
     draft_stacks: tuple[DraftStack, ...] = ()  # draft layer stacks of this family's layers
-    # config -> one kind per layer: equal neighbours run as one scan with ``scan_layers`` (``dflash_jax.layer_scan``);
+    # config -> one kind per layer: a repeating pattern of kinds runs as one scan with ``scan_layers`` (``layer_scan``);
     # None: this family's layers are not scanned yet
     layer_kinds: Callable[[Any], tuple] | None = None

@@ -458,20 +458,18 @@ class Decoder(dense.Decoder):
         x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
         per_layer = self.per_layer_inputs(input_ids, x) if c.hidden_size_per_layer_input else None
         picked, states, shared = {-1: x}, [], {}
-        groups = self.groups or tuple((i, 1, 1) for i in range(c.num_hidden_layers))
-        for first, repeats, period in groups:  # a group's states: one per position in its period
+        for first, repeats, period in self.layer_groups():  # a group's states: one per position in its period
             s = None if cache is None else cache.layers[len(states):len(states) + period]
             if repeats == 1:
-                layer = getattr(self, layer_scan.group_name(first, 1, 1)) if self.groups else self.layers[first]
-                source = c.kv_source(first)
+                source, layer = c.kv_source(first), self.group(first, 1, 1)
                 x, s, shared[first] = layer(x, positions, None if s is None else s[0], segment_ids, new_mask,
                                             per_layer_input=None if per_layer is None else per_layer[:, :, first],
                                             shared_kv=None if source is None else shared[source])
                 picked[first] = x
                 states.append(s)
                 continue
-            x, s, outs = layer_scan.run(getattr(self, layer_scan.group_name(first, repeats, period)), first, repeats,
-                                        period, x, positions, s, feature_layer_ids, segment_ids, new_mask, per_layer)
+            x, s, outs = layer_scan.run(self.group(first, repeats, period), first, repeats, period, x, positions, s,
+                                        feature_layer_ids, segment_ids, new_mask, per_layer)
             picked.update(outs)
             states.extend(s or [None] * period)
         return self.outputs(x, picked, states, cache, feature_layer_ids, logits_index)

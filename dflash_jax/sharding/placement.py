@@ -89,8 +89,8 @@ def cache_spec(mesh: Mesh, kv_heads: int, rules=LOGICAL_RULES) -> P:
 
 def constrain_state(state, mesh: Mesh, rules=LOGICAL_RULES):
     """Inside jit: pin every array of a decode state (a layer's, or a ``LayerStates``'s own) to the layout its
-    class's ``LOGICAL_AXES`` give through ``rules``; a scanned run's (``Stacked``) with its layer axis
-    (``layers``) second, or first in a paged run's pools."""
+    class's ``LOGICAL_AXES`` give through ``rules``; a scanned group's (``Stacked``) with its layer axis
+    (``layers``) second, or first in a paged group's pools."""
     if isinstance(state, Stacked):
         inner = state.inner
         paged = isinstance(inner, PagedKV)

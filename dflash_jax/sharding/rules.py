@@ -20,7 +20,7 @@ cache_head_dim None                head dim of a cache
 cache_state   None                 per-row dims of a recurrent state (conv window, linear-attention state)
 cache_snapshot None                a recurrent state's per-token stash (index into the last forward)
 cache_pages   None                 pages of a paged cache's pool (shared by every row: not split over rows)
-layers        None                 the layer axis of a scanned run's stacked weights and states
+layers        None                 the layer axis of a scanned group's stacked weights and states
 ============  ===================  =====================================================
 
 Decode state (``dflash_jax.state``) declares the logical axes of its leaves (``LOGICAL_AXES`` of each state
