@@ -132,3 +132,20 @@ def test_a_scanned_load_reads_and_writes_per_layer_checkpoints(tiny_hf, tmp_path
     assert not again.config.scan_layers
     jax.tree_util.tree_map(np.testing.assert_array_equal, again.params, unrolled.params)
 
+
+
+def test_a_family_without_layer_kinds_is_refused_before_reading(pair, monkeypatch, tiny_hf):
+    """A family that declares no ``layer_kinds`` cannot scan: ``scanned`` and ``load_target(scan_layers=True)`` say
+    so, naming the family, before any tensor is read."""
+    import dataclasses
+
+    from dflash_jax import families
+    from dflash_jax.families import dense
+
+    monkeypatch.setitem(families._REGISTRY, "qwen3", dataclasses.replace(dense.FAMILY, layer_kinds=None))
+    with pytest.raises(ValueError, match="scanned layers are not built for the dense family"):
+        T.scanned(pair[0])
+    path, _ = tiny_hf("qwen3_scan", "qwen3", num_hidden_layers=3)
+    monkeypatch.setattr(T, "load_params", lambda *a, **k: pytest.fail("read the checkpoint"))
+    with pytest.raises(ValueError, match="scanned layers are not built for the dense family"):
+        T.load_target(path, scan_layers=True)
