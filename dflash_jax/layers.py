@@ -265,7 +265,7 @@ class AttentionProjections(nn.Module):
         """[B, T, D] -> (rotated queries [B, T, N, H], output gate [B, T, N, H] or None). With
         ``attn_output_gate`` q_proj holds per head [query | gate] (as Qwen3_5Attention)."""
         c = self.cfg
-        q = self.q_proj(x).reshape(*x.shape[:-1], c.num_attention_heads, -1)
+        q = jax.lax.optimization_barrier(self.q_proj(x)).reshape(*x.shape[:-1], c.num_attention_heads, -1)
         gate = None
         if c.attn_output_gate:
             q, gate = q[..., :c.head_dim], q[..., c.head_dim:]
@@ -276,8 +276,9 @@ class AttentionProjections(nn.Module):
     def keys_values(self, x, positions):
         """[B, T, D] -> rotated keys and values, each [B, T, K, H]."""
         c = self.cfg
-        k = self.k_proj(x).reshape(*x.shape[:-1], c.num_key_value_heads, c.head_dim)
-        v = self.v_proj(x).reshape(*x.shape[:-1], c.num_key_value_heads, c.head_dim)
+        k, v = jax.lax.optimization_barrier((self.k_proj(x), self.v_proj(x)))
+        k = k.reshape(*x.shape[:-1], c.num_key_value_heads, c.head_dim)
+        v = v.reshape(*x.shape[:-1], c.num_key_value_heads, c.head_dim)
         if c.qk_norm:
             k = self.k_norm(k)
         return apply_rope(k, positions, c.rope), v

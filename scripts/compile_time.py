@@ -30,19 +30,7 @@ from dflash_jax.drafts.model import Draft, draft_param_shapes
 from dflash_jax.config import read_config_json
 from dflash_jax.families import config_from_hf
 from dflash_jax.target import Target, param_shapes
-
-# deepseek-ai/DeepSeek-V3's config.json (the fields the deepseek_v3 family reads)
-DEEPSEEK_V3 = {
-    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
-    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
-    "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
-    "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc",
-    "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
-    "scoring_func": "sigmoid", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-    "bos_token_id": 0, "eos_token_id": 1, "rope_theta": 10000,
-    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
-
+from infer.presets import DEEPSEEK_V3
 
 def abstract(shapes, dtype=jnp.bfloat16):
     """Parameter ShapeDtypeStructs with floating leaves in ``dtype`` (the served dtype)."""

@@ -29,6 +29,8 @@
 #   compile8bscan, compiledsv3scan   the same with the target's layers scanned (--scan-layers)
 #   synthscan    the synthetic step with scanned layers (--scan-layers): its tokens/s beside "synthetic"'s
 #   cacheplan    Qwen3-8B + draft at 8K context: rows that fit 16 / 32 / 80 / 141 GB, slots vs paged (shapes only)
+#   plan8b       the planner on this GPU (--topology local): Qwen3-8B + draft, every server program compiled, memory,
+#                HBM bytes, roofline tokens/s at batch 1 / 8 / 64, to hold against "synthetic"'s measured tokens/s
 #   structured   the demo pair, 16 prompts through 16 rows: plain vs DFlash, each with and without a JSON schema
 #                (constrained DFlash identical to constrained plain; the cost of the masks)
 #   grpo, grpofrozen, grpoplain   examples/grpo.py, 20 GRPO updates on the demo target: the draft adapted online,
@@ -36,7 +38,7 @@
 set -u
 OUT=${1:-gpu_results}
 shift || true
-STEPS=${*:-kernel synthetic context train adaptive tree16 tree64 tree256 gdntree serve load paged prefix group compile8b compiledsv3 compile8bscan compiledsv3scan synthscan cacheplan structured grpo grpofrozen grpoplain}
+STEPS=${*:-kernel synthetic context train adaptive tree16 tree64 tree256 gdntree serve load paged prefix group compile8b compiledsv3 compile8bscan compiledsv3scan synthscan cacheplan plan8b structured grpo grpofrozen grpoplain}
 mkdir -p "$OUT"
 python - <<'EOF' > "$OUT/devices.txt" 2>&1
 import jax
@@ -84,6 +86,7 @@ step compiledsv3scan 400 python scripts/compile_time.py --hf-config deepseek-v3 
 step synthscan 240 python -m infer.benchmark --synthetic qwen3-8b --replay-tau 6.5 --block-size 16 \
   --batch-size 1,8 --context 1024,8192 --scan-layers --json
 step cacheplan 60 python -m infer.cache_plan --preset qwen3-8b --memory 16,32,80,141 --context 8192 --json
+step plan8b 900 python -m infer.plan --target qwen3-8b --topology local --max-batch 64 --json
 step structured 300 python -m infer.structured_benchmark --max-batch 16 --num-prompts 16 --max-new-tokens 128 --json
 step grpo 600 python examples/grpo.py --updates 20 --adapt-draft --check --json
 step grpofrozen 600 python examples/grpo.py --updates 20 --json

@@ -36,6 +36,7 @@ if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # with libtpu installed (the plan extra) no worker probes for a TPU
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if "DFLASH_TESTS_XLA_CACHE" not in os.environ:  # the session's first process: pytest-xdist's workers inherit it

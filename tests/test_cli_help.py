@@ -42,7 +42,7 @@ def test_gpu_script_commands_parse():
     import shlex
 
     from dflash_jax.synthetic import PRESETS
-    from infer import benchmark, cache_plan, context_sweep, group_benchmark, serve_benchmark, structured_benchmark
+    from infer import benchmark, cache_plan, context_sweep, group_benchmark, plan, serve_benchmark, structured_benchmark
     from train import bench
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu_benchmarks.sh")
@@ -51,7 +51,7 @@ def test_gpu_script_commands_parse():
     parse = {"infer.benchmark": benchmark.parse_args, "infer.context_sweep": context_sweep.parse_args,
              "train.bench": bench.build_parser().parse_args, "infer.serve_benchmark": serve_benchmark.parse_args,
              "infer.cache_plan": cache_plan.parse_args, "infer.group_benchmark": group_benchmark.parse_args,
-             "infer.structured_benchmark": structured_benchmark.parse_args}
+             "infer.structured_benchmark": structured_benchmark.parse_args, "infer.plan": plan.parse_args}
     seen = set()
     for cmd in commands:
         if cmd[1].startswith(("scripts/", "examples/")):  # a script of this repository: its own parser
@@ -69,7 +69,7 @@ def test_gpu_script_commands_parse():
             assert getattr(args, "synthetic", None) in (None, *PRESETS), cmd
             seen.add(cmd[2])
     assert seen == set(parse) | {"scripts/gdn_verify_cost.py", "scripts/compile_time.py", "examples/grpo.py"} \
-        and len(commands) == 24
+        and len(commands) == 25
     # every step runs by default and is described in the header (prefix and group once were in neither)
     names = [line.split()[1] for line in text.splitlines() if line.startswith("step ")]
     default = re.search(r"STEPS=\$\{\*:-([^}]*)\}", text).group(1).split()

@@ -262,13 +262,14 @@ def test_value_head_dim_differs_from_the_key_head_dim(case):
 
 
 def test_kernel_support_needs_both_head_dims_to_fit(monkeypatch):
-    """``decode_kernel_supported`` checks the value head dim too: on GPU both powers of two >= 16, on TPU both
-    multiples of 128 (or one K/V head); MiMo-V2-Flash's 192 / 128 fits neither, so "auto" takes the loop."""
+    """``decode_kernel_supported`` checks the value head dim too: on GPU both powers of two >= 16 (MiMo-V2-Flash's
+    192 / 128 fits not, so "auto" takes the loop); on TPU any widths (a key tile is the cache's own [tk, Hkv, D]
+    block), the cache whole tiles of 8 slots."""
     from dflash_jax.kernels import tiling
 
     monkeypatch.setattr(tiling, "gpu_capable", lambda: True)
     for platform, fits, misfits in (("gpu", [(128, 128), (64, 16)], [(192, 128), (128, 96), (128, 8)]),
-                                    ("tpu", [(256, 128), (128, 128)], [(192, 128), (128, 64)])):
+                                    ("tpu", [(256, 128), (128, 128), (192, 128), (128, 64), (64, 64)], [])):
         monkeypatch.setattr(tiling, "platform", lambda p=platform: p)
         for d, dv in fits:
             assert decode_kernel_supported(head_dim=d, v_head_dim=dv, kv_heads=4, ctx_len=64), (platform, d)
@@ -276,6 +277,7 @@ def test_kernel_support_needs_both_head_dims_to_fit(monkeypatch):
             assert not decode_kernel_supported(head_dim=d, v_head_dim=dv, kv_heads=4, ctx_len=64), \
                 (platform, d, dv)
         assert decode_kernel_supported(head_dim=128, kv_heads=4, ctx_len=64)  # v_head_dim None: = D
+    assert not decode_kernel_supported(head_dim=128, kv_heads=4, ctx_len=60)  # TPU: 60 slots are no whole tiles
 
 
 def test_dispatch_equals_the_masked_full_cache_path():

@@ -27,6 +27,7 @@ from dflash_jax.checkpoints import iter_safetensors
 from dflash_jax.families.gemma4 import Gemma4Config
 from dflash_jax.layers import rope_frequencies
 from dflash_jax.target import forward
+from infer.presets import RELEASED as PRESETS
 from hf_models import (broken_tensors_are_named, perturb, positions_for, ragged_parity, torch_forward,
                        torch_greedy)
 from pairs import decode_in_chunks, lossless_greedy_with_partial_acceptance, random_draft
@@ -50,19 +51,7 @@ MOE = {"num_hidden_layers": 3, "layer_types": TYPES[:2] + TYPES[-1:], "num_kv_sh
 RELEASED = {
     "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "eos_token_id": [1, 106],
     "image_token_id": 258880, "tie_word_embeddings": True, "vision_config": {"model_type": "gemma4_vision"},
-    "text_config": {
-        "model_type": "gemma4_text", "attention_bias": False, "attention_k_eq_v": True, "bos_token_id": 2,
-        "enable_moe_block": False, "eos_token_id": 1, "final_logit_softcapping": 30.0, "global_head_dim": 512,
-        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 5376,
-        "hidden_size_per_layer_input": 0, "intermediate_size": 21504,
-        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 10, "max_position_embeddings": 262144,
-        "num_attention_heads": 32, "num_global_key_value_heads": 4, "num_hidden_layers": 60,
-        "num_key_value_heads": 16, "num_kv_shared_layers": 0, "pad_token_id": 0, "rms_norm_eps": 1e-06,
-        "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
-                                               "rope_type": "proportional"},
-                            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
-        "sliding_window": 1024, "tie_word_embeddings": True, "use_double_wide_mlp": False, "vocab_size": 262144,
-        "vocab_size_per_layer_input": 262144}}
+    "text_config": PRESETS["gemma-4-31b"].hf}  # google/gemma-4-31B-it's config.json (its text config: the preset's)
 
 
 def save_gemma4(path, seed: int = 0, **overrides):

@@ -128,7 +128,7 @@ def test_ci_installs_exactly_as_the_readme_says():
     assert readme and readme == ci, (readme, ci)
     assert readme[0] == "python3 -m venv .venv && source .venv/bin/activate"  # in the clone, as a newcomer's
     assert any("torch==2.13.0" in c and "whl/cpu" in c for c in readme)  # the CPU torch before the test extra
-    assert readme[-1] == 'pip install -e ".[test]"'
+    assert readme[-2:] == ['pip install -e ".[test]"', 'pip install -e ".[plan]"']  # the planner's libtpu last
 
 
 def test_ci_runs_the_readmes_fast_suite_command():

@@ -127,11 +127,11 @@ class Engine:
         self.sampled = options.temperature > 0 if sampled is None else bool(sampled)
         if options.temperature > 0 and not self.sampled:
             raise ValueError("options.temperature > 0 needs a sampled engine (sampled=True)")
-        page = default_page() if page is None else page
+        mesh = sharding.mesh_of(target.params)
+        page = default_page(mesh) if page is None else page
         if not isinstance(page, (int, np.integer)) or page < 0:
             raise ValueError(f"page must be an integer >= 0 (tokens per cache page; 0: no paging), got {page!r}")
         cache_len = prepare.cache_length([1], [limit - 1], options.max_block(draft), options.cache_len)
-        mesh = sharding.mesh_of(target.params)
         self.unit = sharding.batch_multiple(mesh)  # rows split over data*fsdp: every group a multiple of it
         self.rows = int(max_batch) + sharding.pad_rows(int(max_batch), mesh)
         page = int(page) if self.unit == 1 else 0  # a pool is not split over data: such meshes keep slots
@@ -894,9 +894,10 @@ class RunStats:
 POLICIES = ("continuous", "static")
 
 
-def default_page() -> int:
-    """Tokens per page where ``Engine`` is given none: ``CPU_PAGE`` on CPU, ``PAGE`` on TPU / GPU."""
-    return CPU_PAGE if tiling.platform() == "cpu" else PAGE
+def default_page(mesh=None) -> int:
+    """Tokens per page where ``Engine`` is given none: ``CPU_PAGE`` on CPU, ``PAGE`` on TPU / GPU (the platform of
+    ``mesh``'s devices, the params' mesh, when there is one)."""
+    return CPU_PAGE if tiling.platform(mesh) == "cpu" else PAGE
 
 
 def stream_requests(engine: Engine, requests: Iterable[Request], stats: RunStats | None = None,

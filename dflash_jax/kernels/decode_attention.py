@@ -25,12 +25,14 @@ key tiles [min lo_r // tk, ceil(max hi_r / tk)) only:
   * ``decode_attention_loop`` (CPU, and the library's fallback): an online softmax over key tiles in
     a ``fori_loop`` whose bounds are the batch's min / max tile, read by ``dynamic_slice``.
   * Pallas, one program per (row, K/V head), its queries the T new tokens x the GQA group:
-    TPU (Mosaic): grid (B, Hkv, key tiles + 1); the per-row tile range is scalar-prefetched, a step
-    outside it re-points its index map at a tile already in VMEM (no DMA) and skips its compute
-    (``pl.when``); the last step takes the new keys (``new_mask`` as one [rows, T] block per row,
-    repeated over the GQA group like the query rows) and writes the output. GPU (Triton): grid
-    (B, Hkv), a ``fori_loop`` over the row's tiles loading from the whole cache row.
-    The cache is read in place through free [B, S, Hkv*D] / [B, S, Hkv*Dv] views (block = one head's lanes).
+    TPU (Mosaic): grid (B, key tiles + 1), every K/V head of the row in one program: a key tile is the
+    cache's own [tk, Hkv, D] block (its last two axes whole: read in place; a [B, S, Hkv*D] view would be a
+    copy of the whole cache on TPU, whose tiles are (8, 128) of the last two axes), each head a strided load
+    of it; the per-row tile range is scalar-prefetched, a step outside it re-points its index map at a tile
+    already in VMEM (no DMA) and skips its compute (``pl.when``); the last step takes the new keys
+    (``new_mask`` as one [rows, T] block per row, repeated over the GQA group like the query rows) and writes
+    the output. GPU (Triton): grid (B, Hkv), a ``fori_loop`` over the row's tiles loading from the whole cache
+    row through free [B, S, Hkv*D] / [B, S, Hkv*Dv] views (block = one head's lanes).
     Both calls also read a paged cache through its block table, a key tile a page (``paged_attention.py``).
 
 Logits, softmax and accumulators are float32; probabilities are cast to v.dtype for the PV matmul.
@@ -53,6 +55,8 @@ from .reference import attend, position_mask
 # and 16 keeps that within one tile at 8B shapes (64 x 4 rows was never compiled on a GPU). A tree verify
 # (``new_mask``) takes this path too, so its nodes (the root included) must number at most this as well.
 MAX_QUERIES = 16
+# TPU: the bytes of one key tile's K and V blocks (every K/V head of a row; double-buffered in VMEM, so twice this)
+TILE_BYTES = 4 * 2 ** 20
 
 
 # ----------------------------------------------------------------------------- reference
@@ -214,17 +218,27 @@ def _tile_step(q, k, v, lo, hi, j, c: _Cfg, carry):
 
 
 # positional: one online-softmax tile step's operands, called from lax loops
-def _new_step(q, kn_ref, vn_ref, qp, kp_ref, nm_ref, c: _Cfg, carry):
+def _new_step(q, kn_ref, vn_ref, qp, kp_ref, nm_ref, c: _Cfg, carry, head=None):
+    """The queries' own keys (``head``: of the row's [tn, Hkv, D] block, TPU; None: the head's [tn, D] block)."""
     if not c.has_new:
         return carry
     vis = _new_vis(qp, kp_ref[...].reshape(1, -1), c.window, c.new_causal, nm_ref[...] != 0 if c.has_mask else None)
-    return tiling.fwd_step(q, kn_ref[...], vn_ref[...], vis, carry, c.scale)
+    kn, vn = (kn_ref[...], vn_ref[...]) if head is None else (_head(kn_ref, head), _head(vn_ref, head))
+    return tiling.fwd_step(q, kn, vn, vis, carry, c.scale)
+
+
+def _head(ref, h: int):
+    """K/V head ``h`` of a [tk, Hkv, D] block (a strided load), or the [tk, D] block of a single head."""
+    return ref[...] if len(ref.shape) == 2 else ref[:, h, :]
 
 
 # positional: Pallas passes a kernel its refs in order (scalar prefetch, inputs, outputs, scratch)
 def _tpu_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref, hi_ref, qp_ref, kp_ref, nm_ref,
                 sink_ref, o_ref, m_sc, l_sc, acc_sc, *, c: _Cfg, nk):
-    b, j = pl.program_id(0), pl.program_id(2)
+    """Key tile j of row b for every K/V head h (a static loop: the cache's [tk, Hkv, D] block is read as the
+    cache holds it, each head a strided load of it), each head's online softmax in its own scratch."""
+    b, j = pl.program_id(0), pl.program_id(1)
+    heads = q_ref.shape[0]
 
     @pl.when(j == 0)
     def _init():
@@ -232,23 +246,25 @@ def _tpu_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, lo_ref,
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    def carry():
-        return m_sc[...][:, :1], l_sc[...][:, :1], acc_sc[...]
+    def carry(h):
+        return m_sc[h][:, :1], l_sc[h][:, :1], acc_sc[h]
 
-    def store(cr):
-        m_sc[...] = jnp.broadcast_to(cr[0], m_sc.shape)
-        l_sc[...] = jnp.broadcast_to(cr[1], l_sc.shape)
-        acc_sc[...] = cr[2]
+    def store(h, cr):
+        m_sc[h] = jnp.broadcast_to(cr[0], m_sc.shape[1:])
+        l_sc[h] = jnp.broadcast_to(cr[1], l_sc.shape[1:])
+        acc_sc[h] = cr[2]
 
     @pl.when((j >= first_ref[b]) & (j < end_ref[b]))
     def _tile():
         lo, hi = tiling.row_stats(lo_ref), tiling.row_stats(hi_ref)
-        store(_tile_step(q_ref[...], k_ref[...], v_ref[...], lo, hi, j, c, carry()))
+        for h in range(heads):
+            store(h, _tile_step(q_ref[h], _head(k_ref, h), _head(v_ref, h), lo, hi, j, c, carry(h)))
 
     @pl.when(j == nk)
     def _last():
-        cr = _new_step(q_ref[...], kn_ref, vn_ref, tiling.row_stats(qp_ref), kp_ref, nm_ref, c, carry())
-        o_ref[...] = _finish(cr, tiling.row_stats(sink_ref) if c.has_sinks else None).astype(o_ref.dtype)
+        for h in range(heads):
+            cr = _new_step(q_ref[h], kn_ref, vn_ref, tiling.row_stats(qp_ref), kp_ref, nm_ref, c, carry(h), head=h)
+            o_ref[h] = _finish(cr, sink_ref[h][:, :1] if c.has_sinks else None).astype(o_ref.dtype)
 
 
 # positional: Pallas passes a kernel its refs in order (scalar prefetch, inputs, outputs, scratch)
@@ -287,7 +303,7 @@ def _rows_pad(r: int, backend: str, interpret: bool) -> int:
 def _pallas(q, k, v, q_pos, lengths, k_new, v_new, new_mask, sinks, c: _Cfg, launch):
     """The kernel's operands laid out per (row, K/V head), ``launch(c, args, out_shape, cost, first, end)``
     (``_launch``, or the paged one), its output back to [B, T, Hq, Dv]. k, v: the cache [B, S, Hkv, D] or
-    the pools [P, page, Hkv, D] (their last two axes flattened either way)."""
+    the pools [P, page, Hkv, D], as they are (the GPU call flattens their last two axes: ``flat``)."""
     # 11 parameters: decode_attention's operands, passed through once from the jitted wrapper, and the call.
     b, t, hq, d = q.shape
     hkv, dv = k.shape[2], v.shape[-1]
@@ -319,12 +335,13 @@ def _pallas(q, k, v, q_pos, lengths, k_new, v_new, new_mask, sinks, c: _Cfg, lau
     else:  # [B, T, T] -> [B, R, tn] int32, query rows as above
         nm = jnp.repeat(new_mask.astype(jnp.int32), g, axis=1)
         nm = jnp.pad(nm, ((0, 0), (0, r - t * g), (0, tn - t)))
-    flat = lambda x: x.reshape(*x.shape[:2], -1)  # [B, S, K, D] -> [B, S, K*D]: free
-    args = (qh, flat(k), flat(v), flat(k_new), flat(v_new), lo_r, hi_r, qp_r, kp, nm, sink_r)
+    args = (qh, k, v, k_new, v_new, lo_r, hi_r, qp_r, kp, nm, sink_r)
     out_shape = jax.ShapeDtypeStruct((b, hkv, r, dv), q.dtype)
     entries = b * hkv * r * (c.ctx_len + (tn if c.has_new else 0))  # dense bound: every cache slot visited
-    cost = tiling.cost_estimate(flops=2 * (d + dv) * entries, transcendentals=entries, operands=args,
-                                outputs=(out_shape,))
+    # bytes: each row's cache read once up to its whole span (a paged cache: its table's pages, not the pools)
+    seen = tuple(jax.ShapeDtypeStruct((b, c.ctx_len, hkv, x.shape[-1]), x.dtype) for x in (k, v))
+    cost = tiling.cost_estimate(flops=2 * (d + dv) * entries, transcendentals=entries,
+                                operands=(args[0], *seen, *args[3:]), outputs=(out_shape,))
     o = launch(c, args, out_shape, cost, *_tile_range(lo, hi, c.tk))
     o = o[:, :, :t * g].reshape(b, hkv, t, g, dv)
     return jnp.einsum("BKTGV->BTKGV", o).reshape(b, t, hq, dv)
@@ -334,44 +351,71 @@ def _launch(c: _Cfg, args, out_shape, cost, first, end):
     """The kernel over the rows' own caches; ``first`` / ``end`` [B]: each row's key tile range."""
     if c.backend == "tpu":
         return _tpu_call(c, args, out_shape, cost)(first, end, *args)
+    args = flat(args)
     return _gpu_call(c, args, out_shape, cost)(*args)
 
 
+def flat(args):
+    """The kernel's operands with the caches' (or pools') and the new keys' last two axes flattened, [.., Hkv, D] ->
+    [.., Hkv*D] (free on GPU: a row-major reshape), for the GPU call's blocks of one head's lanes. On TPU the same
+    reshape of a [.., 8, 128]-tiled cache is a copy of it, so the TPU call reads the caches as they are."""
+    f = lambda x: x.reshape(*x.shape[:2], -1)  # noqa: E731
+    return (args[0], *(f(x) for x in args[1:5]), *args[5:])
+
+
 def _tpu_call(c: _Cfg, args, out_shape, cost, paged: bool = False):
-    """The Mosaic pallas_call over (B, Hkv, key tiles + 1); it takes (first, end, *args), or with ``paged``
-    (k, v pools [P, page, Hkv*D], a key tile a page) (first, end, table [B*n] of in-range pages, *args)."""
+    """The Mosaic pallas_call over (B, key tiles + 1), every K/V head of a row in one program (a key tile is the
+    cache's [tk, Hkv, D] block: its last two axes whole, so the cache is read in place, never relaid); it takes
+    (first, end, *args), or with ``paged`` (k, v pools [P, page, Hkv, D], a key tile a page) (first, end, table [B*n]
+    of in-range pages, *args)."""
     from jax.experimental.pallas import tpu as pltpu
 
-    qh, nm = args[0], args[9]
+    qh, k, v, nm = args[0], args[1], args[2], args[9]
     b, hkv, r, d = qh.shape
     dv = out_shape.shape[-1]
     tn, nk = args[8].shape[-1], c.ctx_len // c.tk
     row = (None, r, c.lanes)
 
-    def kv_map(i, h, j, first, end, *table):  # steps outside [first, end) stay on a tile already in VMEM
+    # one K/V head (a shard's of a tensor-split cache, a latent cache): [.., S, D] blocks of the squeezed arrays,
+    # whose layout XLA may then keep as the caches' own (a [.., S, 1, D] array tiled over (S, D) would be relaid)
+    one = hkv == 1
+    kv_block = lambda width: (None, c.tk, width) if one else (None, c.tk, hkv, width)  # noqa: E731
+    new_block = lambda width: (None, tn, width) if one else (None, tn, hkv, width)  # noqa: E731
+
+    def kv_map(i, j, first, end, *table):  # steps outside [first, end) stay on a tile already in VMEM
         tile = jnp.minimum(jnp.maximum(j, first[i]), jnp.maximum(end[i] - 1, first[i]))
-        return (table[0][i * nk + tile], 0, h) if paged else (i, tile, h)
+        at = (table[0][i * nk + tile], 0) if paged else (i, tile)
+        return at + (0,) * (1 if one else 2)
 
     def kernel(first_ref, end_ref, *refs):  # the table is the index map's alone
         _tpu_kernel(first_ref, end_ref, *(refs[1:] if paged else refs), c=c, nk=nk)
 
-    head = lambda i, h, j, *_: (i, h, 0, 0)
-    per_row = lambda i, h, j, *_: (i, 0, 0)
-    new = lambda i, h, j, *_: (i, 0, h)
-    in_specs = [pl.BlockSpec((None, None, r, d), head), pl.BlockSpec((None, c.tk, d), kv_map),
-                pl.BlockSpec((None, c.tk, dv), kv_map), pl.BlockSpec((None, tn, d), new),
-                pl.BlockSpec((None, tn, dv), new)] + [pl.BlockSpec(row, per_row)] * 3 + [
+    heads = lambda i, j, *_: (i, 0, 0, 0)
+    per_row = lambda i, j, *_: (i, 0, 0)
+    new_map = per_row if one else heads
+    in_specs = [pl.BlockSpec((None, hkv, r, d), heads), pl.BlockSpec(kv_block(d), kv_map),
+                pl.BlockSpec(kv_block(dv), kv_map), pl.BlockSpec(new_block(d), new_map),
+                pl.BlockSpec(new_block(dv), new_map)] + [pl.BlockSpec(row, per_row)] * 3 + [
                 pl.BlockSpec((None, 1, tn), per_row), pl.BlockSpec((None, *nm.shape[1:]), per_row),
-                pl.BlockSpec((None, r, c.lanes), lambda i, h, j, *_: (h, 0, 0))]
-    return pl.pallas_call(
+                pl.BlockSpec((hkv, r, c.lanes), lambda i, j, *_: (0, 0, 0))]
+    del k, v
+    call = pl.pallas_call(
         kernel, out_shape=out_shape, interpret=c.interpret,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2 + paged, grid=(b, hkv, nk + 1), in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, None, r, dv), head),
-            scratch_shapes=[pltpu.VMEM((r, c.lanes), jnp.float32), pltpu.VMEM((r, c.lanes), jnp.float32),
-                            pltpu.VMEM((r, dv), jnp.float32)]),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+            num_scalar_prefetch=2 + paged, grid=(b, nk + 1), in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, hkv, r, dv), heads),
+            scratch_shapes=[pltpu.VMEM((hkv, r, c.lanes), jnp.float32), pltpu.VMEM((hkv, r, c.lanes), jnp.float32),
+                            pltpu.VMEM((hkv, r, dv), jnp.float32)]),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         cost_estimate=cost)
+    if not one:
+        return call
+
+    def squeezed(*xs):  # (first, end[, table], q, k, v, k_new, v_new, ...): the K/V axis of k .. v_new dropped
+        at = 3 + paged
+        return call(*xs[:at], *(x[:, :, 0] for x in xs[at:at + 4]), *xs[at + 4:])
+
+    return squeezed
 
 
 def _gpu_call(c: _Cfg, args, out_shape, cost, paged: bool = False):
@@ -416,6 +460,8 @@ def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding
     _check_new(k_new, new_mask)
     backend, interpret = tiling.resolve_backend(backend, interpret)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if backend == "tpu":  # a key tile holds every K/V head of the row: keep its K + V block within TILE_BYTES
+        k_tile = min(k_tile, max(8, TILE_BYTES // (k.shape[2] * (k.shape[3] + v.shape[3]) * k.dtype.itemsize)))
     c = _Cfg(window=sliding_window, scale=scale, tk=_pick_tile(k.shape[1], k_tile, backend), ctx_len=k.shape[1],
              has_new=k_new is not None, new_causal=bool(new_causal), has_mask=new_mask is not None,
              has_sinks=sinks is not None, backend=backend, interpret=interpret)
@@ -424,15 +470,14 @@ def decode_attention(q, k, v, q_pos, lengths, k_new=None, v_new=None, *, sliding
 
 
 def decode_kernel_supported(*, head_dim: int, kv_heads: int, ctx_len: int, v_head_dim: int | None = None) -> bool:
-    """Whether the compiled decode kernel is expected to run on the default backend (on a mesh
-    ``attention.decode_attention`` calls it per shard; ``kv_heads`` is the global count, so the one-KV-head
-    TPU case is not seen where only the local shard has one head). Keys' ``head_dim`` and values' ``v_head_dim`` (default:
-    the same) must each fit the backend: TPU one head's lanes of the [B, S, K*D] views (a multiple of 128, or
-    one K/V head), GPU (Triton) a power of two >= 16; MiMo-V2-Flash's 192 / 128 fits neither, so "auto" takes
-    the loop there."""
+    """Whether the compiled decode kernel is expected to run on the platform the program is built for
+    (``tiling.platform``; on a mesh ``attention.decode_attention`` calls it per shard). TPU: a cache of whole tiles
+    of 8 slots, any head width (a key tile is the cache's own [tk, Hkv, D] block); GPU (Triton): keys' ``head_dim``
+    and values' ``v_head_dim`` (default: the same) each a power of two >= 16 (one head's lanes of the [B, S, Hkv*D]
+    view), so MiMo-V2-Flash's 192 / 128 takes the loop there."""
     p = tiling.platform()
     dims = (head_dim, head_dim if v_head_dim is None else v_head_dim)
-    if p == "tpu":  # one head's lanes of the [B, S, K*D] view, whole tiles of 8 sublanes
-        return (all(d % 128 == 0 for d in dims) or kv_heads == 1) and ctx_len % 8 == 0
+    if p == "tpu":  # a key tile is the cache's [tk, K, D] block: any head width, whole tiles of 8 slots
+        return ctx_len % 8 == 0
     pow2 = all(d & (d - 1) == 0 and d >= 16 for d in dims)
     return p == "gpu" and tiling.gpu_capable() and pow2 and ctx_len >= 16

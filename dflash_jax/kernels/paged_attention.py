@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from . import tiling
-from .decode_attention import _Cfg, _check_new, _gpu_call, _pallas, _tpu_call, decode_attention_reference
+from .decode_attention import _Cfg, _check_new, _gpu_call, _pallas, _tpu_call, decode_attention_reference, flat
 from .decode_attention import decode_kernel_supported, online_loop
 
 
@@ -72,6 +72,7 @@ def _launch(table, c: _Cfg, args, out_shape, cost, first, end):
     row's page range."""
     if c.backend == "tpu":
         return _tpu_call(c, args, out_shape, cost, paged=True)(first, end, table.reshape(-1), *args)
+    args = flat(args)
     pools = tuple(x.reshape(-1, x.shape[-1]) for x in args[1:3])  # [P, page, K*D] -> [P*page, K*D]: free
     args = (args[0], *pools, *args[3:])
     return _gpu_call(c, args, out_shape, cost, paged=True)(*args, table)

@@ -22,9 +22,14 @@ NT = (((1,), (1,)), ((), ()))  # dot_general dimension numbers of a @ b.T
 # ----------------------------------------------------------------------------- platform and tiles
 
 
-def platform() -> str:
-    """The default backend's platform: "gpu" for CUDA / ROCm, else "tpu" / "cpu"."""
-    p = jax.default_backend()
+def platform(mesh=None) -> str:
+    """The platform a program runs on: "gpu" for CUDA / ROCm, else "tpu" / "cpu". ``mesh`` (a Mesh or AbstractMesh)
+    given, its devices'; else, inside a trace with a mesh (``jax.sharding.use_abstract_mesh``, as every engine
+    program is traced), that mesh's; else the default backend's. So a CPU host compiling for a TPU slice
+    (``dflash_jax.chips``) picks the TPU formulations, page size and kernels a TPU host would."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else getattr(mesh, "abstract_mesh", mesh)
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    p = device.platform if device is not None else jax.default_backend()
     return "gpu" if p in ("gpu", "cuda", "rocm") else p
 
 

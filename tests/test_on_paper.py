@@ -1,0 +1,221 @@
+"""Programs compiled for TPU slices on this CPU host (libtpu, the ``plan`` extra): the Pallas kernels through Mosaic
+(where interpret mode accepts shapes Mosaic refuses), the decode step's bytes against what it must read, and the
+planner (``python -m infer.plan``)."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import chips, on_paper
+from dflash_jax.config import RopeConfig, TargetConfig
+from dflash_jax.drafts.config import DraftConfig
+from dflash_jax.kernels.block_attention import block_attention
+from dflash_jax.kernels.decode_attention import decode_attention
+from dflash_jax.kernels.paged_attention import paged_decode_attention
+from dflash_jax.sharding.mesh import make_mesh
+
+
+def _devices(name):
+    try:
+        return chips.parse_slice(name).devices()
+    except Exception as e:  # noqa: BLE001 (no libtpu here: say why)
+        pytest.skip(f"libtpu cannot compile for {name} here (pip install -e '.[plan]'): {on_paper.one_line(e)}")
+
+
+@pytest.fixture(scope="module", params=["v5e-1", "v6e-1"])
+def tpu_mesh(request):
+    return make_mesh("tensor=1", devices=_devices(request.param))
+
+
+def _compile(mesh, fn, *shapes):
+    """``fn`` jitted and compiled for the mesh's TPU from ShapeDtypeStructs -> the Program."""
+    args = [jax.ShapeDtypeStruct(s, d, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+            for s, d in shapes]
+    return on_paper.compile_program("kernel", lambda: jax.jit(fn).lower(*args), hbm_cost=False)
+
+
+TPU = dict(backend="tpu", interpret=False)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("window,causal", [(None, False), (24, True)])
+def test_block_attention_compiles_for_tpu(tpu_mesh, dtype, window, causal):
+    """The draft's block attention (GQA 8 / 2 heads, blocks of 16, a window or not, causal blocks or not)."""
+    b, n, bk, s, d = 1, 4, 16, 256, 128
+    p = _compile(tpu_mesh, lambda q, kc, vc, kb, vb, a: block_attention(
+        q, kc, vc, kb, vb, a, block_size=bk, sliding_window=window, block_causal=causal, **TPU),
+        ((b, n * bk, 8, d), dtype), ((b, s, 2, d), dtype), ((b, s, 2, d), dtype), ((b, n * bk, 2, d), dtype),
+        ((b, n * bk, 2, d), dtype), ((b, n), jnp.int32))
+    assert p.compiled, p.error
+    assert p.mosaic >= 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("variant", ["gqa", "window+sinks", "tree"])
+def test_decode_attention_compiles_for_tpu(tpu_mesh, dtype, variant):
+    """Decode / verify attention over a row cache: GQA, a window with sinks, a tree mask over the new keys."""
+    b, t, s, d = 2, 16, 512, 128
+    window = 128 if variant == "window+sinks" else None
+
+    def fn(q, k, v, pos, lens, kn, vn, sinks, mask):
+        return decode_attention(q, k, v, pos, lens, kn, vn, sliding_window=window,
+                                sinks=sinks if variant == "window+sinks" else None,
+                                new_mask=mask if variant == "tree" else None, **TPU)
+
+    p = _compile(tpu_mesh, fn, ((b, t, 8, d), dtype), ((b, s, 2, d), dtype), ((b, s, 2, d), dtype),
+                 ((b, t), jnp.int32), ((b,), jnp.int32), ((b, t, 2, d), dtype), ((b, t, 2, d), dtype),
+                 ((8,), jnp.float32), ((b, t, t), jnp.bool_))
+    assert p.compiled, p.error
+    assert p.mosaic >= 1
+
+
+@pytest.mark.parametrize("page", [16, 64, 128])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_paged_attention_compiles_for_tpu(tpu_mesh, page, dtype):
+    b, t, d, pages = 2, 16, 128, 64
+    cols = 1024 // page
+    p = _compile(tpu_mesh, lambda q, kp, vp, tab, pos, lens, kn, vn: paged_decode_attention(
+        q, kp, vp, tab, pos, lens, kn, vn, new_causal=True, **TPU),
+        ((b, t, 8, d), dtype), ((pages, page, 2, d), dtype), ((pages, page, 2, d), dtype), ((b, cols), jnp.int32),
+        ((b, t), jnp.int32), ((b,), jnp.int32), ((b, t, 2, d), dtype), ((b, t, 2, d), dtype))
+    assert p.compiled, p.error
+    assert p.mosaic >= 1
+
+
+def test_a_key_tile_mosaic_refuses_fails_here_where_interpret_mode_passes_it():
+    """Key tiles of 12 in the draft's block attention: a block of 12 sublanes, which Mosaic refuses (whole tiles of
+    8, or the whole axis). Interpret mode runs it and matches the reference, so only a compile for a TPU catches
+    it."""
+    from dflash_jax.kernels.block_attention import block_attention_reference
+
+    mesh = make_mesh("tensor=1", devices=_devices("v6e-1"))
+    b, n, bk, s, d = 1, 4, 16, 96, 128
+    rng = np.random.default_rng(0)
+    arrays = [jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in
+              ((b, n * bk, 8, d), (b, s, 2, d), (b, s, 2, d), (b, n * bk, 2, d), (b, n * bk, 2, d))]
+    anchors = jnp.asarray([[10, 30, 50, 90]], jnp.int32)
+    got = block_attention(*arrays, anchors, block_size=bk, k_tile=12, backend="tpu", interpret=True)
+    want = block_attention_reference(*arrays, anchors, block_size=bk)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    p = _compile(mesh, lambda q, kc, vc, kb, vb, a: block_attention(q, kc, vc, kb, vb, a, block_size=bk, k_tile=12,
+                                                                   **TPU),
+                 *[(x.shape, x.dtype) for x in arrays], ((b, n), jnp.int32))
+    assert not p.compiled and on_paper.mosaic_refusal(p.error), p.error
+
+
+@pytest.mark.parametrize("d,dv", [(64, 64), (192, 128)])
+def test_heads_of_any_width_compile_for_tpu(tpu_mesh, d, dv):
+    """The decode kernel reads a key tile as the cache's [tk, Hkv, D] block, whole in its last two axes: heads of 64
+    lanes beside another (gpt-oss) and MiMo-V2-Flash's 192 / 128 compile (a [B, S, Hkv*D] view's block of one head's
+    lanes would not)."""
+    b, t, s = 1, 4, 64
+    p = _compile(tpu_mesh, lambda q, k, v, pos, lens: decode_attention(q, k, v, pos, lens, **TPU),
+                 ((b, t, 4, d), jnp.bfloat16), ((b, s, 2, d), jnp.bfloat16), ((b, s, 2, dv), jnp.bfloat16),
+                 ((b, t), jnp.int32), ((b,), jnp.int32))
+    assert p.compiled, p.error
+
+
+# ----------------------------------------------------------------------------------------------------- step bytes
+
+
+def _step(batch: int, speculative: bool):
+    """The closed batch's decode step of a 2-layer target of Qwen3-8B's layer shape (vocab 8192) and a 1-layer draft,
+    compiled for one v6e chip -> (Program, weight bytes)."""
+    from dflash_jax.decode import prepare, steps
+    from dflash_jax.decode.options import DecodeOptions
+
+    mesh = make_mesh("tensor=1", devices=_devices("v6e-1"))
+    t = TargetConfig(model_type="qwen3", vocab_size=8192, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=4096, qk_norm=True, rope=RopeConfig(theta=1e6), eos_token_id=(1,))
+    d = DraftConfig.for_target(t, draft_layers=1, block_size=16, mask_token_id=8191, target_layer_ids=(0, 1))
+    target, draft = on_paper.pair(t, d if speculative else None, mesh)
+    opts = DecodeOptions(max_new_tokens=100, block_size=16 if speculative else 1)
+    budget = prepare.budgets([8] * batch, [opts] * batch, 4096)
+    spec, inputs = prepare.engine(target, draft, opts, prepare.cache_length([8] * batch, budget, 16), greedy=True,
+                                  rows=batch)
+    inputs = jax.tree_util.tree_map(
+        lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else on_paper.abstract(np.asarray(x), mesh), inputs)
+    rows = on_paper.abstract(prepare.make_rows(spec, [np.arange(8, dtype=np.int32)] * batch, budget, [opts] * batch,
+                                               range(batch)), mesh)
+    state = on_paper.abstract(jax.eval_shape(lambda i, r: steps.prefill_jit(spec, i, r), inputs, rows), mesh)
+    program = on_paper.compile_program("step", lambda: steps.step_jit.trace(spec, inputs, state).lower())
+    assert program.compiled, program.error
+    return program, on_paper.device_bytes((inputs.tparams, inputs.dparams)), t
+
+
+def test_the_dflash_step_reads_each_weight_once():
+    """HBM bytes of one DFlash step at most 1.15x every weight once (target and draft; the LM head may be read twice,
+    the 8-token rows' caches are a few MB). Before the q/k/v projections were kept out of their consumers' fusions,
+    XLA:TPU transposed those weights every step (1.26x here, 1.66x at Qwen3-8B's full shape as compiled)."""
+    program, weights, t = _step(1, True)
+    head = t.vocab_size * t.hidden_size * 2
+    assert program.hbm_bytes <= 1.15 * (weights + head), (program.hbm_bytes, weights)
+
+
+def test_the_plain_step_reads_each_weight_once_and_counts_its_matmuls():
+    program, weights, t = _step(1, False)
+    assert program.hbm_bytes <= 1.05 * weights, (program.hbm_bytes, weights)
+    params = weights / 2  # bf16
+    assert program.hbm_flops <= 1.1 * 2 * params, (program.hbm_flops, params)
+
+
+# ----------------------------------------------------------------------------------------------------- the planner
+
+
+SMALL = {"model_type": "qwen3", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+         "max_position_embeddings": 4096, "rope_theta": 1e6, "eos_token_id": 1, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+    """A 2-layer Qwen3 config (heads of 128 lanes: the TPU kernels' shape) planned on one v5e chip."""
+    from infer import plan
+
+    _devices("v5e-1")
+    path = tmp_path_factory.mktemp("plan") / "config.json"
+    path.write_text(json.dumps(SMALL))
+    return plan.plan(plan.parse_args(["--target", str(path), "--topology", "v5e-1", "--max-batch", "2",
+                                      "--max-length", "256", "--prompt-lengths", "64", "--kv-cache-memory", "0.5"]))
+
+
+def test_the_plan_compiles_every_server_program_with_its_kernels(tiny_plan):
+    p = tiny_plan
+    names = [r["name"] for r in p["programs"]]
+    assert p["all_compiled"] and p["all_fit"], [(r["name"], r["error"]) for r in p["programs"]]
+    for expected in ("dflash pool + state (2 rows)", "dflash admit prompt 64", "dflash run 1 rows",
+                     "dflash run 2 rows", "dflash read 64 steps", "dflash release", "dflash take", "plain run 1 rows",
+                     "closed-batch step (2 rows)"):
+        assert expected in names
+    run = next(r for r in p["programs"] if r["name"] == "dflash run 2 rows")
+    assert run["mosaic"] >= 1 and run["hbm_bytes"] > 0 and run["roofline_s"] > 0
+    json.dumps(p)
+
+
+def test_the_plan_memory_is_the_compiled_programs_own(tiny_plan):
+    """Every program's memory is XLA's analysis of it, and the paged programs hold the weights and the pool the plan
+    reports (per device; one device here)."""
+    p = tiny_plan
+    run = next(r for r in p["programs"] if r["name"] == "dflash run 1 rows")
+    m = run["memory"]
+    assert m["peak_bytes"] >= m["argument_bytes"] >= p["weights_per_device_bytes"] + p["pool"]["bytes"]
+    assert m["argument_bytes"] < p["weights_per_device_bytes"] + p["pool"]["bytes"] + 50e6  # + the rows' records
+    q = p["prediction"][0]
+    assert q["batch"] == 1 and q["dflash_tokens_per_s"] > q["plain_tokens_per_s"] > 0
+
+
+def test_a_plan_that_does_not_fit_says_so_in_one_line(capsys):
+    from infer import plan
+
+    _devices("v5e-1")
+    code = plan.main(["--target", "tiny", "--topology", "v5e-1", "--max-batch", "1", "--max-length", "256",
+                      "--prompt-lengths", "64", "--kv-cache-memory", "20", "--no-hbm-cost", "--no-draft"])
+    out = capsys.readouterr().out
+    assert code == 3
+    line = next(ln for ln in out.splitlines() if ln.startswith("does not fit: plain run 1 rows"))
+    assert "of 16.0 GB" in line or "exceeds available HBM (15.75G)" in line, line
