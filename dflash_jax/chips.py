@@ -18,19 +18,20 @@ class Chip:
     device_kind: str  # jax's Device.device_kind of the topology's devices
     topology: str  # the prefix of a topology name for ``get_topology_desc``
     bf16_tflops: float
-    hbm_gb: float  # 10^9 bytes
+    hbm_gb: float  # 10^9 bytes of HBM a chip
     hbm_gbps: float  # 10^9 bytes/s
     dims: int  # 2: v5e / v6e (a 2D torus, an accelerator type counts chips); 3: v4 / v5p / v7x
     cores_per_chip: int  # TensorCores: the accelerator type of v4 / v5p counts these
     source: str
 
 
+GIB = 2 ** 30 / 1e9  # the HBM sizes below are GiB (XLA:TPU's own limit: 31.25 GiB available of a v6e chip's 32)
 CHIPS = {c.name: c for c in (
-    Chip("v4", "TPU v4", "v4", 275.0, 32 * 2 ** 30 / 1e9, 1200.0, 3, 2, "https://cloud.google.com/tpu/docs/v4"),
-    Chip("v5e", "TPU v5 lite", "v5e", 197.0, 16.0, 819.0, 2, 1, "https://cloud.google.com/tpu/docs/v5e"),
-    Chip("v5p", "TPU v5", "v5p", 459.0, 95.0, 2765.0, 3, 2, "https://cloud.google.com/tpu/docs/v5p"),
-    Chip("v6e", "TPU v6 lite", "v6e", 918.0, 32.0, 1640.0, 2, 1, "https://cloud.google.com/tpu/docs/v6e"),
-    Chip("v7x", "TPU7x", "tpu7x", 2307.0, 192.0, 7370.0, 3, 2, "https://cloud.google.com/tpu/docs/tpu7x"),
+    Chip("v4", "TPU v4", "v4", 275.0, 32 * GIB, 1200.0, 3, 2, "https://cloud.google.com/tpu/docs/v4"),
+    Chip("v5e", "TPU v5 lite", "v5e", 197.0, 16 * GIB, 819.0, 2, 1, "https://cloud.google.com/tpu/docs/v5e"),
+    Chip("v5p", "TPU v5", "v5p", 459.0, 96 * GIB, 2765.0, 3, 2, "https://cloud.google.com/tpu/docs/v5p"),
+    Chip("v6e", "TPU v6 lite", "v6e", 918.0, 32 * GIB, 1640.0, 2, 1, "https://cloud.google.com/tpu/docs/v6e"),
+    Chip("v7x", "TPU7x", "tpu7x", 2307.0, 192 * GIB, 7370.0, 3, 2, "https://cloud.google.com/tpu/docs/tpu7x"),
 )}
 
 # GPUs a plan may run on as "local" (dense bf16 tensor-core peak, HBM), by jax's device_kind

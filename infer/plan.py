@@ -166,8 +166,10 @@ def _programs(a, tcfg, dcfg, mesh) -> list:
         def setup(ctx):
             if ctx_key not in ctx:
                 spec, inputs, opts, limit = engine(draft_, a.page_size, rows_n, a.max_length)
-                pages = _pool_pages(a, spec, inputs, mesh)
-                ctx[ctx_key] = dict(spec=spec, inputs=inputs, opts=opts, limit=limit, pages=pages)
+                pages, per_page = _pool_pages(a, spec, inputs, mesh, lambda n: on_paper.device_bytes(
+                    empty_state(spec, inputs, opts, limit, n)[1]))
+                ctx[ctx_key] = dict(spec=spec, inputs=inputs, opts=opts, limit=limit, pages=pages,
+                                    page_device_bytes=per_page)
             return ctx[ctx_key]
 
         def empty(ctx):
@@ -240,22 +242,24 @@ def _prompt_lengths(a) -> list[int]:
     return sorted({min(int(n), a.max_length - 1) for n in a.prompt_lengths.split(",") if n.strip()})
 
 
-def _pool_pages(a, spec, inputs, mesh) -> int:
-    """Pages of the pool: ``--kv-cache-memory`` GB over the slice, or what HBM_USE of the chips' HBM leaves after the
-    weights; at least one row of the max length."""
+def _pool_pages(a, spec, inputs, mesh, state_bytes) -> tuple[int, float]:
+    """(pages of the pool, bytes a page costs each device). The pages: ``--kv-cache-memory`` GB over the slice (as
+    ``infer.serve`` takes it), or what HBM_USE of a chip's HBM leaves after the weights and the rows' records; a page's
+    bytes per device from the empty state's size at two pool sizes (``state_bytes(pages)``, per device: a layer whose
+    K/V heads do not split over the mesh, a latent cache, keeps its pages whole on every device). At least one row
+    of the max length."""
     from dflash_jax import chips, on_paper
     from dflash_jax.decode import steps
 
-    per_page = steps.page_bytes(spec, inputs)  # the slice's bytes of one page (every layer, target and draft)
     longest = -(-(a.max_length + spec.max_block) // spec.page)
+    one, two = state_bytes(longest), state_bytes(2 * longest)
+    per_page = max((two - one) / longest, 1.0)
     if a.kv_cache_memory is not None:
-        memory = a.kv_cache_memory * GB
-    else:
-        sl = chips.parse_slice(a.topology)
-        n = mesh.devices.size
-        weights = on_paper.device_bytes((inputs.tparams, inputs.dparams))  # per device
-        memory = max(HBM_USE * sl.per_device(n)[1] - weights, 0) * n
-    return max(int(memory // per_page), longest)
+        return max(int(a.kv_cache_memory * GB // steps.page_bytes(spec, inputs)), longest), per_page
+    rest = one - longest * per_page  # the rows' records, per device
+    weights = on_paper.device_bytes((inputs.tparams, inputs.dparams))
+    hbm = chips.parse_slice(a.topology).per_device(mesh.devices.size)[1]
+    return max(int((HBM_USE * hbm - weights - rest) // per_page), longest), per_page
 
 
 def _account(a, sl, mesh, mesh_text, tcfg, dcfg, source, per_device, results, context) -> dict:
@@ -276,10 +280,11 @@ def _account(a, sl, mesh, mesh_text, tcfg, dcfg, source, per_device, results, co
            "scan_layers": a.scan_layers, "tau": a.tau, "hbm_per_device_bytes": hbm, "programs": rows}
     e = context.get("dflash") or context.get("plain")
     if e is not None:
-        per_page = steps.page_bytes(e["spec"], e["inputs"])
         weights = on_paper.device_bytes((e["inputs"].tparams, e["inputs"].dparams))
         out["weights_per_device_bytes"] = weights
-        out["pool"] = {"pages": e["pages"], "page_bytes": per_page, "bytes": e["pages"] * per_page,
+        out["pool"] = {"pages": e["pages"], "page_bytes": steps.page_bytes(e["spec"], e["inputs"]),
+                       "page_bytes_per_device": e["page_device_bytes"],
+                       "bytes_per_device": e["pages"] * e["page_device_bytes"],
                        **{f"rows_at_{n}": e["pages"] // -(-(n + e["spec"].max_block) // e["spec"].page)
                           for n in (1024, 2048, 4096)}}
     for r in rows:  # XLA refused to place it in the chip's HBM: compiled but for that, a program that does not fit
@@ -319,7 +324,7 @@ def print_plan(p: dict) -> None:
     if "pool" in p:
         pool = p["pool"]
         print(f"weights {p['weights_per_device_bytes'] / GB:.2f} GB per device; page pool {pool['pages']} pages of "
-              f"{p['page_size']} tokens ({pool['bytes'] / GB:.2f} GB over the slice): rows of 1k / 2k / 4k tokens "
+              f"{p['page_size']} tokens ({pool['bytes_per_device'] / GB:.2f} GB per device): rows of 1k / 2k / 4k tokens "
               f"{pool['rows_at_1024']} / {pool['rows_at_2048']} / {pool['rows_at_4096']}")
     print("| program | compiled | Mosaic | peak GB/device | fits | XLA GFLOP | XLA GB | HBM GB | roofline ms |")
     print("|---|---|---:|---:|---|---:|---:|---:|---:|")

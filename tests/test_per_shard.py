@@ -107,8 +107,9 @@ def _tpu_custom_call_shapes(fn, *args) -> list[str]:
 
 
 def test_tpu_kernels_see_per_shard_shapes():
-    """Lowered for TPU on data=2 x tensor=4: the decode kernel's cache view is [B/2, S, Hkv/4 * D] and the block
-    kernel's heads-major queries [B/2, Hq/4, rows, D]; without a mesh, the global shapes."""
+    """Lowered for TPU on data=2 x tensor=4: the decode kernel reads its shard's cache as it is held, [B/2, S, D] (one
+    K/V head a shard: without its unit axis), and the block kernel's heads-major queries [B/2, Hq/4, rows, D];
+    without a mesh, the global shapes ([B, S, Hkv, D])."""
     mesh = sh.make_mesh("data=2,tensor=4")
     d, s, bs = 128, 64, 8  # the TPU decode kernel wants whole 128-lane heads
     sd = jax.ShapeDtypeStruct
@@ -118,8 +119,8 @@ def test_tpu_kernels_see_per_shard_shapes():
     with jax.set_mesh(mesh):
         sharded = _tpu_custom_call_shapes(decode, *dec)
     whole = _tpu_custom_call_shapes(decode, *dec)
-    assert f"tensor<{B // 2}x{s}x{HKV // 4 * d}xbf16>" in sharded[0] and f"tensor<{B}x" not in sharded[0]
-    assert f"tensor<{B}x{s}x{HKV * d}xbf16>" in whole[0]
+    assert HKV // 4 == 1 and f"tensor<{B // 2}x{s}x{d}xbf16>" in sharded[0] and f"tensor<{B}x" not in sharded[0]
+    assert f"tensor<{B}x{s}x{HKV}x{d}xbf16>" in whole[0]
 
     n = 2  # blocks per row
     blk = (sd((B, n * bs, HQ, d), jnp.bfloat16), sd((B, s, HKV, d), jnp.bfloat16), sd((B, s, HKV, d), jnp.bfloat16),
