@@ -271,7 +271,8 @@ def _account(a, sl, mesh, mesh_text, tcfg, dcfg, source, per_device, results, co
     for r in results:
         d = r.as_dict()
         d["fits"] = bool(r.compiled and r.memory.get("peak_bytes", 0) <= hbm)
-        d["roofline_s"] = roofline(r, per_device)
+        # XLA counts a loop's body once: a scanned target's layers are one scan step in its cost, so no roofline
+        d["roofline_s"] = None if a.scan_layers else roofline(r, per_device)
         rows.append(d)
     out = {"target": a.target, "source": source, "draft": None if dcfg is None else "DFlash draft, "
            f"{dcfg.layers.num_hidden_layers} layers, block {dcfg.block_size}", "topology": sl.name,
@@ -343,6 +344,10 @@ def print_plan(p: dict) -> None:
             m = r["memory"]
             print(f"does not fit: {r['name']} needs {m['peak_bytes'] / GB:.2f} GB per device (arguments "
                   f"{m['argument_bytes'] / GB:.2f}, temporaries {m['temp_bytes'] / GB:.2f}) of {hbm / GB:.1f} GB")
+    if p["scan_layers"]:
+        print("no roofline or prediction with --scan-layers: XLA's cost analysis counts a scan's body once (one layer "
+              "of each group); plan the unrolled target for bytes and time")
+        return
     print(f"predicted output tokens/s per replica (roofline, tau {p['tau']}):")
     for q in p["prediction"]:
         f = lambda x: "-" if x is None else f"{x:,.0f}"  # noqa: E731

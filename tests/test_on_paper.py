@@ -261,3 +261,18 @@ def test_every_preset_is_a_pair_that_fits():
         tcfg, dcfg, source = presets.resolve(name, "auto")
         dcfg.check_fits(tcfg)
         assert source and max(dcfg.target_layer_ids) < tcfg.num_hidden_layers, name
+
+
+def test_a_scanned_plan_makes_no_roofline(tmp_path, capsys):
+    """XLA counts a loop's body once, so a scanned target's bytes are one layer's: the plan says so and predicts
+    nothing rather than a time 1/L of the real one."""
+    from infer import plan
+
+    _devices("v5e-1")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(SMALL))
+    code = plan.main(["--target", str(path), "--topology", "v5e-1", "--max-batch", "1", "--max-length", "256",
+                      "--prompt-lengths", "64", "--kv-cache-memory", "0.2", "--no-draft", "--scan-layers"])
+    out = capsys.readouterr().out
+    assert code == 0 and "layers scanned" in out and "no roofline or prediction with --scan-layers" in out
+    assert "predicted output tokens/s" not in out
