@@ -99,13 +99,11 @@ def resolve_dtype(dtype):
     return jnp.dtype(dtype).type
 
 
-def auto_dtype(directory: str, mesh=None) -> str:
+def auto_dtype(directory: str) -> str:
     """``dtype="auto"``: the checkpoint's own dtype (config.json ``dtype`` / ``torch_dtype``) on TPU / GPU, as
-    vLLM and MaxText do; float32 on CPU, where bfloat16 / float16 matmuls are emulated (3-4x slower here). The
-    platform is ``mesh``'s devices' when given (``kernels.tiling.platform``), else the default backend's."""
-    from dflash_jax.kernels.tiling import platform
-
-    if platform(mesh) == "cpu":
+    vLLM and MaxText do; float32 on CPU, where bfloat16 / float16 matmuls are emulated (3-4x slower here). A checkpoint
+    is only ever read onto this host's own devices, so the default backend is the platform."""
+    if jax.default_backend() == "cpu":
         return "float32"
     try:
         with open(os.path.join(directory, "config.json")) as f:

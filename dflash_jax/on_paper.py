@@ -13,7 +13,6 @@ analysis (per device) and two cost counts:
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 
 import jax
@@ -87,8 +86,9 @@ def abstract(tree, mesh, spec_of=None):
     return jax.tree_util.tree_map(one, tree)
 
 
-def pair(tcfg, dcfg, mesh, dtype="bfloat16"):
-    """(Target, Draft or None) with abstract parameters on ``mesh`` (the draft's rules shared with the target's)."""
+def pair(tcfg, dcfg, mesh=None, dtype="bfloat16"):
+    """(Target, Draft or None) with abstract parameters in ``dtype`` (floating leaves), sharded on ``mesh`` (the
+    draft's rules shared with the target's), or unsharded without one."""
     import jax.numpy as jnp
 
     from dflash_jax import model_sharding as ms
@@ -96,14 +96,15 @@ def pair(tcfg, dcfg, mesh, dtype="bfloat16"):
     from dflash_jax.drafts.model import Draft, draft_param_shapes
     from dflash_jax.target import Target, param_shapes
 
-    rules = ms.model_rules(mesh, tcfg, *(() if dcfg is None else (dcfg,)))
+    rules = None if mesh is None else ms.model_rules(mesh, tcfg, *(() if dcfg is None else (dcfg,)))
 
     def params(cfg):
         shapes = draft_param_shapes(cfg) if isinstance(cfg, DraftConfig) else param_shapes(cfg)
-        shardings = ms.param_shardings(cfg, mesh, rules, params=shapes)
-        cast = lambda s: jnp.dtype(dtype) if jnp.issubdtype(s.dtype, jnp.floating) else s.dtype  # noqa: E731
-        return jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, cast(s), sharding=sh), shapes,
-                                      shardings)
+        cast = lambda s, sh=None: jax.ShapeDtypeStruct(  # noqa: E731
+            s.shape, jnp.dtype(dtype) if jnp.issubdtype(s.dtype, jnp.floating) else s.dtype, sharding=sh)
+        if mesh is None:
+            return jax.tree_util.tree_map(cast, shapes)
+        return jax.tree_util.tree_map(cast, shapes, ms.param_shardings(cfg, mesh, rules, params=shapes))
 
     target = Target(tcfg, params(tcfg), path="on paper")
     return target, (None if dcfg is None else Draft(dcfg, params(dcfg), path="on paper"))
@@ -116,8 +117,3 @@ def device_bytes(tree) -> int:
         shard = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
         total += int(np.prod(shard, dtype=np.int64)) * np.dtype(x.dtype).itemsize
     return total
-
-
-def mosaic_refusal(error: str) -> bool:
-    """Whether a compile error came from Mosaic (a kernel's shapes or ops the TPU compiler refuses)."""
-    return bool(re.search(r"mosaic|pallas|tpu_custom_call", error, re.IGNORECASE))

@@ -70,18 +70,6 @@ def parse_args(argv=None):
     return a
 
 
-@dataclasses.dataclass
-class Setup:
-    """What the plan compiles against: the slice, its mesh, the pair's configs and the engine's sizes."""
-
-    slice: object
-    mesh: object
-    tcfg: object
-    dcfg: object
-    source: str
-    per_device: tuple  # (peak flop/s, HBM bytes, HBM bytes/s) of one device
-
-
 def roofline(program, per_device) -> float | None:
     """Seconds of one run of a program: max(flops / peak, HBM bytes / bandwidth), per device."""
     if program.hbm_bytes is None:
@@ -123,13 +111,13 @@ def _programs(a, tcfg, dcfg, mesh) -> list:
     from dflash_jax import on_paper
     from dflash_jax.decode import prepare, steps
     from dflash_jax.decode.options import DecodeOptions
-    from dflash_jax.decode.slots import PROGRESS_STEPS
+    from dflash_jax.decode.slots import PROGRESS_STEPS, row_buckets
     from dflash_jax.state import NO_PAGE
 
     target, draft = on_paper.pair(tcfg, dcfg, mesh, a.dtype)
     rows_n = a.max_batch
     out = []
-    every = sorted({min(1 << i, rows_n) for i in range(rows_n.bit_length() + 1)})
+    every = row_buckets(rows_n)
     predicted = [b for b in every if b in PREDICT_BATCHES or b == rows_n]  # HBM counted: the roofline's rows
 
     def engine(draft_, page, rows, max_length, block=None, tree=0):

@@ -19,23 +19,15 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 
-from dflash_jax import synthetic
+from dflash_jax import on_paper, synthetic
 from dflash_jax.decode import batch as batch_lib
 from dflash_jax.decode import steps
 from dflash_jax.decode.options import DecodeOptions
 from dflash_jax.drafts.config import DraftConfig, choose_target_layer_ids
-from dflash_jax.drafts.model import Draft, draft_param_shapes
 from dflash_jax.config import read_config_json
 from dflash_jax.families import config_from_hf
-from dflash_jax.target import Target, param_shapes
 from infer.presets import DEEPSEEK_V3
-
-def abstract(shapes, dtype=jnp.bfloat16):
-    """Parameter ShapeDtypeStructs with floating leaves in ``dtype`` (the served dtype)."""
-    floating = lambda s: jnp.issubdtype(s.dtype, jnp.floating)  # noqa: E731
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype if floating(s) else s.dtype), shapes)
 
 
 def pair(synthetic_name: str | None, hf_config: str | None, layers: int | None = None, scan: bool = False):
@@ -61,7 +53,7 @@ def pair(synthetic_name: str | None, hf_config: str | None, layers: int | None =
         choose_target_layer_ids(n, min(draft_layers, n))
     dcfg = DraftConfig.for_target(tcfg, draft_layers=draft_layers, block_size=16, mask_token_id=mask,
                                   target_layer_ids=ids)
-    return Target(tcfg, abstract(param_shapes(tcfg))), Draft(dcfg, abstract(draft_param_shapes(dcfg))), name
+    return (*on_paper.pair(tcfg, dcfg), name)
 
 
 def compile_once(target, draft, batch: int, block: int) -> dict:

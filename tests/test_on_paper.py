@@ -4,6 +4,7 @@ planner (``python -m infer.plan``)."""
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -104,7 +105,7 @@ def test_a_key_tile_mosaic_refuses_fails_here_where_interpret_mode_passes_it():
     p = _compile(mesh, lambda q, kc, vc, kb, vb, a: block_attention(q, kc, vc, kb, vb, a, block_size=bk, k_tile=12,
                                                                    **TPU),
                  *[(x.shape, x.dtype) for x in arrays], ((b, n), jnp.int32))
-    assert not p.compiled and on_paper.mosaic_refusal(p.error), p.error
+    assert not p.compiled and re.search(r"mosaic|pallas|tpu_custom_call", p.error, re.IGNORECASE), p.error
 
 
 @pytest.mark.parametrize("d,dv", [(64, 64), (192, 128)])
@@ -276,3 +277,16 @@ def test_a_scanned_plan_makes_no_roofline(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and "layers scanned" in out and "no roofline or prediction with --scan-layers" in out
     assert "predicted output tokens/s" not in out
+
+
+def test_bad_plans_are_refused_with_one_line(capsys):
+    """An unknown target, a slice that does not exist and a batch of no rows: exit 2, one line saying what."""
+    from infer import plan
+
+    assert plan.main(["--target", "no-such/model", "--topology", "v6e-1"]) == 2
+    assert "'no-such/model' is not a local directory nor in the Hugging Face cache" in capsys.readouterr().err
+    assert plan.main(["--target", "qwen3-8b", "--topology", "v6e-3"]) == 2
+    assert "no v6e slice of that size here; sizes: v6e-1, v6e-4" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        plan.main(["--target", "qwen3-8b", "--topology", "v6e-1", "--max-batch", "0"])
+    assert stop.value.code == 2 and "--max-batch must be >= 1" in capsys.readouterr().err

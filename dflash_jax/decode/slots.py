@@ -296,10 +296,8 @@ class Engine:
         return sorted({self.unit, self.rows})
 
     def buckets(self) -> list[int]:
-        """The row counts a paged ``run`` is compiled for: powers of two up to the rows (and the rows)."""
-        if not self.paged:
-            return [self.rows]
-        return sorted({min(1 << i, self.rows) for i in range(self.rows.bit_length() + 1)})
+        """The row counts a paged ``run`` is compiled for (``row_buckets``)."""
+        return row_buckets(self.rows) if self.paged else [self.rows]
 
     def buckets_up_to(self, most_rows: int | None) -> list[int]:
         """The buckets that runs of at most ``most_rows`` running rows step in (None: every bucket)."""
@@ -892,6 +890,12 @@ class RunStats:
 
 
 POLICIES = ("continuous", "static")
+
+
+def row_buckets(rows: int) -> list[int]:
+    """The live-row counts a paged engine of ``rows`` rows compiles its runs for: powers of two up to the rows (and
+    the rows)."""
+    return sorted({min(1 << i, rows) for i in range(rows.bit_length() + 1)})
 
 
 def default_page(mesh=None) -> int:

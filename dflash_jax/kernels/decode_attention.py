@@ -370,7 +370,7 @@ def _tpu_call(c: _Cfg, args, out_shape, cost, paged: bool = False):
     of in-range pages, *args)."""
     from jax.experimental.pallas import tpu as pltpu
 
-    qh, k, v, nm = args[0], args[1], args[2], args[9]
+    qh, nm = args[0], args[9]
     b, hkv, r, d = qh.shape
     dv = out_shape.shape[-1]
     tn, nk = args[8].shape[-1], c.ctx_len // c.tk
@@ -398,7 +398,6 @@ def _tpu_call(c: _Cfg, args, out_shape, cost, paged: bool = False):
                 pl.BlockSpec(new_block(dv), new_map)] + [pl.BlockSpec(row, per_row)] * 3 + [
                 pl.BlockSpec((None, 1, tn), per_row), pl.BlockSpec((None, *nm.shape[1:]), per_row),
                 pl.BlockSpec((hkv, r, c.lanes), lambda i, j, *_: (0, 0, 0))]
-    del k, v
     call = pl.pallas_call(
         kernel, out_shape=out_shape, interpret=c.interpret,
         grid_spec=pltpu.PrefetchScalarGridSpec(
