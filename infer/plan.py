@@ -57,16 +57,27 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--tau", type=float, default=PAPER_TAU,
                    help=f"acceptance length for the DFlash prediction (default {PAPER_TAU}, the paper's Qwen3-8B)")
+    p.add_argument("--train", action="store_true",
+                   help="also the trainer's optimizer step (python -m train, online: the target's features computed "
+                        "in the step) for the draft, at --train-seq-len and --train-batch over --train-mesh")
+    p.add_argument("--train-seq-len", type=int, default=2048, help="tokens a training row holds (default 2048)")
+    p.add_argument("--train-batch", type=int,
+                   help="rows per optimizer step, the global batch (default: one a device)")
+    p.add_argument("--train-mesh", help="the trainer's mesh over the slice (default: every device on fsdp)")
     p.add_argument("--no-hbm-cost", action="store_true",
                    help="skip the HBM cost compiles (half the time; no roofline or prediction)")
     p.add_argument("--json", action="store_true", help="one JSON object: the plan, every program. Exit status: 0 "
                    "every program compiled and fits, 3 one does not fit the chip's HBM, 1 one did not compile")
     a = p.parse_args(argv)
-    for name in ("max_batch", "max_length", "page_size"):
+    if a.train and a.no_draft:
+        p.error("--train plans the draft's training: drop --no-draft")
+    for name in ("max_batch", "max_length", "page_size", "train_seq_len"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.tau < 1:
         p.error("--tau must be >= 1 (tokens a verify step commits)")
+    if a.train_batch is not None and a.train_batch < 1:
+        p.error("--train-batch must be >= 1")
     return a
 
 
@@ -92,6 +103,8 @@ def plan(a) -> dict:
     tcfg, dcfg, source = presets.resolve(a.target, None if a.no_draft else (a.draft or "auto"), a.scan_layers)
     per_device = sl.per_device(len(devices))
     programs = _programs(a, tcfg, dcfg, mesh)
+    if a.train:
+        programs.append(_train_program(a, tcfg, dcfg, devices))
     bar = tqdm(total=len(programs), desc="compiling", unit="program", disable=None, file=sys.stderr)
     results, context = [], {}
     for name, build, hbm in programs:
@@ -226,6 +239,47 @@ def _programs(a, tcfg, dcfg, mesh) -> list:
     return out
 
 
+def _train_program(a, tcfg, dcfg, devices):
+    """(name, build, count HBM) of the trainer's optimizer step (``train.step.make_train_step``, one micro-batch of
+    ``--train-batch`` rows of ``--train-seq-len`` tokens, packed rows, the target's features computed in the step)
+    with its draft parameters and AdamW state in float32 and the target in ``--dtype``, over the training mesh."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax import model_sharding as ms, on_paper, sharding
+    from dflash_jax.drafts.model import draft_param_shapes
+    from dflash_jax.sharding.mesh import make_mesh
+    from train.config import TrainConfig
+    from train.optim import make_optimizer
+    from train.step import make_train_step
+
+    mesh = make_mesh(a.train_mesh or f"fsdp={len(devices)}", devices=devices)
+    rows = a.train_batch or len(devices)
+    sharding.check_batch_rows(rows, mesh, "--train-batch")
+    cfg = TrainConfig(seq_len=a.train_seq_len, batch_size=rows, dtype=a.dtype, mesh=sharding.mesh_str(mesh),
+                      block_size=dcfg.block_size)
+
+    def build(ctx):
+        target, _ = on_paper.pair(tcfg, None, mesh, a.dtype)
+        optimizer = make_optimizer(cfg.clip, cfg.beta1, cfg.beta2, cfg.weight_decay, ())
+        step = make_train_step(cfg, tcfg, dcfg, optimizer, offline=False, mesh=mesh)
+        shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(cfg.param_dtype)),
+                                        draft_param_shapes(dcfg))
+        p_shard = ms.param_shardings(dcfg, mesh, ms.model_rules(mesh, tcfg, dcfg), shapes)
+        opt = jax.eval_shape(optimizer.init, shapes)
+        o_shard = sharding.opt_state_shardings(opt, p_shard, mesh, shapes)
+        params, opt = sharding.abstract_like(shapes, p_shard), sharding.abstract_like(opt, o_shard)
+        batch = lambda *shape: jax.ShapeDtypeStruct(  # noqa: E731
+            shape, jnp.int32, sharding=sharding.batch_sharding(mesh, len(shape), batch_axis=1))
+        tokens = batch(1, rows, a.train_seq_len)
+        scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=jax.sharding.NamedSharding(  # noqa: E731
+            mesh, jax.sharding.PartitionSpec()))
+        return step.trace(params, opt, target.params, tokens, tokens, batch(1, rows), scalar(jnp.int32), None,
+                          scalar(jnp.float32), tokens).lower()
+
+    return f"train step ({rows} rows of {a.train_seq_len} tokens, mesh {sharding.mesh_str(mesh)})", build, True
+
+
 def _prompt_lengths(a) -> list[int]:
     return sorted({min(int(n), a.max_length - 1) for n in a.prompt_lengths.split(",") if n.strip()})
 
@@ -281,6 +335,12 @@ def _account(a, sl, mesh, mesh_text, tcfg, dcfg, source, per_device, results, co
     out["all_compiled"] = all(r["compiled"] or r["out_of_memory"] for r in rows)
     out["all_fit"] = all(r["fits"] for r in rows)
     out["prediction"] = _predict(a, rows)
+    train = next((r for r in rows if r["name"].startswith("train step") and r["compiled"]), None)
+    if train is not None:
+        rows_n = a.train_batch or out["devices"]
+        out["train"] = {"rows": rows_n, "seq_len": a.train_seq_len, "step_s": train["roofline_s"],
+                        "tokens_per_s": None if not train["roofline_s"] else
+                        rows_n * a.train_seq_len / train["roofline_s"]}
     return out
 
 
@@ -336,6 +396,10 @@ def print_plan(p: dict) -> None:
         print("no roofline or prediction with --scan-layers: XLA's cost analysis counts a scan's body once (one layer "
               "of each group); plan the unrolled target for bytes and time")
         return
+    if p.get("train", {}).get("tokens_per_s"):
+        t = p["train"]
+        print(f"training: {t['rows']} rows of {t['seq_len']} tokens a step, {t['step_s'] * 1e3:.1f} ms on paper, "
+              f"{t['tokens_per_s']:,.0f} tokens/s over the slice (roofline)")
     print(f"predicted output tokens/s per replica (roofline, tau {p['tau']}):")
     for q in p["prediction"]:
         f = lambda x: "-" if x is None else f"{x:,.0f}"  # noqa: E731

@@ -99,7 +99,9 @@ RELEASED: dict[str, Released] = {
          "intermediate_size": 10752, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128}),
     "deepseek-v3": Released(DEEPSEEK_V3, 5, 16, choose_target_layer_ids(61, 5), 129279,
                             "deepseek-ai/DeepSeek-V3 config.json (bf16 here: FP8 kept as stored is issue #76); no "
-                            "draft released: a new 5-layer DFlash draft of its widths"),
+                            "draft released: a new 5-layer DFlash draft of its widths, with heads as Kimi-K2.5's "
+                            "released draft (64 / 8 heads of 128)",
+                            {"num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128}),
     "kimi-k2.5": Released(
         {**DEEPSEEK_V3, "vocab_size": 163840, "num_attention_heads": 64, "num_key_value_heads": 64,
          "n_routed_experts": 384, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,

@@ -177,14 +177,14 @@ def test_plain_q_proj_and_neox_rope_match_transformers(tmp_path):
 
 def test_incremental_decoding_through_the_latent_cache_equals_one_shot(deepseek):
     """Ragged rows fed 3 tokens at a time through the cache, which holds one latent "head" per token: keys
-    [c | k_rot] (16 + 8) and values c (16), not the expanded 4 heads x (24 + 12)."""
+    [c | k_rot | 0] (16 + 8, zero-padded to 128 lanes) and values c (16), not the expanded 4 heads x (24 + 12)."""
     _, _, target = deepseek
     c, params = target.config, target.params
     ids = np.random.RandomState(2).randint(0, V, (2, 12)).astype(np.int32)
     full, full_feats, _ = forward(c, params, ids, positions_for(ids), feature_layer_ids=ALL)
     cache = target.new_cache(2, 24, max_block=3)
     assert {type(s).__name__ for s in cache.layers} == {"FullKV"}
-    assert cache.layers[0].k.shape[2:] == (1, 24) and cache.layers[0].v.shape[2:] == (1, 16)
+    assert cache.layers[0].k.shape[2:] == (1, 128) and cache.layers[0].v.shape[2:] == (1, 16)
     got, got_feats, cache = decode_in_chunks(target, ids, cache, [5, 2], lambda n: 3, ALL)
     depth = forward_depth(c, 12)  # the same forward at other shapes (cached chunks): its rounding, per scale
     assert_close(got, full, depth, what="logits")

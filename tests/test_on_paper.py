@@ -182,7 +182,8 @@ def tiny_plan(tmp_path_factory):
     path = tmp_path_factory.mktemp("plan") / "config.json"
     path.write_text(json.dumps(SMALL))
     return plan.plan(plan.parse_args(["--target", str(path), "--topology", "v5e-1", "--max-batch", "2",
-                                      "--max-length", "256", "--prompt-lengths", "64", "--kv-cache-memory", "0.5"]))
+                                      "--max-length", "256", "--prompt-lengths", "64", "--kv-cache-memory", "0.5",
+                                      "--train", "--train-seq-len", "256", "--train-batch", "2"]))
 
 
 def test_the_plan_compiles_every_server_program_with_its_kernels(tiny_plan):
@@ -209,6 +210,23 @@ def test_the_plan_memory_is_the_compiled_programs_own(tiny_plan):
     assert m["argument_bytes"] < held + 50e6  # + the rows' records
     q = p["prediction"][0]
     assert q["batch"] == 1 and q["dflash_tokens_per_s"] > q["plain_tokens_per_s"] > 0
+
+
+def test_the_plan_compiles_the_trainers_step(tiny_plan):
+    """--train: the optimizer step of ``python -m train`` (the target's features, the draft's block attention forward
+    and backward as Mosaic kernels, AdamW) compiled for the chip; it holds the target, the float32 draft and its two
+    AdamW moments, and its throughput on paper is rows x tokens / its roofline."""
+    from dflash_jax.drafts.model import draft_param_shapes
+    from infer import presets
+
+    p = tiny_plan
+    train = next(r for r in p["programs"] if r["name"].startswith("train step (2 rows of 256 tokens"))
+    assert train["compiled"] and train["fits"] and train["mosaic"] >= 2, train
+    _, dcfg, _ = presets.resolve(p["target"], "auto")
+    draft = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(draft_param_shapes(dcfg))) * 4
+    held = train["memory"]["argument_bytes"]
+    assert held >= 3 * draft + 0.99 * (p["weights_per_device_bytes"] - draft / 2), held  # the target in bf16
+    assert p["train"]["rows"] == 2 and p["train"]["tokens_per_s"] == pytest.approx(2 * 256 / train["roofline_s"])
 
 
 @pytest.mark.parametrize("topology", ["v5e-4", "v6e-4"])

@@ -51,13 +51,15 @@ def cached_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, *, offline: boo
     return _step_cache[key]
 
 
-def make_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, optimizer, *, offline: bool):
+def make_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, optimizer, *, offline: bool, mesh=None):
     """Jitted ``step(params, opt_state, tparams, ids, mask, idx, epoch, feats, lr, starts=None)`` ->
     (params, opt_state, sums, ok, grad_norm); ids/mask [A, B, S], idx [A, B], feats [A, B, S, F] or None,
     starts [A, B, S] (packed rows: ``TrainData.batch``'s doc_start) or None.
     params / opt_state are donated; when ``ok`` is False they come back unchanged. On ``cfg.mesh`` the
-    block-attention kernel runs per shard (traced with that mesh: ``sharding.mesh_scope``)."""
-    mesh = sharding.make_mesh(cfg.mesh) if cfg.mesh else None
+    block-attention kernel runs per shard (traced with that mesh: ``sharding.mesh_scope``); ``mesh``: that mesh
+    built already (``infer.plan --train``: a TPU slice's abstract devices)."""
+    if mesh is None and cfg.mesh:
+        mesh = sharding.make_mesh(cfg.mesh)
     dtype = resolve_dtype(cfg.dtype)
     if dcfg.shifted:  # DSpark: shifted labels, the Markov / confidence heads, the three-term loss
         weights = dspark_objective.slot_weights(dcfg.block_size, cfg.gamma_of(True))

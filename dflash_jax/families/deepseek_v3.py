@@ -88,6 +88,9 @@ def _text_config(d: dict) -> dict:
     return text
 
 
+LATENT_LANES = 128  # a TPU vector register's lanes: the latent cache's key width is a multiple of it
+
+
 @dataclasses.dataclass(frozen=True)
 class DeepseekV3Config(TargetConfig):
     """A DeepSeek-V3 decoder: ``head_dim`` is the query / key head dim (qk_nope_head_dim + qk_rope_head_dim),
@@ -130,6 +133,13 @@ class DeepseekV3Config(TargetConfig):
 
     def is_sparse(self, i: int) -> bool:
         return i >= self.first_k_dense_replace
+
+    @property
+    def latent_key_width(self) -> int:
+        """The cached key's width: [c | k_rot] (r + rope) zero-padded to a multiple of 128 lanes (576 -> 640). XLA:TPU
+        lays an array whose last axis is not a multiple of 128 out with its first axis minor, so an unpadded latent
+        cache or page pool was copied into the kernels' layout and back at every step (a pool-sized temporary)."""
+        return -(-(self.kv_lora_rank + self.qk_rope_head_dim) // LATENT_LANES) * LATENT_LANES
 
     def attention_scale(self) -> float:
         """``DeepseekV3Attention.scaling``: qk_head_dim ** -0.5, times mscale ** 2 where a non-default rope sets
@@ -226,8 +236,8 @@ class Attention(AttentionProjections):
         return apply_rope(x, positions, self.cfg.rope)
 
     def latent_qkv(self, x, positions):
-        """x [B, T, D] -> queries [B, T, N, r + rope] ([q_nope @ W_uk | rope(q_rot)]), keys [B, T, 1, r + rope]
-        ([c | rope(k_rot)]) and values c [B, T, 1, r]."""
+        """x [B, T, D] -> queries [B, T, N, w] ([q_nope @ W_uk | rope(q_rot) | 0]), keys [B, T, 1, w]
+        ([c | rope(k_rot) | 0]) and values c [B, T, 1, r], w = ``latent_key_width``."""
         c = self.cfg
         q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.reshape(*x.shape[:-1], c.num_attention_heads, c.head_dim)
@@ -235,8 +245,11 @@ class Attention(AttentionProjections):
         latent = self.kv_a_layernorm(kv[..., :c.kv_lora_rank])
         w_uk, _ = self.kv_b_proj(x.dtype)
         q_lat = jnp.einsum("BTNP,RNP->BTNR", q[..., :c.qk_nope_head_dim], w_uk)
-        queries = jnp.concatenate([q_lat, self.rotate(q[..., c.qk_nope_head_dim:], positions)], axis=-1)
-        keys = jnp.concatenate([latent, self.rotate(kv[..., c.kv_lora_rank:], positions)], axis=-1)
+        pad = c.latent_key_width - c.kv_lora_rank - c.qk_rope_head_dim  # zero lanes: no score changes
+        q_rot = self.rotate(q[..., c.qk_nope_head_dim:], positions)
+        k_rot = self.rotate(kv[..., c.kv_lora_rank:], positions)
+        queries = jnp.concatenate([q_lat, q_rot, jnp.zeros((*q_rot.shape[:-1], pad), q_rot.dtype)], axis=-1)
+        keys = jnp.concatenate([latent, k_rot, jnp.zeros((*k_rot.shape[:-1], pad), k_rot.dtype)], axis=-1)
         return queries, keys, latent
 
     def output(self, o, gate=None):
@@ -314,10 +327,10 @@ def checkpoint(cfg: DeepseekV3Config) -> NameTable:
 
 
 def state_specs(cfg: DeepseekV3Config) -> tuple[KVSpec, ...]:
-    """Every layer: the latent cache, one head of keys [c | k_rot] (r + rope) and values c (r): c is held twice, so
-    that the one decode attention (reference, loop, kernel) serves it; still (2r + rope) / (N (nope + rope + v))
-    of the expanded K/V (Kimi-K2.5: 1088 of 20480 values per token and layer)."""
-    spec = KVSpec(1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, v_head_dim=cfg.kv_lora_rank)
+    """Every layer: the latent cache, one head of keys [c | k_rot | 0] (``latent_key_width``) and values c (r): c is
+    held twice, so that the one decode attention (reference, loop, kernel) serves it; still a small part of the
+    expanded K/V (Kimi-K2.5: 1152 of 20480 values per token and layer)."""
+    spec = KVSpec(1, cfg.latent_key_width, v_head_dim=cfg.kv_lora_rank)
     return (spec,) * cfg.num_hidden_layers
 
 
