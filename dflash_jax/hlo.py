@@ -31,11 +31,21 @@ def instructions(hlo_text: str) -> list[Instruction]:
     return out
 
 
+def unfused(hlo_text: str) -> str:
+    """The module's text without its fusions' computations (a ``copy`` inside a fusion is an element op of that
+    fusion's loop, not a buffer of its own)."""
+    fused = set(re.findall(r"\bcalls=%?([\w.\-]+)", hlo_text))
+    blocks = re.split(r"\n(?=\S)", hlo_text)
+    keep = [b for b in blocks if (re.match(r"%?([\w.\-]+)", b) or [None, None])[1] not in fused]
+    return "\n".join(keep)
+
+
 def copies_of(hlo_text: str, shapes) -> list[Instruction]:
-    """The ``copy`` instructions (and async ``copy-start``) whose result has one of ``shapes``: a buffer of that
-    shape duplicated. A relayout (a transpose to another dim order) has another shape and is not counted."""
+    """The ``copy`` instructions (and async ``copy-start``) outside fusions whose result has one of ``shapes``: a
+    buffer of that shape duplicated. A relayout (a transpose to another dim order) has another shape and is not
+    counted."""
     shapes = {tuple(s) for s in shapes}
-    return [i for i in instructions(hlo_text) if i.opcode in ("copy", "copy-start") and i.shape in shapes]
+    return [i for i in instructions(unfused(hlo_text)) if i.opcode in ("copy", "copy-start") and i.shape in shapes]
 
 
 def collective_counts(hlo_text: str) -> dict[str, int]:

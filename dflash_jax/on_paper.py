@@ -110,6 +110,13 @@ def pair(tcfg, dcfg, mesh=None, dtype="bfloat16"):
     return target, (None if dcfg is None else Draft(dcfg, params(dcfg), path="on paper"))
 
 
+def head_bytes(tparams) -> int:
+    """Bytes one device holds of a target's LM head (``lm_head``, or the tied ``embed_tokens`` table)."""
+    leaves = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tparams)}
+    head = [x for k, x in leaves.items() if "lm_head" in k] or [x for k, x in leaves.items() if "embed_tokens" in k]
+    return device_bytes(head[:1])
+
+
 def device_bytes(tree) -> int:
     """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard of each leaf)."""
     total = 0

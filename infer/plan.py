@@ -330,6 +330,7 @@ def _account(a, sl, mesh, mesh_text, tcfg, dcfg, source, per_device, results, co
                        "bytes_per_device": e["pages"] * e["page_device_bytes"],
                        **{f"rows_at_{n}": e["pages"] // -(-(n + e["spec"].max_block) // e["spec"].page)
                           for n in (1024, 2048, 4096)}}
+        _ideal(rows, context, a.max_length)
     for r in rows:  # XLA refused to place it in the chip's HBM: compiled but for that, a program that does not fit
         r["out_of_memory"] = not r["compiled"] and "RESOURCE_EXHAUSTED" in (r["error"] or "")
     out["all_compiled"] = all(r["compiled"] or r["out_of_memory"] for r in rows)
@@ -342,6 +343,27 @@ def _account(a, sl, mesh, mesh_text, tcfg, dcfg, source, per_device, results, co
                         "tokens_per_s": None if not train["roofline_s"] else
                         rows_n * a.train_seq_len / train["roofline_s"]}
     return out
+
+
+def _ideal(rows, context, max_length) -> None:
+    """Each run's ideal HBM bytes a step, per device, beside its own (``ideal_bytes``, ``over_ideal``): every weight
+    once, a DFlash step's LM head once more (the draft's logits), and its rows' pages at the max length (the
+    decode kernels read a row's pages up to its length). The activations are not in it: at 1 row a step they are a
+    few MB; at 64 rows of 16-token blocks on a tensor-split mesh, where each chip carries every token's hidden
+    state, most of a step's excess (docs/tpu-on-paper.md)."""
+    from dflash_jax import on_paper
+
+    for r in rows:
+        kind, _, rest = r["name"].partition(" run ")
+        e = context.get(kind)
+        if not rest or r["hbm_bytes"] is None or e is None:
+            continue
+        inputs, n = e["inputs"], int(rest.split()[0])
+        pages_per_row = -(-(max_length + e["spec"].max_block) // e["spec"].page)
+        weights = on_paper.device_bytes((inputs.tparams, inputs.dparams))
+        head = on_paper.head_bytes(inputs.tparams) if inputs.dparams is not None else 0
+        r["ideal_bytes"] = weights + head + n * pages_per_row * e["page_device_bytes"]
+        r["over_ideal"] = r["hbm_bytes"] / r["ideal_bytes"]
 
 
 def _predict(a, rows) -> list[dict]:
@@ -375,16 +397,17 @@ def print_plan(p: dict) -> None:
         print(f"weights {p['weights_per_device_bytes'] / GB:.2f} GB per device; page pool {pool['pages']} pages of "
               f"{p['page_size']} tokens ({pool['bytes_per_device'] / GB:.2f} GB per device): rows of 1k / 2k / 4k tokens "
               f"{pool['rows_at_1024']} / {pool['rows_at_2048']} / {pool['rows_at_4096']}")
-    print("| program | compiled | Mosaic | peak GB/device | fits | XLA GFLOP | XLA GB | HBM GB | roofline ms |")
-    print("|---|---|---:|---:|---|---:|---:|---:|---:|")
+    print("| program | compiled | Mosaic | peak GB/device | fits | XLA GFLOP | XLA GB | HBM GB | x ideal | roofline ms |")
+    print("|---|---|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in p["programs"]:
         if not r["compiled"]:
-            print(f"| {r['name']} | no: {r['error']} | | | | | | | |")
+            print(f"| {r['name']} | no: {r['error']} | | | | | | | | |")
             continue
-        t = r["roofline_s"]
+        t, x = r["roofline_s"], r.get("over_ideal")
         print(f"| {r['name']} | yes | {r['mosaic']} | {r['memory']['peak_bytes'] / GB:.2f} | "
               f"{'yes' if r['fits'] else 'NO'} | {r['flops'] / 1e9:.1f} | {r['bytes'] / GB:.2f} | "
-              f"{_fmt_bytes(r['hbm_bytes'])} | {'-' if t is None else f'{t * 1e3:.2f}'} |")
+              f"{_fmt_bytes(r['hbm_bytes'])} | {'-' if x is None else f'{x:.2f}'} | "
+              f"{'-' if t is None else f'{t * 1e3:.2f}'} |")
     for r in p["programs"]:
         if r["out_of_memory"]:
             print(f"does not fit: {r['name']}: {r['error'].split(': ', 2)[-1]}")

@@ -341,7 +341,7 @@ class DepthwiseConv(nn.Module):
 
     def setup(self):
         self.conv_weight = self.param("conv_weight", nn.with_logical_partitioning(
-            initializer("conv_weight"), (None, None, None)), (self.channels, 1, self.kernel))
+            initializer("conv_weight"), ("heads", None, None)), (self.channels, 1, self.kernel))
 
 
 class GatedDeltaNet(nn.Module):
@@ -353,15 +353,18 @@ class GatedDeltaNet(nn.Module):
     def setup(self):
         c = self.cfg
         hv = c.linear_num_value_heads
-        self.in_proj_qkv = Linear(c.conv_dim, False, ("embed", None))
-        self.in_proj_z = Linear(c.value_dim, False, ("embed", None))
-        self.in_proj_b = Linear(hv, False, ("embed", None))
-        self.in_proj_a = Linear(hv, False, ("embed", None))
+        # split over tensor as attention is ("heads"): z, a, b, the decays and out_proj by value head; the conv
+        # channels [q | k | v] in equal runs (not at the q / k / v bounds: XLA moves the few activations between)
+        self.in_proj_qkv = Linear(c.conv_dim, False, ("embed", "heads"))
+        self.in_proj_z = Linear(c.value_dim, False, ("embed", "heads"))
+        self.in_proj_b = Linear(hv, False, ("embed", "heads"))
+        self.in_proj_a = Linear(hv, False, ("embed", "heads"))
         self.conv1d = DepthwiseConv(c.conv_dim, c.linear_conv_kernel_dim)
-        self.A_log = self.param("A_log", nn.with_logical_partitioning(initializer("A_log"), (None,)), (hv,))
-        self.dt_bias = self.param("dt_bias", nn.with_logical_partitioning(initializer("dt_bias"), (None,)), (hv,))
+        self.A_log = self.param("A_log", nn.with_logical_partitioning(initializer("A_log"), ("heads",)), (hv,))
+        self.dt_bias = self.param("dt_bias", nn.with_logical_partitioning(initializer("dt_bias"), ("heads",)),
+                                  (hv,))
         self.norm = RMSNorm(c.rms_norm_eps, axis_name="head_dim")
-        self.out_proj = Linear(c.hidden_size, False, (None, "embed"))
+        self.out_proj = Linear(c.hidden_size, False, ("heads", "embed"))
 
     def __call__(self, x, positions, state, segment_ids=None, ancestors=None):
         c = self.cfg

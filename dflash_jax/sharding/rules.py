@@ -17,7 +17,7 @@ cache_len     None                 cache / ring slots (never split: decoding sca
 cache_heads   'tensor'             query heads of decode attention (and its sinks)
 cache_kv_heads 'tensor'            KV heads of a cache
 cache_head_dim None                head dim of a cache
-cache_state   None                 per-row dims of a recurrent state (conv window, linear-attention state)
+cache_state   'tensor'             a recurrent state's first per-row dim (conv channels, linear-attention heads)
 cache_snapshot None                a recurrent state's per-token stash (index into the last forward)
 cache_pages   None                 pages of a paged cache's pool (shared by every row: not split over rows)
 layers        None                 the layer axis of a scanned group's stacked weights and states
@@ -58,7 +58,7 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("cache_heads", "tensor"),
     ("cache_kv_heads", "tensor"),
     ("cache_head_dim", None),
-    ("cache_state", None),
+    ("cache_state", "tensor"),
     ("cache_snapshot", None),
     ("cache_pages", None),
     ("layers", None),
