@@ -60,6 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--train", action="store_true",
                    help="also the trainer's optimizer step (python -m train, online: the target's features computed "
                         "in the step) for the draft, at --train-seq-len and --train-batch over --train-mesh")
+    p.add_argument("--train-only", action="store_true", help="the trainer's step alone (no server programs)")
     p.add_argument("--train-seq-len", type=int, default=2048, help="tokens a training row holds (default 2048)")
     p.add_argument("--train-batch", type=int,
                    help="rows per optimizer step, the global batch (default: one a device)")
@@ -69,6 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--json", action="store_true", help="one JSON object: the plan, every program. Exit status: 0 "
                    "every program compiled and fits, 3 one does not fit the chip's HBM, 1 one did not compile")
     a = p.parse_args(argv)
+    a.train = a.train or a.train_only
     if a.train and a.no_draft:
         p.error("--train plans the draft's training: drop --no-draft")
     for name in ("max_batch", "max_length", "page_size", "train_seq_len"):
@@ -102,7 +104,7 @@ def plan(a) -> dict:
     mesh = make_mesh(a.mesh or f"tensor={len(devices)}", devices=devices)
     tcfg, dcfg, source = presets.resolve(a.target, None if a.no_draft else (a.draft or "auto"), a.scan_layers)
     per_device = sl.per_device(len(devices))
-    programs = _programs(a, tcfg, dcfg, mesh)
+    programs = [] if a.train_only else _programs(a, tcfg, dcfg, mesh)
     if a.train:
         programs.append(_train_program(a, tcfg, dcfg, devices))
     bar = tqdm(total=len(programs), desc="compiling", unit="program", disable=None, file=sys.stderr)
@@ -330,7 +332,8 @@ def _account(a, sl, mesh, mesh_text, tcfg, dcfg, source, per_device, results, co
                        "bytes_per_device": e["pages"] * e["page_device_bytes"],
                        **{f"rows_at_{n}": e["pages"] // -(-(n + e["spec"].max_block) // e["spec"].page)
                           for n in (1024, 2048, 4096)}}
-        _ideal(rows, context, a.max_length)
+        if not a.scan_layers:  # a scanned target's bytes are one layer of each group (no roofline either)
+            _ideal(rows, context, a.max_length)
     for r in rows:  # XLA refused to place it in the chip's HBM: compiled but for that, a program that does not fit
         r["out_of_memory"] = not r["compiled"] and "RESOURCE_EXHAUSTED" in (r["error"] or "")
     out["all_compiled"] = all(r["compiled"] or r["out_of_memory"] for r in rows)
@@ -423,6 +426,8 @@ def print_plan(p: dict) -> None:
         t = p["train"]
         print(f"training: {t['rows']} rows of {t['seq_len']} tokens a step, {t['step_s'] * 1e3:.1f} ms on paper, "
               f"{t['tokens_per_s']:,.0f} tokens/s over the slice (roofline)")
+    if not any(q["plain_tokens_per_s"] or q["dflash_tokens_per_s"] for q in p["prediction"]):
+        return
     print(f"predicted output tokens/s per replica (roofline, tau {p['tau']}):")
     for q in p["prediction"]:
         f = lambda x: "-" if x is None else f"{x:,.0f}"  # noqa: E731

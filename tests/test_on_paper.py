@@ -338,3 +338,8 @@ def test_bad_plans_are_refused_with_one_line(capsys):
     with pytest.raises(SystemExit) as stop:
         plan.main(["--target", "qwen3-8b", "--topology", "v6e-1", "--max-batch", "0"])
     assert stop.value.code == 2 and "--max-batch must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        plan.main(["--target", "qwen3-8b", "--topology", "v6e-1", "--train-only", "--no-draft"])
+    assert stop.value.code == 2 and "--train plans the draft's training: drop --no-draft" in capsys.readouterr().err
+    assert plan.main(["--target", "qwen3-8b", "--topology", "v6e-8", "--train-only", "--train-batch", "12"]) == 2
+    assert "--train-batch has 12 rows, not a multiple of data*fsdp = 8" in capsys.readouterr().err
