@@ -35,9 +35,8 @@ def unfused(hlo_text: str) -> str:
     """The module's text without its fusions' computations (a ``copy`` inside a fusion is an element op of that
     fusion's loop, not a buffer of its own)."""
     fused = set(re.findall(r"\bcalls=%?([\w.\-]+)", hlo_text))
-    blocks = re.split(r"\n(?=\S)", hlo_text)
-    keep = [b for b in blocks if (re.match(r"%?([\w.\-]+)", b) or [None, None])[1] not in fused]
-    return "\n".join(keep)
+    blocks = re.split(r"\n(?=\S)", hlo_text)  # a computation starts at an unindented line with its name
+    return "\n".join(b for b in blocks if re.match(r"%?[\w.\-]*", b).group().lstrip("%") not in fused)
 
 
 def copies_of(hlo_text: str, shapes) -> list[Instruction]:

@@ -75,10 +75,10 @@ class Experts(nn.Module):
     def __call__(self, x, index, weight):
         t, k = index.shape
         if 4 * t * k <= self.num_experts:
-            return self._gathered(x, index, weight)
+            return self._per_pair(x, index, weight)
         return self._grouped(x, index, weight)
 
-    def _gathered(self, x, index, weight):
+    def _per_pair(self, x, index, weight):
         """Each token runs its own k experts: a loop over the (token, choice) pairs, each pair's expert weights
         read in place."""
         dt = x.dtype

@@ -299,8 +299,8 @@ class Recurrent:
     forward's first position (``compact`` maps positions to stash slots)."""
 
     LOGICAL_AXES: ClassVar[dict] = {"value": ("cache_batch", "cache_state"),
-                                    "stash": ("cache_batch", "cache_snapshot", "cache_state"), "count": ("cache_batch",),
-                                    "start": ("cache_batch",)}
+                                    "stash": ("cache_batch", "cache_snapshot", "cache_state"),
+                                    "count": ("cache_batch",), "start": ("cache_batch",)}
     value: Any
     stash: Any
     count: jax.Array

@@ -244,32 +244,31 @@ def _programs(a, tcfg, dcfg, mesh) -> list:
 def _train_program(a, tcfg, dcfg, devices):
     """(name, build, count HBM) of the trainer's optimizer step (``train.step.make_train_step``, one micro-batch of
     ``--train-batch`` rows of ``--train-seq-len`` tokens, packed rows, the target's features computed in the step)
-    with its draft parameters and AdamW state in float32 and the target in ``--dtype``, over the training mesh."""
+    with its draft parameters and optimizer state in float32 and the target in ``--dtype``, over the training mesh.
+    Sets ``a.train_batch`` to its default (one row a device) when not given."""
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax import model_sharding as ms, on_paper, sharding
+    from dflash_jax import on_paper, sharding
     from dflash_jax.drafts.model import draft_param_shapes
     from dflash_jax.sharding.mesh import make_mesh
     from train.config import TrainConfig
-    from train.optim import make_optimizer
-    from train.step import make_train_step
+    from train.step import draft_optimizer, make_train_step, state_shardings
 
     mesh = make_mesh(a.train_mesh or f"fsdp={len(devices)}", devices=devices)
-    rows = a.train_batch or len(devices)
+    a.train_batch = rows = a.train_batch or len(devices)
     sharding.check_batch_rows(rows, mesh, "--train-batch")
     cfg = TrainConfig(seq_len=a.train_seq_len, batch_size=rows, dtype=a.dtype, mesh=sharding.mesh_str(mesh),
                       block_size=dcfg.block_size)
 
     def build(ctx):
         target, _ = on_paper.pair(tcfg, None, mesh, a.dtype)
-        optimizer = make_optimizer(cfg.clip, cfg.beta1, cfg.beta2, cfg.weight_decay, ())
+        optimizer = draft_optimizer(cfg, dcfg)
         step = make_train_step(cfg, tcfg, dcfg, optimizer, offline=False, mesh=mesh)
         shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(cfg.param_dtype)),
                                         draft_param_shapes(dcfg))
-        p_shard = ms.param_shardings(dcfg, mesh, ms.model_rules(mesh, tcfg, dcfg), shapes)
         opt = jax.eval_shape(optimizer.init, shapes)
-        o_shard = sharding.opt_state_shardings(opt, p_shard, mesh, shapes)
+        p_shard, o_shard = state_shardings(mesh, tcfg, dcfg, shapes, opt)
         params, opt = sharding.abstract_like(shapes, p_shard), sharding.abstract_like(opt, o_shard)
         batch = lambda *shape: jax.ShapeDtypeStruct(  # noqa: E731
             shape, jnp.int32, sharding=sharding.batch_sharding(mesh, len(shape), batch_axis=1))
@@ -341,10 +340,9 @@ def _account(a, sl, mesh, mesh_text, tcfg, dcfg, source, per_device, results, co
     out["prediction"] = _predict(a, rows)
     train = next((r for r in rows if r["name"].startswith("train step") and r["compiled"]), None)
     if train is not None:
-        rows_n = a.train_batch or out["devices"]
-        out["train"] = {"rows": rows_n, "seq_len": a.train_seq_len, "step_s": train["roofline_s"],
+        out["train"] = {"rows": a.train_batch, "seq_len": a.train_seq_len, "step_s": train["roofline_s"],
                         "tokens_per_s": None if not train["roofline_s"] else
-                        rows_n * a.train_seq_len / train["roofline_s"]}
+                        a.train_batch * a.train_seq_len / train["roofline_s"]}
     return out
 
 

@@ -116,7 +116,7 @@ def test_norm_topk_prob_matters(saved):
 
 
 # --------------------------------------------------------------------------------------------------
-# The experts layer: gathered and grouped dispatch against a dense all-experts reference
+# The experts layer: per-pair and grouped dispatch against a dense all-experts reference
 # --------------------------------------------------------------------------------------------------
 
 def test_experts_dispatch_paths_agree_with_dense_reference():
@@ -137,13 +137,13 @@ def test_experts_dispatch_paths_agree_with_dense_reference():
     ref = np.einsum("TED,TE->TD", every, mix)
 
     v = {"params": params}
-    gathered = experts.apply(v, x, index, weight, method="_gathered")
+    per_pair = experts.apply(v, x, index, weight, method="_per_pair")
     grouped = experts.apply(v, x, index, weight, method="_grouped")
     depth = D + I + K  # float32 against exact: the gate_up and down reductions, then the mix of K experts
-    assert_close(gathered, ref, depth, what="gathered")
+    assert_close(per_pair, ref, depth, what="per pair")
     assert_close(grouped, ref, depth, what="grouped")
-    # __call__ picks the path from the shapes: few tokens gathered, many grouped
-    assert_close(experts.apply(v, x[:4], index[:4], weight[:4]), ref[:4], depth, what="few tokens")
+    # __call__ picks the path from the shapes: a token's pairs (4 T k <= E) one by one, more tokens grouped
+    assert_close(experts.apply(v, x[:1], index[:1], weight[:1]), ref[:1], depth, what="few tokens")
     assert_close(experts.apply(v, x, index, weight), ref, depth, what="many tokens")
 
 
@@ -151,15 +151,16 @@ def test_experts_dispatch_paths_agree_with_dense_reference():
 # Incremental decoding through the cache == one-shot forward
 # --------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case,chunk", [("norm_topk", 1), ("norm_topk", 7), ("step2_sliding", 7)])
-def test_incremental_decoding_equals_full_forward(saved, case, chunk):
-    """Ragged rows; chunk 1 routes through the gathered dispatch (2 rows * 2 experts <= 8), chunk 7 the
-    grouped one."""
+@pytest.mark.parametrize("case,chunk,starts", [("norm_topk", 1, [5]), ("norm_topk", 1, [5, 2]),
+                                               ("norm_topk", 7, [5, 2]), ("step2_sliding", 7, [5, 2])])
+def test_incremental_decoding_equals_full_forward(saved, case, chunk, starts):
+    """Ragged rows; one row of chunk 1 routes through the per-pair dispatch (4 x 1 token x 2 experts <= 8), two rows
+    or chunk 7 the grouped one."""
     _, _, target = saved(case)
-    seqs = random_ids(2, 12, seed=2)
+    seqs = random_ids(len(starts), 12, seed=2)
     full, full_feats, _ = forward(target.config, target.params, seqs, positions_for(seqs),
                                   feature_layer_ids=ALL_LAYERS)
-    got, got_feats, _ = decode_in_chunks(target, seqs, [5, 2], chunk)
+    got, got_feats, _ = decode_in_chunks(target, seqs, starts, chunk)
     depth = forward_depth(target.config, 12)  # the same forward at other shapes (cached chunks): its rounding
     assert_close(got, full, depth, what="logits")
     assert_close(got_feats, full_feats, depth, what="features")

@@ -46,7 +46,7 @@ from train.draft_setup import choose_draft
 from train.errors import TrainingDiverged, TrainingError, warn
 from train.evaluate import evaluate, load_eval_prompts, prompts_from_data
 from train.resume import ResumePoints, data_summary, truncate_metrics
-from train.step import cached_train_step, device_batch, feature_layer_ids, lr_at
+from train.step import cached_train_step, device_batch, feature_layer_ids, lr_at, state_shardings
 from train.data import TrainData
 from dflash_jax.progress import progress_bar
 
@@ -167,9 +167,7 @@ class TrainRun:
                                             draft_param_shapes(self.dcfg))
         opt_like = jax.eval_shape(self.optimizer.init, params)
         if mesh is not None:  # draft params and optimizer state over fsdp / tensor (any checkpoint restores onto it)
-            rules = model_sharding.model_rules(mesh, self.target.config, self.dcfg)
-            p_shard = model_sharding.param_shardings(self.dcfg, mesh, rules, params)
-            o_shard = sharding.opt_state_shardings(opt_like, p_shard, mesh, params)
+            p_shard, o_shard = state_shardings(mesh, self.target.config, self.dcfg, params, opt_like)
         if points.latest is None:
             if mesh is not None:
                 params = sharding.shard_params(params, p_shard)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dflash_jax import sharding
+from dflash_jax import model_sharding, sharding
 from dflash_jax.checkpoints import resolve_dtype
 from dflash_jax.drafts.config import DraftConfig
 from train import dspark_objective, objective
@@ -45,10 +45,23 @@ def cached_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, *, offline: boo
     if key not in _step_cache:
         if len(_step_cache) >= 8:
             _step_cache.pop(next(iter(_step_cache)))
-        frozen = dspark_objective.FROZEN if dcfg.own_embeddings else ()
-        optimizer = make_optimizer(cfg.clip, cfg.beta1, cfg.beta2, cfg.weight_decay, frozen)
+        optimizer = draft_optimizer(cfg, dcfg)
         _step_cache[key] = (optimizer, make_train_step(cfg, tcfg, dcfg, optimizer, offline=offline))
     return _step_cache[key]
+
+
+def draft_optimizer(cfg: TrainConfig, dcfg: DraftConfig):
+    """AdamW with clipping for the draft (a DSpark draft's own embeddings frozen)."""
+    frozen = dspark_objective.FROZEN if dcfg.own_embeddings else ()
+    return make_optimizer(cfg.clip, cfg.beta1, cfg.beta2, cfg.weight_decay, frozen)
+
+
+def state_shardings(mesh, tcfg, dcfg: DraftConfig, params, opt_state):
+    """(param shardings, optimizer-state shardings) of the draft's training state on ``mesh``: the draft over
+    fsdp / tensor by the rules shared with its target; ``params`` / ``opt_state`` may be abstract."""
+    rules = model_sharding.model_rules(mesh, tcfg, dcfg)
+    p_shard = model_sharding.param_shardings(dcfg, mesh, rules, params)
+    return p_shard, sharding.opt_state_shardings(opt_state, p_shard, mesh, params)
 
 
 def make_train_step(cfg: TrainConfig, tcfg, dcfg: DraftConfig, optimizer, *, offline: bool, mesh=None):
